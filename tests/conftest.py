@@ -1,0 +1,17 @@
+"""Test configuration: zodmem is imported under jaxtyping's import hook, so every
+annotated function in the package is checked by beartype while the tests run."""
+
+from jaxtyping import install_import_hook
+
+with install_import_hook("zodmem", "beartype.beartype"):
+    import zodmem  # noqa: F401
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "zodmem",
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+)
+settings.load_profile("zodmem")

@@ -1,0 +1,11 @@
+"""zodmem: memory-bounded JAX transforms, written as Equinox modules."""
+
+from ._hessian import (
+    BatchedHessian as BatchedHessian,
+    hessian_to_pytree as hessian_to_pytree,
+    jacobian_to_pytree as jacobian_to_pytree,
+)
+from ._jacobian import BatchedJacobian as BatchedJacobian
+from ._transform import AbstractTransform as AbstractTransform
+
+__version__ = "0.1.0"

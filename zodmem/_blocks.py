@@ -1,0 +1,205 @@
+"""The block engine: the one place in zodmem that cuts work into pieces.
+
+A transform describes its work as `total` independent items (columns of a
+Jacobian, elements of a batch, ...) and a *block function* that computes the
+results for `block_size` consecutive items starting at a traced index. The engine
+
+1. plans the blocks (`plan_blocks`): their size and count, from either a number
+   of blocks or a block size, with the checks users need;
+2. runs the block function in a `lax.fori_loop` and writes each block's results
+   straight into preallocated outputs with `dynamic_update_slice` (`map_blocks`),
+   or folds them into an accumulator (`reduce_blocks`).
+
+No stacked copy of all blocks is ever made, the outputs are never transposed or
+padded and sliced: when `block_size` does not divide `total`, the last block of
+`map_blocks` is moved back so that it ends at `total` and overlaps the one before
+it (its overlapping rows are recomputed and rewritten with identical values), and
+the last block of `reduce_blocks` is a second, smaller call of the block function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+__all__ = ["BlockPlan", "plan_blocks", "map_blocks", "reduce_blocks", "check_block_option"]
+
+
+class BlockPlan(eqx.Module):
+    """How `total` items are cut into blocks of `block_size` consecutive items."""
+
+    total: int = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+
+    @property
+    def num_blocks(self) -> int:
+        if self.total == 0:
+            return 0
+        return -(-self.total // self.block_size)
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.total // self.block_size if self.block_size else 0
+
+    @property
+    def remainder(self) -> int:
+        """Items left over after the full blocks (0 when `block_size` divides `total`)."""
+        return self.total - self.num_full_blocks * self.block_size
+
+    def start(self, index: Any) -> Any:
+        """First item of block `index`; the last block ends exactly at `total`."""
+        return jnp.minimum(index * self.block_size, self.total - self.block_size)
+
+
+def check_block_option(value: Any, name: str, *, owner: str) -> None:
+    """Refuse anything but `None` or a positive int for a block option such as `nbatches`."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{owner}: `{name}` must be a positive int or None, got {value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if value <= 0:
+        raise ValueError(f"{owner}: `{name}` must be a positive int, got {name}={value}.")
+
+
+def plan_blocks(
+    total: int,
+    *,
+    nbatches: int | None = None,
+    batch_size: int | None = None,
+    what: str = "items",
+    nbatches_name: str = "nbatches",
+    batch_size_name: str = "batch_size",
+) -> BlockPlan:
+    """Plan blocks over `total` items from a number of blocks or a block size.
+
+    - `nbatches`: cut into this many blocks (of `ceil(total / nbatches)` items). It
+      may not exceed `total`.
+    - `batch_size`: cut into blocks of this many items (a size above `total` means
+      a single block).
+    - Neither: one block holding everything.
+    - `what`, `nbatches_name`, `batch_size_name`: words for error messages.
+    """
+    if nbatches is not None and batch_size is not None:
+        raise ValueError(
+            f"Give at most one of `{nbatches_name}` and `{batch_size_name}`, "
+            f"got {nbatches_name}={nbatches} and {batch_size_name}={batch_size}."
+        )
+    if total == 0:
+        return BlockPlan(total=0, block_size=0)
+    if nbatches is not None:
+        if nbatches > total:
+            raise ValueError(
+                f"{nbatches_name}={nbatches} is larger than the number of {what}, {total}: "
+                f"there would be empty blocks. Choose {nbatches_name} <= {total}."
+            )
+        return BlockPlan(total=total, block_size=-(-total // nbatches))
+    if batch_size is not None:
+        return BlockPlan(total=total, block_size=min(batch_size, total))
+    return BlockPlan(total=total, block_size=total)
+
+
+def _leaf_axes(axis: Any, tree: Any) -> list[int]:
+    """Broadcast an int or a pytree prefix of ints to one axis per leaf of `tree`."""
+    if isinstance(axis, int):
+        return [axis] * len(jax.tree_util.tree_leaves(tree))
+    full = jax.tree_util.tree_map(
+        lambda a, sub: jax.tree_util.tree_map(lambda _: a, sub), axis, tree
+    )
+    return jax.tree_util.tree_leaves(full)
+
+
+def map_blocks(
+    block_fn: Callable[[Any], Any],
+    plan: BlockPlan,
+    *,
+    axis: Any = 0,
+) -> Any:
+    """Run `block_fn` over every block and assemble the results along `axis`.
+
+    - `block_fn(start)`: results for items `start, ..., start + plan.block_size - 1`
+      (`start` is a traced int32), a pytree whose leaves hold those items along
+      their `axis`.
+    - `axis`: the block axis of each output leaf, an int or a pytree prefix of the
+      output with one int per subtree (negative values count from the end).
+
+    Returns the pytree of the block function with `plan.total` items along `axis`.
+    With one block, the block function is called once and its result returned as
+    it is.
+    """
+    if plan.num_blocks == 1:
+        return block_fn(jnp.asarray(0, jnp.int32))
+    if plan.num_blocks == 0:
+        raise ValueError("map_blocks needs at least one item; handle empty work before.")
+
+    first = jnp.asarray(0, jnp.int32)
+    block_shapes = jax.eval_shape(block_fn, first)
+    leaves, treedef = jax.tree_util.tree_flatten(block_shapes)
+    axes = [a % len(leaf.shape) for a, leaf in zip(_leaf_axes(axis, block_shapes), leaves)]
+    for leaf, a in zip(leaves, axes):
+        if leaf.shape[a] != plan.block_size:
+            raise ValueError(
+                f"The block function returned a leaf of shape {leaf.shape} whose axis {a} "
+                f"has {leaf.shape[a]} items; expected the block size {plan.block_size}."
+            )
+
+    buffers = [
+        jnp.zeros(leaf.shape[:a] + (plan.total,) + leaf.shape[a + 1 :], leaf.dtype)
+        for leaf, a in zip(leaves, axes)
+    ]
+
+    def write_block(index, buffers):
+        start = plan.start(index).astype(jnp.int32)
+        block = jax.tree_util.tree_leaves(block_fn(start))
+        return [
+            jax.lax.dynamic_update_slice_in_dim(buf, piece.astype(buf.dtype), start, axis=a)
+            for buf, piece, a in zip(buffers, block, axes)
+        ]
+
+    buffers = jax.lax.fori_loop(0, plan.num_blocks, write_block, buffers)
+    return jax.tree_util.tree_unflatten(treedef, buffers)
+
+
+def reduce_blocks(
+    block_fn: Callable[[Any, int], Any],
+    plan: BlockPlan,
+    init: Any,
+    update: Callable[[Any, Any, Any, int], Any],
+    *,
+    num_blocks: Any = None,
+) -> Any:
+    """Fold the results of every block into an accumulator, block by block.
+
+    - `block_fn(start, size)`: results for items `start, ..., start + size - 1`;
+      `start` is traced and `size` a Python int (`plan.block_size`, or
+      `plan.remainder` for the last, smaller block).
+    - `init`: the starting accumulator.
+    - `update(acc, result, index, size)`: the accumulator after block `index`.
+    - `num_blocks`: optionally a (possibly traced) number of full blocks to run,
+      at most `plan.num_full_blocks`; the remainder block then is not run.
+
+    Blocks never overlap, so every item is counted exactly once.
+    """
+    acc = init
+
+    def step(index, acc):
+        start = (index * plan.block_size).astype(jnp.int32)
+        return update(acc, block_fn(start, plan.block_size), index, plan.block_size)
+
+    if num_blocks is None:
+        if plan.num_full_blocks:
+            acc = jax.lax.fori_loop(0, plan.num_full_blocks, step, acc)
+        if plan.remainder:
+            start = jnp.asarray(plan.num_full_blocks * plan.block_size, jnp.int32)
+            result = block_fn(start, plan.remainder)
+            acc = update(acc, result, jnp.asarray(plan.num_full_blocks), plan.remainder)
+        return acc
+    stop = jnp.minimum(jnp.asarray(num_blocks, jnp.int32), plan.num_full_blocks)
+    return jax.lax.fori_loop(0, stop, step, acc)
+

@@ -1,0 +1,230 @@
+"""`BatchedHessian`, and the conversions of flat derivatives back to pytrees."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Inexact, PyTree, jaxtyped
+
+from ._blocks import check_block_option, map_blocks, plan_blocks
+from ._pytree import Variables, basis_block, flat_function, split_variables
+from ._transform import AbstractTransform, check_bool, check_callable
+
+__all__ = ["BatchedHessian", "hessian_to_pytree", "jacobian_to_pytree"]
+
+
+class BatchedHessian(AbstractTransform):
+    """The Hessian of a scalar function with respect to its first argument, in blocks.
+
+    Use it where `jax.hessian` runs out of memory: the gradient of `fn` is
+    linearised once, and Hessian-vector products (forward-over-reverse) against
+    blocks of basis vectors are computed one block at a time. Since the Hessian is
+    symmetric, each block of products is written as a block of rows straight into
+    the preallocated `(n, n)` result, so peak memory is the Hessian, the
+    linearisation's residuals and one block, and never a second copy of the Hessian.
+
+    The variables are the inexact-array leaves of `x`, raveled in leaf order; every
+    other leaf (functions, ints, bools, static fields of an Equinox model) is held
+    fixed. `n` is their total size.
+
+    **Arguments:**
+
+    - `fn`: the function, called as `fn(x, *args, **kwargs)`; it must return a
+      scalar (or `(scalar, aux)` with `has_aux=True`). It may be an Equinox module.
+    - `nbatches`: compute the Hessian in this many blocks of rows. At most one of
+      `nbatches` and `batch_size` may be given; with neither, one block.
+    - `batch_size`: the number of rows per block.
+    - `has_aux`: `fn` returns `(value, aux)`; `aux` is returned unchanged.
+    - `jit`: compile the whole computation with `eqx.filter_jit`.
+    - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
+      than its intermediates stored.
+
+    **Returns:**
+
+    Calling `BatchedHessian(fn)(x, *args, **kwargs)` returns the `(n, n)` Hessian, or
+    `(hessian, aux)` with `has_aux=True`. `zm.hessian_to_pytree(H, x)` gives the
+    blocks per pair of leaves.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(params, data):
+            return jnp.sum((params["w"] * data + params["b"]) ** 2)
+
+        params = {"b": jnp.zeros(()), "w": jnp.ones(4)}
+        H = zm.BatchedHessian(loss, batch_size=2)(params, jnp.arange(4.0))  # (5, 5)
+        ```
+
+    !!! warning
+
+        `fn` must return a scalar: a `(1,)`-shaped loss is refused with a
+        `TypeError` naming its shape. Reduce it with `jnp.sum` or index it first.
+    """
+
+    fn: Callable[..., Any]
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
+    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
+    jit: bool = eqx.field(default=True, static=True, kw_only=True)
+    checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
+
+    def __check_init__(self):
+        owner = "BatchedHessian"
+        check_callable(self.fn, "fn", owner=owner)
+        check_block_option(self.nbatches, "nbatches", owner=owner)
+        check_block_option(self.batch_size, "batch_size", owner=owner)
+        if self.nbatches is not None and self.batch_size is not None:
+            raise ValueError(
+                f"{owner}: give at most one of `nbatches` and `batch_size`, got "
+                f"nbatches={self.nbatches} and batch_size={self.batch_size}."
+            )
+        check_bool(self.has_aux, "has_aux", owner=owner)
+        check_bool(self.jit, "jit", owner=owner)
+        check_bool(self.checkpoint, "checkpoint", owner=owner)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self, x: PyTree, *args: Any, **kwargs: Any
+    ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
+        compute = _hessian_jit if self.jit else _hessian
+        return compute(self, x, args, kwargs)
+
+
+def _check_scalar(shapes: Any, has_aux: bool) -> None:
+    if has_aux:
+        if not (isinstance(shapes, tuple) and len(shapes) == 2):
+            raise TypeError(
+                "BatchedHessian: with has_aux=True, `fn` must return a pair (value, aux), "
+                f"but it returned {shapes}."
+            )
+        shapes = shapes[0]
+    if not isinstance(shapes, jax.ShapeDtypeStruct) or shapes.shape != ():
+        described = (
+            f"an array of shape {shapes.shape}"
+            if isinstance(shapes, jax.ShapeDtypeStruct)
+            else f"{shapes}"
+        )
+        raise TypeError(
+            f"BatchedHessian: `fn` must return a scalar (shape ()), but it returned "
+            f"{described}. Reduce the output to a scalar, e.g. with jnp.sum or jnp.mean."
+        )
+    if not jnp.issubdtype(shapes.dtype, jnp.floating):
+        raise TypeError(
+            "BatchedHessian: `fn` must return a real floating-point scalar, but it returned "
+            f"dtype {shapes.dtype}."
+        )
+
+
+def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
+    flat, variables = split_variables(x)
+    fn_of_flat = flat_function(t.fn, variables, args, kwargs)
+    if t.checkpoint:
+        fn_of_flat = jax.checkpoint(fn_of_flat)
+    _check_scalar(jax.eval_shape(fn_of_flat, flat), t.has_aux)
+    n = variables.size
+    plan = plan_blocks(n, nbatches=t.nbatches, batch_size=t.batch_size, what="variables")
+
+    gradient = jax.grad(fn_of_flat, has_aux=t.has_aux)
+    if t.has_aux:
+        _, hvp, aux = jax.linearize(gradient, flat, has_aux=True)
+    else:
+        (_, hvp), aux = jax.linearize(gradient, flat), None
+
+    def rows(start):
+        return jax.vmap(hvp)(basis_block(start, plan.block_size, n, flat.dtype))
+
+    hessian = map_blocks(rows, plan, axis=0)
+    return (hessian, aux) if t.has_aux else hessian
+
+
+_hessian_jit = eqx.filter_jit(_hessian)
+
+
+def _variables_of(x: Any, argname: str = "x") -> Variables:
+    return split_variables(x, argname=argname)[1]
+
+
+def hessian_to_pytree(H: Array, x: PyTree) -> PyTree:
+    """Cut a flat `(n, n)` Hessian into blocks, one per pair of variable leaves of `x`.
+
+    The layout is zodiax's: the result has `x`'s structure twice, and block
+    `[i][j]` has shape `leaf_i.shape + leaf_j.shape`. Leaves of `x` that are not
+    variables (not inexact arrays) get `None`.
+
+    **Arguments:**
+
+    - `H`: a Hessian from `BatchedHessian` (or `jax.hessian` of the raveled function).
+    - `x`: the pytree it was taken at (or any pytree of the same structure and shapes).
+
+    **Returns:**
+
+    The nested pytree of blocks.
+
+    !!! example
+
+        ```python
+        params = {"b": jnp.zeros(()), "w": jnp.ones(4)}
+        H = zm.BatchedHessian(loss)(params, data)
+        blocks = zm.hessian_to_pytree(H, params)
+        blocks["w"]["b"].shape   # (4,)
+        ```
+    """
+    variables = _variables_of(x)
+    n = variables.size
+    if jnp.ndim(H) != 2 or jnp.shape(H) != (n, n):
+        raise ValueError(
+            f"H has shape {jnp.shape(H)}, but x flattens to {n} elements, so H should have "
+            f"shape ({n}, {n}). Did you pass the same x used to compute H?"
+        )
+    rows = variables.split_rows(H, axis=0)
+    return variables.fill(
+        [variables.fill(variables.split_rows(row, axis=-1), keep_fixed=False) for row in rows],
+        keep_fixed=False,
+    )
+
+
+def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
+    """Reshape a flat Jacobian `(*out_shape, n)` to the structure of `x`.
+
+    Each variable leaf of `x` gets the Jacobian block of shape
+    `(*out_shape, *leaf.shape)`; leaves that are not variables get `None`. When `J`
+    is a pytree (one Jacobian per output leaf of `fn`), the result has the output's
+    structure on the outside and `x`'s on the inside, as `jax.jacrev` returns.
+
+    **Arguments:**
+
+    - `J`: a Jacobian from `BatchedJacobian`.
+    - `x`: the pytree it was taken at.
+
+    **Returns:**
+
+    The Jacobian as a pytree.
+
+    !!! example
+
+        ```python
+        params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
+        J = zm.BatchedJacobian(f)(params, 0.5)          # (3, 6)
+        zm.jacobian_to_pytree(J, params)["w"].shape     # (3, 3)
+        ```
+    """
+    variables = _variables_of(x)
+    n = variables.size
+
+    def one_output(leaf: Array) -> Any:
+        if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[-1] != n:
+            raise ValueError(
+                f"J has a leaf of shape {jnp.shape(leaf)}, but x flattens to {n} elements, so "
+                f"its last axis should have size {n}. Did you pass the same x used to compute J?"
+            )
+        return variables.fill(variables.split_rows(leaf, axis=-1), keep_fixed=False)
+
+    return jax.tree_util.tree_map(one_output, J)

@@ -1,0 +1,200 @@
+"""`BatchedJacobian`: a Jacobian of a function of any pytree, computed in blocks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Inexact, PyTree, jaxtyped
+
+from ._blocks import check_block_option, map_blocks, plan_blocks
+from ._pytree import basis_block, flat_function, split_variables
+from ._transform import AbstractTransform, check_bool, check_callable, check_choice
+
+__all__ = ["BatchedJacobian"]
+
+_MODES = ("auto", "fwd", "rev")
+
+
+class BatchedJacobian(AbstractTransform):
+    """The Jacobian of `fn` with respect to its first argument, computed in blocks.
+
+    Use it where `jax.jacfwd` / `jax.jacrev` of a function of many variables runs
+    out of memory: the Jacobian is built a block of Jacobian-vector products
+    (`mode="fwd"`, a block of columns) or vector-Jacobian products (`mode="rev"`, a
+    block of rows) at a time, each block written straight into the preallocated
+    result. Peak memory is the Jacobian plus one block's working set.
+
+    The variables are the inexact-array leaves of `x`, raveled in leaf order; every
+    other leaf (functions, ints, bools, static fields of an Equinox model) is held
+    fixed. `n` is their total size.
+
+    **Arguments:**
+
+    - `fn`: the function, called as `fn(x, *args, **kwargs)`. It returns an array
+      or a pytree of arrays (and an auxiliary value when `has_aux=True`). It may be
+      an Equinox module.
+    - `nbatches`: cut the products into this many blocks. At most one of `nbatches`
+      and `batch_size` may be given; with neither, all products form one block.
+    - `batch_size`: the number of products per block.
+    - `mode`: `"fwd"` builds columns from JVPs of one `jax.linearize`, `"rev"` builds
+      rows from VJPs of one `jax.vjp`, `"auto"` picks the mode with fewer products
+      (`"fwd"` when `n` is at most the output size, as for `jax.jacfwd` on tall
+      Jacobians).
+    - `has_aux`: `fn` returns `(output, aux)`; `aux` is returned unchanged.
+    - `jit`: compile the whole computation with `eqx.filter_jit`.
+    - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
+      than its intermediates stored.
+
+    **Returns:**
+
+    Calling `BatchedJacobian(fn)(x, *args, **kwargs)` returns the Jacobian, shape
+    `(*out_shape, n)` (a pytree of these, one per output leaf, when `fn` returns a
+    pytree), or `(jacobian, aux)` with `has_aux=True`. `zm.jacobian_to_pytree(J, x)`
+    reshapes it to the structure of `x`.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def f(params, t):
+            return params["a"] * jnp.sin(params["w"] * t)
+
+        params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
+        J = zm.BatchedJacobian(f, nbatches=2)(params, 0.5)   # shape (3, 6)
+        ```
+
+    !!! tip
+
+        `nbatches` and `batch_size` count products: columns with `mode="fwd"`, rows
+        (output elements) with `mode="rev"`.
+    """
+
+    fn: Callable[..., Any]
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
+    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
+    has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
+    jit: bool = eqx.field(default=True, static=True, kw_only=True)
+    checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
+
+    def __check_init__(self):
+        owner = "BatchedJacobian"
+        check_callable(self.fn, "fn", owner=owner)
+        check_block_option(self.nbatches, "nbatches", owner=owner)
+        check_block_option(self.batch_size, "batch_size", owner=owner)
+        if self.nbatches is not None and self.batch_size is not None:
+            raise ValueError(
+                f"{owner}: give at most one of `nbatches` and `batch_size`, got "
+                f"nbatches={self.nbatches} and batch_size={self.batch_size}."
+            )
+        check_choice(self.mode, "mode", _MODES, owner=owner)
+        check_bool(self.has_aux, "has_aux", owner=owner)
+        check_bool(self.jit, "jit", owner=owner)
+        check_bool(self.checkpoint, "checkpoint", owner=owner)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(
+        self, x: PyTree, *args: Any, **kwargs: Any
+    ) -> PyTree[Inexact[Array, "*out n"]] | tuple[PyTree[Inexact[Array, "*out n"]], Any]:
+        compute = _jacobian_jit if self.jit else _jacobian
+        return compute(self, x, args, kwargs)
+
+
+def _check_outputs(out: Any) -> None:
+    for leaf in jax.tree_util.tree_leaves(out):
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise TypeError(
+                "BatchedJacobian: `fn` must return floating-point (or complex) arrays to be "
+                f"differentiated, but one output leaf has dtype {leaf.dtype} and shape "
+                f"{leaf.shape}."
+            )
+
+
+def _jacobian(t: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
+    flat, variables = split_variables(x)
+    fn_of_flat = flat_function(t.fn, variables, args, kwargs)
+    if t.checkpoint:
+        fn_of_flat = jax.checkpoint(fn_of_flat)
+    n = variables.size
+
+    shapes = jax.eval_shape(fn_of_flat, flat)
+    if t.has_aux:
+        if not (isinstance(shapes, tuple) and len(shapes) == 2):
+            raise TypeError(
+                "BatchedJacobian: with has_aux=True, `fn` must return a pair "
+                f"(output, aux), but it returned {shapes}."
+            )
+        shapes = shapes[0]
+    _check_outputs(shapes)
+    m = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+
+    mode = t.mode
+    if mode == "auto":
+        mode = "fwd" if n <= m else "rev"
+    if mode == "fwd":
+        jacobian, aux = _forward(t, fn_of_flat, flat, n)
+    else:
+        jacobian, aux = _reverse(t, fn_of_flat, flat, n, m)
+    return (jacobian, aux) if t.has_aux else jacobian
+
+
+def _forward(t: BatchedJacobian, fn_of_flat, flat, n: int):
+    """Columns from JVPs of one linearisation."""
+    plan = plan_blocks(n, nbatches=t.nbatches, batch_size=t.batch_size, what="variables")
+    if t.has_aux:
+        out, jvp, aux = jax.linearize(fn_of_flat, flat, has_aux=True)
+    else:
+        (out, jvp), aux = jax.linearize(fn_of_flat, flat), None
+    dtypes = jax.tree_util.tree_map(lambda o: jnp.result_type(o.dtype, flat.dtype), out)
+
+    def columns(start):
+        tangents = basis_block(start, plan.block_size, n, flat.dtype)
+        cols = jax.vmap(jvp)(tangents)
+        return jax.tree_util.tree_map(lambda c, d: jnp.moveaxis(c, 0, -1).astype(d), cols, dtypes)
+
+    return map_blocks(columns, plan, axis=-1), aux
+
+
+def _reverse(t: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
+    """Rows from VJPs of one forward pass, output leaf by output leaf."""
+    plan = plan_blocks(
+        m, nbatches=t.nbatches, batch_size=t.batch_size, what="output elements"
+    )
+    if t.has_aux:
+        out, vjp, aux = jax.vjp(fn_of_flat, flat, has_aux=True)
+    else:
+        (out, vjp), aux = jax.vjp(fn_of_flat, flat), None
+    out_leaves, out_def = jax.tree_util.tree_flatten(out)
+
+    jacobians = []
+    for k, leaf in enumerate(out_leaves):
+        size = math.prod(leaf.shape)
+        dtype = jnp.result_type(leaf.dtype, flat.dtype)
+        if size == 0:
+            jacobians.append(jnp.zeros((*leaf.shape, n), dtype))
+            continue
+        leaf_plan = plan_blocks(size, batch_size=plan.block_size)
+
+        def rows(start, k=k, leaf=leaf, block=leaf_plan.block_size, dtype=dtype):
+            cotangents = [
+                basis_block(start, block, o.size, o.dtype).reshape(block, *o.shape)
+                if j == k
+                else jnp.zeros((block, *o.shape), o.dtype)
+                for j, o in enumerate(out_leaves)
+            ]
+            (block_rows,) = jax.vmap(vjp)(jax.tree_util.tree_unflatten(out_def, cotangents))
+            return block_rows.astype(dtype)
+
+        jacobians.append(map_blocks(rows, leaf_plan, axis=0).reshape(*leaf.shape, n))
+    return jax.tree_util.tree_unflatten(out_def, jacobians), aux
+
+
+_jacobian_jit = eqx.filter_jit(_jacobian)

@@ -1,0 +1,54 @@
+"""`AbstractTransform`, the base of every zodmem transform, and its validation helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+
+__all__ = ["AbstractTransform", "check_bool", "check_choice", "check_callable"]
+
+
+class AbstractTransform(eqx.Module):
+    """A memory-bounded JAX transform of a function `fn`.
+
+    `fn` is an ordinary field, so when it is a module (an Equinox model or another
+    transform) its arrays are leaves of the transform. Every other field is static
+    configuration, validated when the transform is built.
+    """
+
+    fn: eqx.AbstractVar[Callable[..., Any]]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The static configuration, field name to value (everything but `fn`)."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.metadata.get("static", False)
+        }
+
+
+def check_callable(value: Any, name: str, *, owner: str) -> None:
+    if not callable(value):
+        raise TypeError(
+            f"{owner}: `{name}` must be callable (a function or a module with __call__), "
+            f"got {value!r} of type {type(value).__name__}."
+        )
+
+
+def check_bool(value: Any, name: str, *, owner: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}: `{name}` must be True or False, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+
+
+def check_choice(value: Any, name: str, choices: Iterable[Any], *, owner: str) -> None:
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{owner}: `{name}` must be one of {allowed}; got {value!r}.")
