@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s benchmarks`."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s docs`, `nox -s benchmarks`."""
 
 import nox
 
@@ -22,6 +22,14 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install("-e", ".", "pyright")
     session.run("pyright", "zodmem")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Draw the benchmark plots (from benchmarks/results/*.json) and build the site."""
+    session.install("-e", ".[docs]")
+    session.run("python", "benchmarks/plots.py")
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

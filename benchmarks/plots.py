@@ -1,0 +1,303 @@
+"""Draw the benchmark figures of the documentation from `benchmarks/results/*.json`.
+
+    python benchmarks/plots.py                # docs/images/*.png from the full results
+    python benchmarks/plots.py --quick        # from the *_quick.json smoke-test results
+    python benchmarks/plots.py --out /tmp/x   # somewhere else
+
+Each figure is drawn from one results file written by a benchmark script (see
+`_harness.py` for the schema: a `results` list with one entry per case, holding
+`case`, `info`, `peak_rss_bytes`, `time_s`, ...). A missing file, or one without the
+cases a figure needs, is reported and its figure skipped, so the script never fails
+for want of results.
+
+- `hessian_memory.png` (from `hessian_memory.json`): peak resident memory and wall
+  time of a full Hessian against `nbatches`, for zodmem, zodiax and `jax.hessian`,
+  with the process floor and "floor + one Hessian" for scale.
+- `loops.png` (from `loops.json`): wall time of each map against its chunk size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+IMAGES_DIR = ROOT / "docs" / "images"
+_GB = 1e9
+
+# One colour and marker per tool, so a tool looks the same in every figure.
+_STYLES = {
+    "zodmem": {"color": "#00897b", "marker": "o"},
+    "zodmem-compat": {"color": "#4db6ac", "marker": "s", "linestyle": "--"},
+    "zodiax": {"color": "#e65100", "marker": "^"},
+    "powerpax": {"color": "#6a1b9a", "marker": "v"},
+    "jax": {"color": "#1565c0", "marker": "D"},
+    "jax.lax": {"color": "#7cb342", "marker": "D"},
+    "optax": {"color": "#c62828", "marker": "P"},
+}
+_FALLBACK_COLOURS = ["#455a64", "#8d6e63", "#afb42b", "#5c6bc0", "#ec407a"]
+
+
+def _style(series: str, index: int) -> dict[str, Any]:
+    for prefix in sorted(_STYLES, key=len, reverse=True):
+        if series == prefix or series.startswith(prefix + ".") or series.startswith(prefix + "-"):
+            return dict(_STYLES[prefix])
+    return {"color": _FALLBACK_COLOURS[index % len(_FALLBACK_COLOURS)], "marker": "x"}
+
+
+def load_results(path: Path) -> list[dict[str, Any]] | None:
+    """The successful cases of a results file, or None (with a message) if there are none."""
+    if not path.exists():
+        print(f"skip {path.name}: not found (run the benchmark that writes it)", file=sys.stderr)
+        return None
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        print(f"skip {path.name}: cannot be read ({error})", file=sys.stderr)
+        return None
+    results = payload.get("results") if isinstance(payload, dict) else None
+    if not isinstance(results, list):
+        print(f"skip {path.name}: no `results` list", file=sys.stderr)
+        return None
+    failed = [r.get("case") for r in results if isinstance(r, dict) and "error" in r]
+    if failed:
+        print(f"note {path.name}: leaving out failed cases {failed}", file=sys.stderr)
+    ok = [r for r in results if isinstance(r, dict) and "error" not in r and "case" in r]
+    return ok or None
+
+
+def _split_case(name: str) -> tuple[str, int | None]:
+    """Tool and trailing number of a case name.
+
+    `"zodmem-compat-16"` gives `("zodmem-compat", 16)`, `"jax.hessian"` gives
+    `("jax.hessian", None)`.
+    """
+    match = re.fullmatch(r"(.+?)-(\d+)", name)
+    if match:
+        return match.group(1), int(match.group(2))
+    return name, None
+
+
+def _figure(ncols: int, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.2), squeeze=False)
+    fig.suptitle(title, fontsize=11)
+    return fig, list(axes[0])
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    # No metadata, so that redrawing from the same results gives the same bytes.
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+def _log2_axis(ax: Any, values: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(values))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def _reference_line(
+    ax: Any, value: float, unit: str, others: list[float], label: str, style: dict
+) -> None:
+    """A horizontal line, or, when it would squash the other curves, a note at the top."""
+    line = {"color": style["color"], "linestyle": ":", "linewidth": 1.5}
+    if others and value > 2.5 * max(others):
+        top = 1.4 * max(others)
+        ax.set_ylim(top=top)
+        ax.annotate(
+            f"{label}: {value:.2f} {unit}, off the scale \u2191",
+            xy=(0.5, 0.97),
+            xycoords="axes fraction",
+            ha="center",
+            va="top",
+            fontsize=8,
+            color=style["color"],
+        )
+        ax.plot([], [], label=f"{label}, above", **line)
+    else:
+        ax.axhline(value, label=label, **line)
+
+
+def plot_hessian_memory(results_dir: Path, out_dir: Path, suffix: str) -> bool:
+    results = load_results(results_dir / f"hessian_memory{suffix}.json")
+    if results is None:
+        return False
+    series: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    unbatched: dict[str, dict[str, Any]] = {}
+    floor = None
+    for r in results:
+        tool, nbatches = _split_case(r["case"])
+        nbatches = r.get("info", {}).get("nbatches", nbatches)
+        if tool == "floor":
+            floor = r
+        elif nbatches is None:
+            unbatched[tool] = r
+        elif "time_s" in r:
+            series[tool].append((int(nbatches), r))
+    if not series:
+        print("skip hessian_memory.png: no case has an nbatches", file=sys.stderr)
+        return False
+
+    info = results[0].get("info", {})
+    title = "Full Hessian"
+    if "n" in info:
+        title += f" of an MLP loss, n = {info['n']:,} parameters"
+    if "hessian_bytes" in info:
+        title += f" (H = {info['hessian_bytes'] / 1e6:,.0f} MB)"
+    fig, (memory_ax, time_ax) = _figure(2, title)
+    all_nbatches = [nb for points in series.values() for nb, _ in points]
+
+    for index, (tool, points) in enumerate(sorted(series.items())):
+        points.sort(key=lambda p: p[0])
+        xs = [nb for nb, _ in points]
+        style = _style(tool, index)
+        memory_ax.plot(xs, [r["peak_rss_bytes"] / _GB for _, r in points], label=tool, **style)
+        time_ax.plot(xs, [r["time_s"] for _, r in points], label=tool, **style)
+
+    batched_peaks = [r["peak_rss_bytes"] / _GB for points in series.values() for _, r in points]
+    batched_times = [r["time_s"] for points in series.values() for _, r in points]
+    for index, (tool, r) in enumerate(sorted(unbatched.items())):
+        style = _style(tool, index)
+        label = f"{tool} (one block)"
+        _reference_line(memory_ax, r["peak_rss_bytes"] / _GB, "GB", batched_peaks, label, style)
+        if "time_s" in r:
+            _reference_line(time_ax, r["time_s"], "s", batched_times, label, style)
+
+    if floor is not None:
+        floor_gb = floor["peak_rss_bytes"] / _GB
+        memory_ax.axhline(floor_gb, color="0.55", linewidth=1, label="process floor")
+        if "hessian_bytes" in info:
+            memory_ax.axhline(
+                floor_gb + info["hessian_bytes"] / _GB,
+                color="0.3",
+                linewidth=1,
+                linestyle="--",
+                label="floor + one Hessian",
+            )
+
+    memory_ax.set_ylabel("peak resident memory (GB)")
+    memory_ax.set_ylim(bottom=0)
+    time_ax.set_ylabel("wall time, compilation included (s)")
+    time_ax.set_ylim(bottom=0)
+    for ax in (memory_ax, time_ax):
+        _log2_axis(ax, all_nbatches)
+        ax.set_xlabel("nbatches (blocks of rows)")
+        ax.grid(True, alpha=0.3)
+    memory_ax.legend(fontsize=8, loc="best")
+    _save(fig, out_dir / "hessian_memory.png")
+    return True
+
+
+def _chunk_of(r: dict[str, Any]) -> int | None:
+    info = r.get("info", {})
+    for key in ("chunk_size", "batch_size", "microbatch_size"):
+        if isinstance(info.get(key), int):
+            return info[key]
+    return _split_case(r["case"])[1]
+
+
+def _group_of(r: dict[str, Any]) -> str:
+    info = r.get("info", {})
+    for key in ("problem", "group", "workload"):
+        if isinstance(info.get(key), str):
+            return info[key]
+    return ""
+
+
+def _series_of(r: dict[str, Any]) -> str:
+    info = r.get("info", {})
+    for key in ("tool", "method", "implementation"):
+        if isinstance(info.get(key), str):
+            return info[key]
+    tool, _ = _split_case(r["case"])
+    group = _group_of(r)
+    # Case names such as "vmap/zodmem-8" carry their group as a prefix.
+    if group and tool.startswith(group + "/"):
+        tool = tool[len(group) + 1 :]
+    return tool
+
+
+def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
+    results = load_results(results_dir / f"loops{suffix}.json")
+    if results is None:
+        return False
+    groups: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    references: dict[str, dict[str, float]] = defaultdict(dict)
+    for r in results:
+        if "time_s" not in r:
+            continue
+        chunk = _chunk_of(r)
+        if chunk is None:
+            references[_group_of(r)][_series_of(r)] = r["time_s"]
+        else:
+            groups[_group_of(r)][_series_of(r)].append((chunk, r["time_s"]))
+    if not groups:
+        print("skip loops.png: no case has a chunk size", file=sys.stderr)
+        return False
+
+    names = sorted(groups)
+    fig, axes = _figure(len(names), "Maps in chunks: wall time against chunk size")
+    for ax, group in zip(axes, names, strict=True):
+        chunks = []
+        for index, (tool, points) in enumerate(sorted(groups[group].items())):
+            points.sort()
+            chunks += [c for c, _ in points]
+            ax.plot(
+                [c for c, _ in points], [t for _, t in points], label=tool, **_style(tool, index)
+            )
+        for index, (tool, seconds) in enumerate(sorted(references[group].items())):
+            colour = _style(tool, index)["color"]
+            ax.axhline(seconds, color=colour, linestyle=":", label=f"{tool} (all at once)")
+        _log2_axis(ax, chunks)
+        ax.set_xlabel("chunk size")
+        ax.set_ylabel("wall time, compilation included (s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if group:
+            ax.set_title(group, fontsize=10)
+        ax.legend(fontsize=8, loc="best")
+    _save(fig, out_dir / "loops.png")
+    return True
+
+
+PLOTS: dict[str, Callable[[Path, Path, str], bool]] = {
+    "hessian_memory": plot_hessian_memory,
+    "loops": plot_loops,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--out", type=Path, default=IMAGES_DIR, help="where the PNGs go")
+    parser.add_argument(
+        "--quick", action="store_true", help="plot the *_quick.json smoke-test results"
+    )
+    args = parser.parse_args(argv)
+    suffix = "_quick" if args.quick else ""
+    drawn = [name for name, plot in PLOTS.items() if plot(args.results, args.out, suffix)]
+    print(f"{len(drawn)} of {len(PLOTS)} figures drawn", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
