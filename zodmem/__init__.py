@@ -6,6 +6,11 @@ from ._hessian import (
     jacobian_to_pytree as jacobian_to_pytree,
 )
 from ._jacobian import BatchedJacobian as BatchedJacobian
+from ._serialise import (
+    SerialisationError as SerialisationError,
+    load as load,
+    save as save,
+)
 from ._transform import AbstractTransform as AbstractTransform
 
 __version__ = "0.1.0"
