@@ -26,8 +26,9 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Draw the benchmark plots (from benchmarks/results/*.json) and build the site."""
+    """Run the pages' examples, draw the benchmark plots and build the site."""
     session.install("-e", ".[docs]")
+    session.run("python", "docs/_scripts/check_examples.py")
     session.run("python", "benchmarks/plots.py")
     session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
 
