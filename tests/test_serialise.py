@@ -1,5 +1,6 @@
 """`zm.save` / `zm.load`: round trips of whole stacks, refusals, corrupted files, `like`."""
 
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -108,6 +109,23 @@ class Rebuilt(zm.AbstractTransform):
 
     def __call__(self, x):
         return self.fn(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaler:
+    """A callable dataclass, rebuilt from its fields."""
+
+    factor: float
+
+    def __call__(self, x):
+        return self.factor * x
+
+
+@dataclasses.dataclass(eq=False)
+class Opaque:
+    """A dataclass compared by identity: a rebuilt copy is never equal to it."""
+
+    size: int
 
 
 class Step(eqx.Module):
@@ -464,6 +482,19 @@ def test_refuses_config_values(tmp_path, value, inner, reason):
     ):
         zm.save(tmp_path / "x.zm", Probe(scale, option=value))
     assert not (tmp_path / "x.zm").exists() and leftovers(tmp_path) == []
+
+
+def test_callable_dataclass_as_fn(tmp_path):
+    loaded = round_trip(zm.ChunkedVmap(Scaler(0.5), chunk_size=2), tmp_path / "d.zm")
+    assert loaded.fn == Scaler(0.5)
+    assert jnp.array_equal(loaded(jnp.arange(3.0)), jnp.arange(3.0) * 0.5)
+
+
+def test_refuses_values_not_rebuilt_equal(tmp_path):
+    with pytest.raises(zm.SerialisationError, match=r"`option` of Probe.*not described faithfully"):
+        zm.save(tmp_path / "x.zm", Probe(scale, option=Opaque(3)))
+    with pytest.raises(zm.SerialisationError, match=r"`transform\.fn`.*not described faithfully"):
+        zm.save(tmp_path / "x.zm", Probe(Opaque(3)))
 
 
 def test_refuses_chunked_vmap_lambda_axes(tmp_path):

@@ -357,8 +357,9 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _encode_field(value: Any, name: str, owner: str, location: str) -> dict:
-    where = f"`{name}` of {owner} at `{location}`"
+def _encode_faithfully(value: Any, name: str, where: str) -> dict:
+    """Encode `value`, checking that reading it back gives the same value; `name` is how
+    the encoding refers to the value's root, `where` how messages refer to the field."""
     try:
         encoded = _encode(value, name)
     except _Refusal as refusal:
@@ -412,15 +413,7 @@ def _describe(obj: Any, location: str) -> dict:
                 f"{type(obj).__qualname__}, whose class cannot be found by import ({why})."
             )
         return {"kind": "module", "class": class_path}
-    try:
-        encoded = _encode(obj, location)
-    except _Refusal as refusal:
-        inner = "" if refusal.where == location else f" (at `{refusal.where}`)"
-        raise SerialisationError(
-            f"zodmem.save cannot save `{location}`: {refusal.value!r}{inner} cannot be "
-            f"written, because {refusal.reason}."
-        ) from None
-    return {"kind": "value", "value": encoded}
+    return {"kind": "value", "value": _encode_faithfully(obj, location, f"`{location}`")}
 
 
 def _describe_transform(transform: AbstractTransform, location: str) -> dict:
@@ -440,7 +433,9 @@ def _describe_transform(transform: AbstractTransform, location: str) -> dict:
         value = getattr(transform, field.name)
         arguments[field.name] = value
         if field.metadata.get("static", False):
-            config[field.name] = _encode_field(value, field.name, cls.__name__, location)
+            config[field.name] = _encode_faithfully(
+                value, field.name, f"`{field.name}` of {cls.__name__} at `{location}`"
+            )
         else:
             children[field.name] = _describe(value, f"{location}.{field.name}")
     # The constructor must give back this very transform from its fields.
@@ -739,14 +734,17 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
         ```python
         import equinox as eqx
         import jax
+        import jax.numpy as jnp
         import zodmem as zm
 
-        model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+        model = eqx.nn.MLP(2, 3, 8, 2, key=jax.random.key(0))
         jacobian = zm.BatchedJacobian(model, nbatches=2)
         zm.save("jacobian.zm", jacobian)
 
-        skeleton = eqx.filter_eval_shape(eqx.nn.MLP, 2, 1, 8, 2, key=jax.random.key(0))
+        # Shapes and dtypes only: the weights come from the file.
+        skeleton = eqx.filter_eval_shape(eqx.nn.MLP, 2, 3, 8, 2, key=jax.random.key(1))
         loaded = zm.load("jacobian.zm", like=skeleton)
+        loaded(jnp.ones(2))   # the (3, 2) Jacobian, as jacobian(jnp.ones(2))
         ```
 
     !!! warning
@@ -816,7 +814,8 @@ def load(path: str | os.PathLike, like: Any = None) -> AbstractTransform:
     found), was written by an unknown format version, names a class or function that
     cannot be imported, or holds configuration its class rejects, or if `like` is
     missing or disagrees with the file (other classes, shapes or dtypes). Nothing is
-    returned in these cases, never a partly built transform.
+    returned in these cases, never a partly built transform. `OSError` if the file
+    cannot be read.
 
     !!! example
 
