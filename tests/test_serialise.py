@@ -26,7 +26,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "save_and_load.p
 
 
 # --------------------------------------------------------------------------------------
-# Importable helpers: functions, classes and transforms defined at module level
+# Importable functions, classes and transforms, defined at module level
 
 
 def quadratic(params, data):
@@ -151,7 +151,7 @@ def mlp_skeleton(width=8):
 
 
 # --------------------------------------------------------------------------------------
-# Fixtures and file helpers
+# Fixtures and file utilities
 
 
 @pytest.fixture
