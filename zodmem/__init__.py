@@ -6,6 +6,11 @@ from ._hessian import (
     jacobian_to_pytree as jacobian_to_pytree,
 )
 from ._jacobian import BatchedJacobian as BatchedJacobian
+from ._microbatch import (
+    AccumulationType as AccumulationType,
+    Accumulator as Accumulator,
+    Microbatcher as Microbatcher,
+)
 from ._serialise import (
     SerialisationError as SerialisationError,
     load as load,

@@ -181,10 +181,14 @@ def reduce_blocks(
       `plan.remainder` for the last, smaller block).
     - `init`: the starting accumulator.
     - `update(acc, result, index, size)`: the accumulator after block `index`.
-    - `num_blocks`: optionally a (possibly traced) number of full blocks to run,
-      at most `plan.num_full_blocks`; the remainder block then is not run.
+    - `num_blocks`: optionally a (possibly traced) number of blocks to run, counted
+      from the first; the remainder block, when there is one, is the last block and
+      counts as one. Blocks from `num_blocks` on are not evaluated and leave the
+      accumulator as it is (a value above `plan.num_blocks` runs every block).
 
-    Blocks never overlap, so every item is counted exactly once.
+    Blocks never overlap, so every item is counted exactly once. The loop has a
+    fixed trip count even when `num_blocks` is traced (skipped blocks go through
+    `lax.cond`), so the reduction stays reverse-mode differentiable.
     """
     acc = init
 
@@ -192,14 +196,26 @@ def reduce_blocks(
         start = (index * plan.block_size).astype(jnp.int32)
         return update(acc, block_fn(start, plan.block_size), index, plan.block_size)
 
+    def last(acc):
+        start = jnp.asarray(plan.num_full_blocks * plan.block_size, jnp.int32)
+        result = block_fn(start, plan.remainder)
+        return update(acc, result, jnp.asarray(plan.num_full_blocks), plan.remainder)
+
     if num_blocks is None:
         if plan.num_full_blocks:
             acc = jax.lax.fori_loop(0, plan.num_full_blocks, step, acc)
         if plan.remainder:
-            start = jnp.asarray(plan.num_full_blocks * plan.block_size, jnp.int32)
-            result = block_fn(start, plan.remainder)
-            acc = update(acc, result, jnp.asarray(plan.num_full_blocks), plan.remainder)
+            acc = last(acc)
         return acc
-    stop = jnp.minimum(jnp.asarray(num_blocks, jnp.int32), plan.num_full_blocks)
-    return jax.lax.fori_loop(0, stop, step, acc)
+
+    stop = jnp.asarray(num_blocks, jnp.int32)
+
+    def step_if_running(index, acc):
+        return jax.lax.cond(index < stop, lambda a: step(index, a), lambda a: a, acc)
+
+    if plan.num_full_blocks:
+        acc = jax.lax.fori_loop(0, plan.num_full_blocks, step_if_running, acc)
+    if plan.remainder:
+        acc = jax.lax.cond(stop > plan.num_full_blocks, last, lambda a: a, acc)
+    return acc
 
