@@ -1,0 +1,324 @@
+"""`ChunkedVmap`: `eqx.filter_vmap`, computed at most `chunk_size` elements at a time."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import PyTree, jaxtyped
+
+from ._blocks import map_blocks, plan_blocks
+from ._transform import AbstractTransform, check_callable
+
+__all__ = ["ChunkedVmap"]
+
+_OWNER = "ChunkedVmap"
+
+
+class ChunkedVmap(AbstractTransform):
+    """Vectorise `fn` like `eqx.filter_vmap`, but at most `chunk_size` elements at a time.
+
+    Use it where `jax.vmap` / `eqx.filter_vmap` of a function with large
+    intermediates runs out of memory: the batch is cut into blocks of `chunk_size`
+    consecutive elements, each block is vectorised, and its results are written
+    straight into the preallocated outputs. Peak memory is the outputs plus one
+    block's working set, instead of the whole batch's. The results -- values and
+    dtypes -- are those of `eqx.filter_vmap(fn, in_axes=in_axes, out_axes=out_axes)`.
+
+    When `chunk_size` does not divide the batch, the last block is moved back to end
+    at the last element, so that it overlaps the block before it; no padding is
+    added and no partial block is compiled.
+
+    **Arguments:**
+
+    - `fn`: the function to vectorise, called as `fn(*args, **kwargs)`. It may be an
+      Equinox module (a model, or another zodmem transform); its arrays are then
+      leaves of this transform and are not mapped.
+    - `chunk_size`: the most elements vectorised at once, a positive int.
+    - `in_axes`: which axis of each input is mapped, as in `eqx.filter_vmap`: a
+      pytree prefix of the positional arguments whose leaves are an int (that axis),
+      `None` (not mapped: passed whole to every call) or a callable `leaf -> int |
+      None` such as `eqx.if_array(0)`; or a dict from argument names to such specs,
+      every argument not named taking `eqx.if_array(0)`. Keyword arguments are
+      mapped with `eqx.if_array(0)` unless a dict `in_axes` names them (as
+      `jax.vmap` maps every keyword argument over its leading axis).
+    - `out_axes`: where the mapped axis goes in each output, as in
+      `eqx.filter_vmap`: a pytree prefix of the output of ints, `None` and callables.
+      An output given `None` (by default, every non-array output) must not depend
+      on the mapped inputs, and is returned once.
+
+    **Returns:**
+
+    Calling `ChunkedVmap(fn, chunk_size=...)(*args, **kwargs)` returns what
+    `eqx.filter_vmap(fn, in_axes=in_axes, out_axes=out_axes)` would return for the
+    same arguments.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def distance(x, y):
+            return jnp.sqrt(jnp.sum((x - y) ** 2))
+
+        xs = jnp.ones((1000, 3))
+        y = jnp.zeros(3)
+        batched = zm.ChunkedVmap(distance, chunk_size=128, in_axes=(0, None))
+        batched(xs, y)  # shape (1000,), 128 distances at a time
+
+        # Map the second axis of `xs`, and put the mapped axis last in the output.
+        outer = zm.ChunkedVmap(jnp.outer, chunk_size=2, in_axes=(1, None), out_axes=-1)
+        outer(jnp.ones((4, 5)), jnp.arange(3.0))  # shape (4, 3, 5)
+        ```
+
+    !!! tip
+
+        Give `in_axes` and `out_axes` as ints, `None`, callables and tuples to keep
+        the transform hashable, which `jax.jit` needs when the transform is passed as
+        an argument. A dict works as well when the transform is closed over.
+    """
+
+    fn: Callable[..., Any]
+    chunk_size: int = eqx.field(static=True, kw_only=True)
+    in_axes: Any = eqx.field(default=eqx.if_array(0), static=True, kw_only=True)
+    out_axes: Any = eqx.field(default=eqx.if_array(0), static=True, kw_only=True)
+
+    def __check_init__(self):
+        check_callable(self.fn, "fn", owner=_OWNER)
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
+            raise TypeError(
+                f"{_OWNER}: `chunk_size` must be a positive int, got {self.chunk_size!r} "
+                f"of type {type(self.chunk_size).__name__}."
+            )
+        if self.chunk_size <= 0:
+            raise ValueError(
+                f"{_OWNER}: `chunk_size` must be a positive int, got chunk_size={self.chunk_size}."
+            )
+        if isinstance(self.in_axes, dict):
+            for name in self.in_axes:
+                if not isinstance(name, str):
+                    raise TypeError(
+                        f"{_OWNER}: a dict `in_axes` maps argument names to axes, but it has "
+                        f"the key {name!r} of type {type(name).__name__}; got "
+                        f"in_axes={self.in_axes!r}."
+                    )
+        _check_axis_spec(self.in_axes, "in_axes")
+        _check_axis_spec(self.out_axes, "out_axes")
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        return _chunked_vmap_jit(
+            self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs
+        )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _is_axis(x: Any) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _check_axis_spec(spec: Any, name: str) -> None:
+    for leaf in jax.tree_util.tree_leaves(spec, is_leaf=_is_none):
+        if not (_is_axis(leaf) or callable(leaf)):
+            raise TypeError(
+                f"{_OWNER}: `{name}` must be a pytree of ints, None and callables "
+                f"(such as eqx.if_array(0)), but it holds {leaf!r} of type "
+                f"{type(leaf).__name__}; got {name}={spec!r}."
+            )
+
+
+def _resolve(spec: Any, tree: Any, name: str) -> Any:
+    """One axis (an int or None) per leaf of `tree`, from the prefix `spec`."""
+
+    def resolve_subtree(leaf_spec, subtree):
+        if _is_axis(leaf_spec):
+            return jax.tree_util.tree_map(lambda _: leaf_spec, subtree)
+        return jax.tree_util.tree_map(leaf_spec, subtree)
+
+    try:
+        resolved = jax.tree_util.tree_map(resolve_subtree, spec, tree, is_leaf=_is_none)
+    except ValueError as error:
+        raise ValueError(
+            f"{_OWNER}: `{name}` must be a pytree prefix of {_WHAT[name]}, but "
+            f"{name}={spec!r} does not match its structure "
+            f"{jax.tree_util.tree_structure(tree)}: {error}"
+        ) from None
+    for axis in jax.tree_util.tree_leaves(resolved, is_leaf=_is_none):
+        if not _is_axis(axis):
+            raise TypeError(
+                f"{_OWNER}: a callable in `{name}` must return an int or None, "
+                f"but it returned {axis!r} of type {type(axis).__name__}; got {name}={spec!r}."
+            )
+    return resolved
+
+
+_WHAT = {
+    "in_axes": "the positional arguments (a tuple)",
+    "out_axes": "the output of `fn`",
+}
+
+
+def _split_in_axes(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
+    """The axis specs of the positional and of the keyword arguments."""
+    default = eqx.if_array(0)
+    if not isinstance(in_axes, dict):
+        return in_axes, {name: default for name in kwargs}
+    named = dict(in_axes)
+    arg_axes = []
+    if args:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{_OWNER}: a dict `in_axes` names arguments, but the signature of "
+                f"`fn`={fn!r} cannot be read to match names to positional arguments. "
+                "Give `in_axes` as a tuple instead."
+            ) from None
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [p.name for p in params if p.kind in positional]
+        for index in range(len(args)):
+            name = names[index] if index < len(names) else None
+            arg_axes.append(named.pop(name, default) if name is not None else default)
+    kwarg_axes = {name: named.pop(name, default) for name in kwargs}
+    if named:
+        raise ValueError(
+            f"{_OWNER}: `in_axes` names {sorted(named)}, which match no argument passed "
+            f"(positional arguments: {len(args)}, keyword arguments: {sorted(kwargs)}); "
+            f"got in_axes={in_axes!r}."
+        )
+    return tuple(arg_axes), kwarg_axes
+
+
+def _input_name(path: tuple) -> str:
+    """`args[1]['w']` or `kwargs['y']`, from a path into `(args, kwargs)`."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(path[1:]))
+
+
+def _batch_size(paths: list, leaves: list, axes: list) -> int | None:
+    """The size of the mapped axis, checked to be the same for every mapped input."""
+    sizes = {}
+    for path, leaf, axis in zip(paths, leaves, axes, strict=True):
+        if axis is None:
+            continue
+        name = _input_name(path)
+        ndim = jnp.ndim(leaf)
+        if ndim == 0:
+            raise ValueError(
+                f"{_OWNER}: input {name} is mapped over axis {axis} by `in_axes`, but it is "
+                f"zero-dimensional: {leaf!r}. Only arrays with at least one dimension can "
+                "be mapped; give it the axis None to pass it whole to every call."
+            )
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"{_OWNER}: input {name} has shape {jnp.shape(leaf)}, so `in_axes` cannot map "
+                f"its axis {axis}; choose an axis in [{-ndim}, {ndim - 1}]."
+            )
+        sizes[name] = (axis, jnp.shape(leaf)[axis])
+    if not sizes:
+        return None
+    if len({size for _, size in sizes.values()}) > 1:
+        listed = ", ".join(f"{name} (axis {a}): {size}" for name, (a, size) in sizes.items())
+        raise ValueError(
+            f"{_OWNER}: the mapped inputs must all have the same size along their mapped "
+            f"axes, but the sizes are {listed}."
+        )
+    return next(iter(sizes.values()))[1]
+
+
+def _check_out_axes(out: Any, resolved: Any) -> None:
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(out)
+    for (path, leaf), axis in zip(paths_leaves, treedef.flatten_up_to(resolved), strict=True):
+        if axis is None:
+            continue
+        ndim = jnp.ndim(leaf)
+        if not -ndim - 1 <= axis <= ndim:
+            raise ValueError(
+                f"{_OWNER}: output{jax.tree_util.keystr(path)} of `fn` has shape "
+                f"{jnp.shape(leaf)}, so `out_axes` cannot put the mapped axis at {axis}; "
+                f"choose an axis in [{-ndim - 1}, {ndim}]."
+            )
+
+
+def _chunked_vmap(
+    fn: Callable[..., Any],
+    chunk_size: int,
+    in_axes: Any,
+    out_axes: Any,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    inputs = (args, kwargs)
+    arg_spec, kwarg_spec = _split_in_axes(fn, in_axes, args, kwargs)
+    input_axes = (_resolve(arg_spec, args, "in_axes"), _resolve(kwarg_spec, kwargs, "in_axes"))
+    paths_leaves, input_def = jax.tree_util.tree_flatten_with_path(inputs)
+    paths = [path for path, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
+    axes = input_def.flatten_up_to(input_axes)
+    total = _batch_size(paths, leaves, axes)
+    axes = [None if a is None else a % jnp.ndim(leaf) for leaf, a in zip(leaves, axes, strict=True)]
+
+    # The output axes are resolved on one element's output, as filter_vmap does.
+    output_axes = []
+
+    def one_element(inputs):
+        element_args, element_kwargs = inputs
+        out = fn(*element_args, **element_kwargs)
+        resolved = _resolve(out_axes, out, "out_axes")
+        _check_out_axes(out, resolved)
+        output_axes.append(resolved)
+        return out
+
+    vectorised = eqx.filter_vmap(one_element, in_axes=(input_axes,), out_axes=out_axes)
+    if total is None or total == 0:
+        return vectorised(inputs)
+    plan = plan_blocks(total, batch_size=chunk_size, what="elements")
+    if plan.num_blocks == 1:
+        return vectorised(inputs)
+
+    def block(start):
+        sliced = [
+            leaf if a is None else jax.lax.dynamic_slice_in_dim(leaf, start, plan.block_size, a)
+            for leaf, a in zip(leaves, axes, strict=True)
+        ]
+        return vectorised(jax.tree_util.tree_unflatten(input_def, sliced))
+
+    shapes = eqx.filter_eval_shape(block, jnp.asarray(0, jnp.int32))
+    out_leaves, out_def = jax.tree_util.tree_flatten(shapes)
+    out_axes_per_leaf = out_def.flatten_up_to(output_axes[-1])
+    mapped = [i for i, a in enumerate(out_axes_per_leaf) if a is not None]
+    unmapped_arrays = [
+        i
+        for i, (leaf, a) in enumerate(zip(out_leaves, out_axes_per_leaf, strict=True))
+        if a is None and isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+
+    def mapped_block(start):
+        block_leaves = jax.tree_util.tree_leaves(block(start))
+        return [block_leaves[i] for i in mapped]
+
+    results = list(out_leaves)  # non-array outputs are kept as `fn` returned them
+    if mapped:
+        mapped_axes = [out_axes_per_leaf[i] for i in mapped]
+        for i, value in zip(mapped, map_blocks(mapped_block, plan, axis=mapped_axes), strict=True):
+            results[i] = value
+    if unmapped_arrays:
+        # Unmapped outputs are the same for every block: read them from one more call,
+        # whose mapped part is unused and so dropped by the compiler.
+        block_leaves = jax.tree_util.tree_leaves(block(jnp.asarray(0, jnp.int32)))
+        for i in unmapped_arrays:
+            results[i] = block_leaves[i]
+    return jax.tree_util.tree_unflatten(out_def, results)
+
+
+_chunked_vmap_jit = eqx.filter_jit(_chunked_vmap)
