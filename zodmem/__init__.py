@@ -16,6 +16,8 @@ from ._serialise import (
     load as load,
     save as save,
 )
+from ._static import Static as Static
 from ._transform import AbstractTransform as AbstractTransform
+from ._vmap import ChunkedVmap as ChunkedVmap
 
 __version__ = "0.1.0"
