@@ -1,0 +1,92 @@
+"""`Static`: a hashable value carried as a pytree with no leaves."""
+
+import dataclasses
+import re
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import zodmem as zm
+
+hashable_values = st.one_of(
+    st.integers(),
+    st.text(max_size=5),
+    st.booleans(),
+    st.none(),
+    st.tuples(st.integers(), st.text(max_size=3)),
+    st.frozensets(st.integers(), max_size=3),
+)
+
+
+@given(value=hashable_values)
+def test_no_leaves_and_the_value_in_the_structure(value):
+    static = zm.Static(value)
+    leaves, treedef = jax.tree_util.tree_flatten(static)
+    assert leaves == []
+    rebuilt = jax.tree_util.tree_unflatten(treedef, [])
+    assert isinstance(rebuilt, zm.Static) and rebuilt.value == value
+    assert jax.tree_util.tree_map(lambda leaf: 1 / 0, static) == static
+
+
+@given(a=hashable_values, b=hashable_values)
+def test_equality_and_hash_by_value(a, b):
+    assert zm.Static(a) == zm.Static(a)
+    assert hash(zm.Static(a)) == hash(zm.Static(a))
+    assert (zm.Static(a) == zm.Static(b)) == (a == b)
+    assert jax.tree_util.tree_structure(zm.Static(a)) == jax.tree_util.tree_structure(zm.Static(a))
+
+
+def test_jit_compiles_once_per_value():
+    traces = []
+
+    @jax.jit
+    def scale(x, how):
+        traces.append(how.value)
+        return 2 * x if how.value == "double" else x
+
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(scale(x, zm.Static("double")), 2 * x)
+    np.testing.assert_array_equal(scale(x, zm.Static("double")), 2 * x)
+    np.testing.assert_array_equal(scale(x, zm.Static("same")), x)
+    assert traces == ["double", "same"]
+
+
+def test_through_vmap_chunked_vmap_and_scan():
+    def power(x, p):
+        return x**p.value
+
+    x = jnp.arange(5.0)
+    expected = x**3
+    np.testing.assert_array_equal(jax.vmap(power)(x, zm.Static(3)), expected)
+    np.testing.assert_array_equal(zm.ChunkedVmap(power, chunk_size=2)(x, zm.Static(3)), expected)
+
+    def step(carry, x):
+        total, p = carry
+        return (total + x**p.value, p), None
+
+    (total, p), _ = jax.lax.scan(step, (0.0, zm.Static(2)), x)
+    assert p == zm.Static(2) and float(total) == float(jnp.sum(x**2))
+
+
+@pytest.mark.parametrize("value", [[1, 2], {"a": 1}, {1}, np.ones(2), jnp.ones(2)])
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")
+def test_unhashable_values_are_refused(value):
+    with pytest.raises(TypeError, match="`value` must be hashable"):
+        zm.Static(value)
+
+
+def test_generic_frozen_and_repr():
+    static = zm.Static[int](3)
+    assert static.value == 3 and repr(static) == "Static(value=3)"
+    assert zm.Static(value="a") == zm.Static("a")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        static.value = 4
+
+
+def test_docstring_example():
+    (code,) = re.findall(r"```python\n(.*?)```", zm.Static.__doc__, re.S)
+    exec(textwrap.dedent(code), {})
