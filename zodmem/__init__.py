@@ -11,6 +11,7 @@ from ._microbatch import (
     Accumulator as Accumulator,
     Microbatcher as Microbatcher,
 )
+from ._scan import CheckpointedScan as CheckpointedScan, SlicedScan as SlicedScan
 from ._serialise import (
     SerialisationError as SerialisationError,
     load as load,

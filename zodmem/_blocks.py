@@ -8,7 +8,10 @@ results for `block_size` consecutive items starting at a traced index. The engin
    of blocks or a block size, with the checks users need;
 2. runs the block function in a `lax.fori_loop` and writes each block's results
    straight into preallocated outputs with `dynamic_update_slice` (`map_blocks`),
-   or folds them into an accumulator (`reduce_blocks`).
+   or folds them into an accumulator (`reduce_blocks`);
+3. runs a `lax.scan` one block of consecutive steps at a time, with a per-block
+   function and a remainder block, writing each block's outputs into preallocated
+   outputs (`scan_blocks`).
 
 No stacked copy of all blocks is ever made, the outputs are never transposed or
 padded and sliced: when `block_size` does not divide `total`, the last block of
@@ -26,7 +29,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BlockPlan", "plan_blocks", "map_blocks", "reduce_blocks", "check_block_option"]
+__all__ = [
+    "BlockPlan",
+    "plan_blocks",
+    "map_blocks",
+    "scan_blocks",
+    "reduce_blocks",
+    "check_block_option",
+]
 
 
 class BlockPlan(eqx.Module):
@@ -164,6 +174,102 @@ def map_blocks(
 
     buffers = jax.lax.fori_loop(0, plan.num_blocks, write_block, buffers)
     return jax.tree_util.tree_unflatten(treedef, buffers)
+
+
+def scan_blocks(
+    block_fn: Callable[[Any, Any, int], tuple[Any, Any]],
+    plan: BlockPlan,
+    init: Any,
+    xs: Any,
+    *,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    reverse_outputs: bool = False,
+) -> tuple[Any, Any]:
+    """Run a scan of `plan.total` steps one block of consecutive steps at a time.
+
+    - `block_fn(carry, xs_block, size)`: runs `size` consecutive steps (a Python
+      int: `plan.block_size`, or `plan.remainder` for the last block) from `carry`
+      and returns `(carry, out)`. The leaves of `xs_block` hold the inputs of those
+      steps along their leading axis in index order (`xs_block` is None when `xs`
+      is); with `reverse=True` the steps run from the last index to the first, as in
+      `lax.scan`. Every leaf of `out` holds this block's results along its leading
+      axis, as many for every full block.
+    - `init`: the carry before the first step.
+    - `xs`: a pytree of arrays with `plan.total` steps along their leading axis, or
+      None.
+    - `reverse`: run the steps from the last index to the first. The remainder
+      block then holds the lowest indices, so that it still runs last.
+    - `unroll`: the `unroll` of the `lax.scan` over full blocks.
+    - `reverse_outputs`: assemble the outputs in the opposite order.
+
+    Returns `(carry, outputs)`: the carry after the last step, and every block's
+    results along the leading axis in the index order of the steps that made them
+    (the order of `lax.scan`'s `ys`), or in the opposite order with
+    `reverse_outputs`. The results are written into preallocated outputs carried by
+    the loop over full blocks, so no stacked copy, concatenation or flip of all the
+    outputs is ever made.
+    """
+    if plan.total == 0:
+        raise ValueError("scan_blocks needs at least one step; handle an empty scan before.")
+    size, full, rest = plan.block_size, plan.num_full_blocks, plan.remainder
+    covered = full * size
+    first = rest if reverse else 0  # first index of the full blocks
+    full_xs = jax.tree_util.tree_map(lambda a: a[first : first + covered], xs)
+    rest_xs = jax.tree_util.tree_map(lambda a: a[:rest] if reverse else a[covered:], xs)
+
+    def out_shapes(steps: int) -> Any:
+        x = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct((steps, *a.shape[1:]), a.dtype), xs
+        )
+        return jax.eval_shape(lambda c, x: block_fn(c, x, steps)[1], init, x)
+
+    shapes, treedef = jax.tree_util.tree_flatten(out_shapes(size if full else rest))
+    per_block = [leaf.shape[0] if full else 0 for leaf in shapes]
+    if not rest:
+        in_rest = [0] * len(shapes)
+    elif not full:
+        in_rest = [leaf.shape[0] for leaf in shapes]
+    else:
+        in_rest = [leaf.shape[0] for leaf in jax.tree_util.tree_leaves(out_shapes(rest))]
+    buffers = [
+        jnp.zeros((full * n + r, *leaf.shape[1:]), leaf.dtype)
+        for n, r, leaf in zip(per_block, in_rest, shapes, strict=True)
+    ]
+
+    def write(buffers: list, out: Any, positions: list) -> list:
+        written = []
+        pieces = jax.tree_util.tree_leaves(out)
+        for buf, piece, position in zip(buffers, pieces, positions, strict=True):
+            piece = jnp.asarray(piece, buf.dtype)
+            if reverse_outputs:
+                position = buf.shape[0] - position - piece.shape[0]
+                piece = jnp.flip(piece, axis=0) if piece.shape[0] > 1 else piece
+            written.append(jax.lax.dynamic_update_slice_in_dim(buf, piece, position, axis=0))
+        return written
+
+    def run_block(state, inputs):
+        carry, buffers = state
+        index, x = inputs
+        carry, out = block_fn(carry, x, size)
+        offsets = in_rest if reverse else [0] * len(buffers)
+        positions = [offset + index * n for offset, n in zip(offsets, per_block, strict=True)]
+        return (carry, write(buffers, out, positions)), None
+
+    carry = init
+    if full == 1:
+        (carry, buffers), _ = run_block((carry, buffers), (0, full_xs))
+    elif full > 1:
+        blocks = jax.tree_util.tree_map(lambda a: a.reshape(full, size, *a.shape[1:]), full_xs)
+        indices = jnp.arange(full, dtype=jnp.int32)
+        (carry, buffers), _ = jax.lax.scan(
+            run_block, (carry, buffers), (indices, blocks), reverse=reverse, unroll=unroll
+        )
+    if rest:
+        carry, out = block_fn(carry, rest_xs, rest)
+        positions = [0 if reverse else full * n for n in per_block]
+        buffers = write(buffers, out, positions)
+    return carry, jax.tree_util.tree_unflatten(treedef, buffers)
 
 
 def reduce_blocks(

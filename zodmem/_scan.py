@@ -1,0 +1,368 @@
+"""`SlicedScan` and `CheckpointedScan`: `lax.scan` that keeps only some of its
+outputs, and `lax.scan` whose gradient stores only a carry per chunk of steps."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from beartype import beartype
+from jaxtyping import PyTree, jaxtyped
+
+from ._blocks import check_block_option, plan_blocks, scan_blocks
+from ._transform import AbstractTransform, check_bool, check_callable
+
+__all__ = ["SlicedScan", "CheckpointedScan", "scan_length", "default_chunk_size"]
+
+
+def _check_int_or_none(value: Any, name: str, *, owner: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(
+            f"{owner}: `{name}` must be an int or None, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+
+
+def _check_length(value: Any, *, owner: str) -> None:
+    _check_int_or_none(value, "length", owner=owner)
+    if value is not None and value < 0:
+        raise ValueError(
+            f"{owner}: `length` is the number of steps and must be a non-negative int or "
+            f"None, got length={value}."
+        )
+
+
+def _check_unroll(value: Any, *, owner: str) -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{owner}: `unroll` must be a positive int or a bool, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    if value < 1:
+        raise ValueError(f"{owner}: `unroll` must be a positive int or a bool, got unroll={value}.")
+
+
+def scan_length(xs: Any, length: int | None, *, owner: str) -> int:
+    """The number of steps of a scan over `xs`, checked against `length`."""
+    sizes: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
+        shape = np.shape(leaf)
+        where = "xs" + jax.tree_util.keystr(path)
+        if not shape:
+            raise ValueError(
+                f"{owner}: every leaf of `xs` needs a leading axis to scan over, but {where} "
+                "is a scalar. Give it a leading axis of one entry per step."
+            )
+        sizes.setdefault(shape[0], where)
+    if len(sizes) > 1:
+        found = ", ".join(f"{where} has {size}" for size, where in sizes.items())
+        raise ValueError(
+            f"{owner}: the leaves of `xs` must all have the same leading axis size (the "
+            f"number of steps), but {found}."
+        )
+    if sizes:
+        (steps,) = sizes
+        if length is not None and length != steps:
+            raise ValueError(
+                f"{owner}: `length`={length} disagrees with the leading axis size of `xs`, "
+                f"{steps}. Leave `length` as None or make the two agree."
+            )
+        return steps
+    if length is None:
+        raise ValueError(
+            f"{owner}: there is nothing to tell the number of steps: `xs`={xs!r} has no "
+            "array leaves and `length` is None. Give `length`."
+        )
+    return length
+
+
+def default_chunk_size(length: int) -> int:
+    """The chunk size `CheckpointedScan` uses when none is given: the ceiling of the
+    square root of the number of steps, which balances stored carries against the
+    steps of one recomputed chunk."""
+    return math.isqrt(length - 1) + 1 if length > 1 else 1
+
+
+def _inner_unroll(unroll: int | bool, steps: int) -> int | bool:
+    return unroll if isinstance(unroll, bool) else max(1, min(unroll, steps))
+
+
+def _outer_unroll(unroll: int | bool, block_size: int) -> int | bool:
+    # `unroll` bounds the unrolled steps, and one iteration over blocks runs a block.
+    return unroll if isinstance(unroll, bool) else max(1, unroll // block_size)
+
+
+class SlicedScan(AbstractTransform):
+    """`lax.scan` that keeps only the outputs of the steps in a slice.
+
+    Use it when a long scan's stacked outputs `ys` would not fit in memory and only
+    some of them are wanted: every `step`-th state of a simulation, the last few
+    steps of a long rollout. The result equals `lax.scan(fn, init, xs)` followed by
+    `ys[start:stop:step]` on every leaf of `ys`, but the outputs of the steps left
+    out are never stored: the steps before the first kept one run in a scan that
+    discards their outputs, then a scan over the kept steps runs each kept step
+    followed by the discarded steps up to the next one, writing each kept output
+    into the preallocated result, and the steps after the last kept one run in a
+    final discarding scan. The carry still goes through every step.
+
+    **Arguments:**
+
+    - `fn`: the step function `fn(carry, x) -> (carry, y)`, as for `lax.scan`. It
+      may be an Equinox module.
+    - `start`, `stop`, `step`: the slice of the steps whose outputs are kept, with
+      Python's meaning (negative values count from the end, None is the default,
+      a negative `step` returns the kept outputs last step first). `step` may not
+      be 0.
+    - `length`: the number of steps, needed when `xs` is None; when `xs` is given it
+      must equal the leading axis size of its leaves.
+    - `reverse`: run the steps from the last index to the first, as
+      `lax.scan(reverse=True)`. The slice is of `ys` as `lax.scan` returns them
+      (indexed like `xs`), whatever the order in which the steps run.
+    - `unroll`: a positive int or a bool, `lax.scan`'s `unroll`: an upper bound on
+      the steps unrolled in each inner loop.
+
+    **Returns:**
+
+    Calling `SlicedScan(fn, ...)(init, xs=None)` returns `(carry, ys)`: the final
+    carry, and the outputs of the kept steps stacked along a leading axis.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def step(x, _):
+            x = x + 0.1 * jnp.sin(x)
+            return x, x
+
+        scan = zm.SlicedScan(step, start=99, step=100, length=10_000)
+        x, every_100th = scan(jnp.zeros(3))   # every_100th.shape == (100, 3)
+        ```
+
+    !!! tip
+
+        Only the outputs are sliced: under `jax.grad` every step still stores its
+        residuals. To bound those as well, wrap `fn` in `jax.checkpoint`, or use
+        `zm.CheckpointedScan` when every output is wanted.
+    """
+
+    fn: Callable[..., Any]
+    start: int | None = eqx.field(default=None, static=True, kw_only=True)
+    stop: int | None = eqx.field(default=None, static=True, kw_only=True)
+    step: int | None = eqx.field(default=None, static=True, kw_only=True)
+    length: int | None = eqx.field(default=None, static=True, kw_only=True)
+    reverse: bool = eqx.field(default=False, static=True, kw_only=True)
+    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True)
+
+    def __check_init__(self):
+        owner = "SlicedScan"
+        check_callable(self.fn, "fn", owner=owner)
+        for name in ("start", "stop", "step"):
+            _check_int_or_none(getattr(self, name), name, owner=owner)
+        if self.step == 0:
+            raise ValueError(
+                f"{owner}: `step` may not be 0, got step={self.step}; use a non-zero int "
+                "(negative to keep the outputs last step first) or None."
+            )
+        _check_length(self.length, owner=owner)
+        check_bool(self.reverse, "reverse", owner=owner)
+        _check_unroll(self.unroll, owner=owner)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
+        return _sliced_scan_jit(self, init, xs)
+
+
+def _sliced_scan(t: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
+    length = scan_length(xs, t.length, owner="SlicedScan")
+    reverse = t.reverse
+    kept = range(*slice(t.start, t.stop, t.step).indices(length))
+
+    def step(carry, x):
+        # A plain function: lax.scan hashes its `fn`, and a module holding traced
+        # arrays cannot be hashed.
+        return t.fn(carry, x)
+
+    # Traced once as `lax.scan` itself, for its checks of `fn` and the shape of `ys`.
+    _, ys_shapes = jax.eval_shape(
+        functools.partial(jax.lax.scan, step, length=length, reverse=reverse), init, xs
+    )
+
+    def discard_outputs(carry, x):
+        return step(carry, x)[0], None
+
+    def run_discarding(carry: Any, part: Any, steps: int) -> Any:
+        if steps == 0:
+            return carry
+        unroll = _inner_unroll(t.unroll, steps)
+        carry, _ = jax.lax.scan(
+            discard_outputs, carry, part, length=steps, reverse=reverse, unroll=unroll
+        )
+        return carry
+
+    if not kept:
+        carry, _ = jax.lax.scan(
+            discard_outputs,
+            init,
+            xs,
+            length=length,
+            reverse=reverse,
+            unroll=_inner_unroll(t.unroll, length),
+        )
+        ys = jax.tree_util.tree_map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), ys_shapes)
+        return carry, ys
+
+    def steps_between(begin: int, end: int) -> Any:
+        """The inputs of the steps that run `begin`-th to `end`-th (exclusive)."""
+        low, high = (length - end, length - begin) if reverse else (begin, end)
+        return jax.tree_util.tree_map(lambda a: a[low:high], xs)
+
+    # Kept steps come every `stride` steps in the order they run, from `first` on.
+    stride = abs(kept.step)
+    order = (lambda index: length - 1 - index) if reverse else (lambda index: index)
+    first = min(order(kept[0]), order(kept[-1]))
+    # Each block runs a kept step, then the discarded steps before the next kept
+    # one; the last block stops at the end of the scan when fewer steps are left.
+    span = min(len(kept) * stride, length - first)
+
+    def kept_then_discarded(carry: Any, part: Any, steps: int) -> tuple[Any, Any]:
+        lead = steps - 1 if reverse else 0
+        carry, y = step(carry, jax.tree_util.tree_map(lambda a: a[lead], part))
+        after = jax.tree_util.tree_map(lambda a: a[:lead] if reverse else a[1:], part)
+        carry = run_discarding(carry, after, steps - 1)
+        return carry, jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf)[None], y)
+
+    carry = run_discarding(init, steps_between(0, first), first)
+    carry, ys = scan_blocks(
+        kept_then_discarded,
+        plan_blocks(span, batch_size=stride, what="steps"),
+        carry,
+        steps_between(first, first + span),
+        reverse=reverse,
+        unroll=_outer_unroll(t.unroll, stride),
+        reverse_outputs=kept.step < 0,
+    )
+    end = first + span
+    carry = run_discarding(carry, steps_between(end, length), length - end)
+    return carry, ys
+
+
+_sliced_scan_jit = eqx.filter_jit(_sliced_scan)
+
+
+class CheckpointedScan(AbstractTransform):
+    """`lax.scan` whose gradient stores one carry per chunk of steps.
+
+    Reverse-mode differentiation of `lax.scan` stores the residuals of every step,
+    so the memory of `jax.grad` through a long scan grows with its length. This
+    transform runs the scan in chunks of `chunk_size` consecutive steps, each under
+    `jax.checkpoint`: the forward pass keeps only the carry at the start of each
+    chunk, and the backward pass recomputes one chunk at a time. The stored state is
+    then about `length / chunk_size` carries plus one chunk's residuals, for about
+    one extra forward pass of compute. Values and gradients equal those of
+    `lax.scan`.
+
+    **Arguments:**
+
+    - `fn`: the step function `fn(carry, x) -> (carry, y)`, as for `lax.scan`. It
+      may be an Equinox module.
+    - `chunk_size`: the number of steps per checkpointed chunk, a positive int. When
+      it does not divide the number of steps, the last chunk is shorter. None (the
+      default) means the ceiling of the square root of the number of steps, which
+      makes the two terms above about equal.
+    - `length`: the number of steps, needed when `xs` is None; when `xs` is given it
+      must equal the leading axis size of its leaves.
+    - `reverse`: run the steps from the last index to the first, as
+      `lax.scan(reverse=True)`.
+    - `unroll`: a positive int or a bool, `lax.scan`'s `unroll`: an upper bound on
+      the steps unrolled in each chunk's loop.
+
+    **Returns:**
+
+    Calling `CheckpointedScan(fn, ...)(init, xs=None)` returns `(carry, ys)`, equal
+    to `lax.scan(fn, init, xs)`.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def step(x, w):
+            x = jnp.tanh(w * x)
+            return x, None
+
+        def loss(x0, ws):
+            x, _ = zm.CheckpointedScan(step, chunk_size=32)(x0, ws)
+            return jnp.sum(x**2)
+
+        grad = jax.grad(loss)(jnp.ones(8), jnp.linspace(0.5, 1.5, 1024))
+        ```
+
+    !!! tip
+
+        A `chunk_size` of at least the number of steps puts one checkpoint around
+        the whole scan, which lowers nothing at the peak: the backward pass then
+        recomputes every step and holds all their residuals at once. The stored
+        state is smallest for chunk sizes near the default.
+    """
+
+    fn: Callable[..., Any]
+    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    length: int | None = eqx.field(default=None, static=True, kw_only=True)
+    reverse: bool = eqx.field(default=False, static=True, kw_only=True)
+    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True)
+
+    def __check_init__(self):
+        owner = "CheckpointedScan"
+        check_callable(self.fn, "fn", owner=owner)
+        check_block_option(self.chunk_size, "chunk_size", owner=owner)
+        _check_length(self.length, owner=owner)
+        check_bool(self.reverse, "reverse", owner=owner)
+        _check_unroll(self.unroll, owner=owner)
+
+    @jaxtyped(typechecker=beartype)
+    def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
+        return _checkpointed_scan_jit(self, init, xs)
+
+
+def _checkpointed_scan(t: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, Any]:
+    length = scan_length(xs, t.length, owner="CheckpointedScan")
+
+    def step(carry, x):
+        return t.fn(carry, x)  # a plain function, which lax.scan can hash
+
+    if length == 0:
+        return jax.lax.scan(step, init, xs, length=0, reverse=t.reverse)
+    chunk_size = default_chunk_size(length) if t.chunk_size is None else t.chunk_size
+    plan = plan_blocks(length, batch_size=chunk_size, what="steps")
+
+    def checkpointed_chunk(carry: Any, part: Any, steps: int) -> tuple[Any, Any]:
+        unroll = _inner_unroll(t.unroll, steps)
+
+        def chunk(carry, part):
+            return jax.lax.scan(step, carry, part, length=steps, reverse=t.reverse, unroll=unroll)
+
+        return jax.checkpoint(chunk)(carry, part)
+
+    return scan_blocks(
+        checkpointed_chunk,
+        plan,
+        init,
+        xs,
+        reverse=t.reverse,
+        unroll=_outer_unroll(t.unroll, plan.block_size),
+    )
+
+
+_checkpointed_scan_jit = eqx.filter_jit(_checkpointed_scan)
