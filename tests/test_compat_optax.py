@@ -1,0 +1,361 @@
+"""`zodmem.compat.optax` against the installed `optax.microbatching` (0.2.8)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax.microbatching as om
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import zodmem as zm
+import zodmem.compat.optax as zo
+
+TYPES = ["SUM", "MEAN", "RUNNING_MEAN", "CONCAT"]
+
+
+def assert_same(ours, theirs, exact=False):
+    """Same structure (namedtuples compared by their fields), shapes, dtypes, values."""
+    ours_leaves, ours_def = jax.tree_util.tree_flatten(ours)
+    theirs_leaves, theirs_def = jax.tree_util.tree_flatten(theirs)
+    assert ours_def.num_leaves == theirs_def.num_leaves
+    assert str(ours_def).replace("Aux", "") == str(theirs_def).replace("Aux", "")
+    for a, b in zip(ours_leaves, theirs_leaves, strict=True):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        assert a.dtype == b.dtype
+        assert a.shape == b.shape
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6)
+
+
+def both(name):
+    """(ours, optax's) AccumulationType member called `name`."""
+    return zo.AccumulationType[name], om.AccumulationType[name]
+
+
+def raises_alike(ours, theirs, error, match):
+    with pytest.raises(error, match=match):
+        ours()
+    with pytest.raises(error, match=match):
+        theirs()
+
+
+def example_fn(nonbatch, a, b):
+    """One part per accumulation type, as the optax tests use."""
+    return {
+        "SUM": jnp.sum(nonbatch + a + 2 * b, axis=0),
+        "MEAN": (jnp.mean(nonbatch * a), {"key": jnp.mean(b)}),
+        "RUNNING_MEAN": jnp.mean(a * b, axis=0),
+        "CONCAT": (a * b, a / (1 + b**2) * nonbatch),
+    }
+
+
+def arrays(shape, seed, dtype=np.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+# ----------------------------------------------------------------------------------
+# microbatch
+
+
+@settings(max_examples=15)
+@given(
+    size=st.integers(1, 4),
+    count=st.integers(1, 5),
+    axis=st.sampled_from([0, 1]),
+    optax_enum=st.booleans(),
+)
+def test_microbatch_matches_optax(size, count, axis, optax_enum):
+    batch = size * count
+    nonbatch = arrays((), 0)
+    a, b = arrays((batch, 3), 1), arrays((batch, 3), 2)
+    pick = 1 if optax_enum else 0
+    ours_acc = {name: both(name)[pick] for name in TYPES}
+    theirs_acc = {name: both(name)[1] for name in TYPES}
+
+    def fn(nonbatch, a, b):
+        return example_fn(nonbatch, jnp.moveaxis(a, axis, 0), jnp.moveaxis(b, axis, 0))
+
+    args = (nonbatch, jnp.moveaxis(a, 0, axis), jnp.moveaxis(b, 0, axis))
+    ours = zo.microbatch(fn, (1, 2), size, ours_acc, in_axes=axis)(*args)
+    theirs = om.microbatch(fn, (1, 2), size, theirs_acc, in_axes=axis)(*args)
+    assert_same(ours, theirs)
+    assert_same(ours["CONCAT"], theirs["CONCAT"], exact=True)
+
+
+def test_grouping_of_examples_is_optax_s():
+    def fn(x):
+        return x[:-1] @ x[1:]
+
+    x = jnp.arange(12.0)
+    for size in (1, 2, 3, 4, 6, 12):
+        ours = zo.microbatch(fn, 0, size)(x)
+        theirs = om.microbatch(fn, 0, size)(x)
+        assert_same(ours, theirs, exact=True)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_num_real_microbatches_concrete_and_traced(name):
+    x = jnp.arange(1.0, 13.0)
+    fn = (lambda x: x * 2) if name == "CONCAT" else (lambda x: jnp.mean(x**2))
+    ours_acc, theirs_acc = both(name)
+    for count in range(5):
+        ours = zo.microbatch(fn, 0, 3, ours_acc, num_real_microbatches=count)(x)
+        theirs = om.microbatch(fn, 0, 3, theirs_acc, num_real_microbatches=count)(x)
+        assert_same(ours, theirs)
+
+    def run(micro, acc):
+        return jax.jit(lambda x, n: micro(fn, 0, 3, acc, num_real_microbatches=n)(x))
+
+    ours_run, theirs_run = run(zo.microbatch, ours_acc), run(om.microbatch, theirs_acc)
+    for count in range(5):
+        assert_same(ours_run(x, count), theirs_run(x, count))
+
+
+@pytest.mark.parametrize("make", [om.Accumulator, zo.Accumulator])
+def test_user_accumulators(make):
+    def pieces():
+        return (
+            lambda s: jnp.zeros((4,) + s.shape, s.dtype),
+            lambda carry, value, index: carry.at[index].set(value + index),
+            lambda carry: carry[::-1],
+            lambda values: values,
+        )
+
+    x = arrays((12, 2), 3)
+    fn = lambda x: {k: jnp.sum(v, axis=0) for k, v in x.items()}  # noqa: E731
+    ours = zo.microbatch(fn, 0, 3, {"a": make(*pieces()), "b": zo.AccumulationType.SUM})
+    theirs = om.microbatch(fn, 0, 3, {"a": om.Accumulator(*pieces()), "b": om.AccumulationType.SUM})
+    x2 = {"a": x, "b": 2 * x}
+    assert_same(ours(x2), theirs(x2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.int32])
+def test_dtypes(dtype):
+    x = (jnp.arange(12) % 5).astype(dtype)
+    for name in ("SUM", "CONCAT") if dtype == jnp.int32 else TYPES:
+        fn = (lambda x: x + 1) if name == "CONCAT" else (lambda x: jnp.sum(x))
+        ours = zo.microbatch(fn, 0, 4, both(name)[0])(x)
+        theirs = om.microbatch(fn, 0, 4, both(name)[1])(x)
+        assert_same(ours, theirs)
+
+
+def test_argnums_argnames_and_in_axes():
+    a = arrays((10, 4, 5), 4)
+    b = jnp.transpose(a, (1, 0, 2))
+
+    def fn(a, b):
+        return jnp.einsum("bij,kbj->ik", a, b)
+
+    for name in TYPES:
+        ours_acc, theirs_acc = both(name)
+        for kwargs, call_args, call_kwargs in [
+            (dict(argnums=(0, 1), in_axes=(0, 1)), (a, b), {}),
+            (dict(argnums=(1, 0), in_axes=(1, 0)), (a, b), {}),
+            (dict(argnums=(), argnames=("b", "a"), in_axes=(1, 0)), (), {"a": a, "b": b}),
+            (dict(argnums=0, argnames="b", in_axes=(0, 1)), (a,), {"b": b}),
+        ]:
+            ours = zo.microbatch(fn, microbatch_size=2, accumulator=ours_acc, **kwargs)
+            theirs = om.microbatch(fn, microbatch_size=2, accumulator=theirs_acc, **kwargs)
+            assert_same(ours(*call_args, **call_kwargs), theirs(*call_args, **call_kwargs))
+
+
+def test_no_microbatch_size_returns_fun():
+    fn = jnp.sum
+    assert zo.microbatch(fn, 0, None) is fn
+    assert om.microbatch(fn, 0, None) is fn
+
+
+def test_microbatch_errors_like_optax():
+    x = jnp.arange(12.0)
+    raises_alike(
+        lambda: zo.microbatch(jnp.sum, 0, 5)(x),
+        lambda: om.microbatch(jnp.sum, 0, 5)(x),
+        ValueError,
+        "batch_size=12 must be divisible by microbatch_size=5",
+    )
+    two = lambda x, y: jnp.sum(x) + jnp.sum(y)  # noqa: E731
+    raises_alike(
+        lambda: zo.microbatch(two, (0, 1), 3)(x, x[:6]),
+        lambda: om.microbatch(two, (0, 1), 3)(x, x[:6]),
+        ValueError,
+        r"(?i)batch arguments must have equal-size batch axes, found \[12, 6\]",
+    )
+    for bad in ("sum", 3):
+        raises_alike(
+            lambda bad=bad: zo.microbatch(jnp.sum, 0, 3, bad)(x),
+            lambda bad=bad: om.microbatch(jnp.sum, 0, 3, bad)(x),
+            ValueError,
+            "Unknown accumulator: '?" + str(bad),
+        )
+    for name in ("MEAN", "RUNNING_MEAN"):
+        raises_alike(
+            lambda name=name: zo.microbatch(jnp.sum, 0, 3, both(name)[0])(jnp.arange(12)),
+            lambda name=name: om.microbatch(jnp.sum, 0, 3, both(name)[1])(jnp.arange(12)),
+            ValueError,
+            "(?i)require|needs floating-point",
+        )
+
+
+def test_num_real_microbatches_above_count_is_refused():
+    with pytest.raises(ValueError, match="num_real_microbatches=5 is more than the 4"):
+        zo.microbatch(jnp.sum, 0, 3, num_real_microbatches=5)(jnp.arange(12.0))
+
+
+def test_accumulation_type_is_zodmem_s():
+    assert zo.AccumulationType is zm.AccumulationType
+    assert zo.Accumulator is zm.Accumulator
+    assert set(zo.AccumulationType.__members__) == set(om.AccumulationType.__members__)
+
+
+# ----------------------------------------------------------------------------------
+# micro_vmap
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_micro_vmap_matches_optax(name):
+    x = arrays((2, 8, 3), 5)
+    ours_acc, theirs_acc = both(name)
+    fn = lambda x: jnp.sum(x**2, axis=-1)  # noqa: E731
+    for size in (None, 1, 2, 4, 8):
+        ours = zo.micro_vmap(fn, in_axes=1, microbatch_size=size, accumulator=ours_acc)(x)
+        theirs = om.micro_vmap(fn, in_axes=1, microbatch_size=size, accumulator=theirs_acc)(x)
+        assert_same(ours, theirs)
+
+
+def test_micro_vmap_kwargs_unmapped_args_and_pytrees():
+    x = jnp.arange(32).reshape(4, 8)
+    y = jnp.ones((4, 8), jnp.int32)
+
+    def fn(scale, x, *, y):
+        return {"s": jnp.sum(x + y) * scale, "rows": x * y}
+
+    accumulator = {"s": both("SUM"), "rows": both("CONCAT")}
+    ours_acc = {k: v[0] for k, v in accumulator.items()}
+    theirs_acc = {k: v[1] for k, v in accumulator.items()}
+    ours = zo.micro_vmap(fn, in_axes=(None, 0), microbatch_size=2, accumulator=ours_acc)
+    theirs = om.micro_vmap(fn, in_axes=(None, 0), microbatch_size=2, accumulator=theirs_acc)
+    assert_same(ours(3, x, y=y), theirs(3, x, y=y), exact=True)
+    assert_same(ours(3, x, y=y)["rows"], jax.vmap(fn, (None, 0))(3, x, y=y)["rows"], exact=True)
+
+
+def test_micro_vmap_early_stopping_and_user_accumulator():
+    x = jnp.arange(16.0)
+    ours = zo.micro_vmap(
+        jnp.sum, microbatch_size=4, num_real_microbatches=3, accumulator=zo.AccumulationType.SUM
+    )
+    theirs = om.micro_vmap(
+        jnp.sum, microbatch_size=4, num_real_microbatches=3, accumulator=om.AccumulationType.SUM
+    )
+    assert_same(ours(x), theirs(x))
+
+    def pieces():
+        return (
+            lambda s: jnp.full(s.shape, -jnp.inf, s.dtype),
+            lambda carry, value, index: jnp.maximum(carry, value),
+            lambda carry: carry,
+            lambda values: jnp.max(values, axis=0),
+        )
+
+    fn = lambda x: x * (x - 7)  # noqa: E731
+    ours = zo.micro_vmap(fn, microbatch_size=4, accumulator=zo.Accumulator(*pieces()))
+    theirs = om.micro_vmap(fn, microbatch_size=4, accumulator=om.Accumulator(*pieces()))
+    assert_same(ours(x), theirs(x))
+    no_aggregate = zo.Accumulator(*pieces()[:3])
+    with pytest.raises(ValueError, match="no `aggregate`"):
+        zo.micro_vmap(fn, microbatch_size=4, accumulator=no_aggregate)(x)
+
+
+def test_micro_vmap_out_axes_error_like_optax():
+    raises_alike(
+        lambda: zo.micro_vmap(jnp.sum, out_axes=1),
+        lambda: om.micro_vmap(jnp.sum, out_axes=1),
+        NotImplementedError,
+        "out_ax",
+    )
+
+
+# ----------------------------------------------------------------------------------
+# micro_grad
+
+
+def squared_loss(params, features, targets):
+    diff = features @ params - targets
+    return 0.5 * jnp.mean(diff**2)
+
+
+@pytest.mark.parametrize("keep_batch_dim", [True, False])
+@pytest.mark.parametrize("name", ["SUM", "MEAN", "RUNNING_MEAN"])
+def test_micro_grad_matches_optax(keep_batch_dim, name):
+    params = jnp.asarray([0.3, -0.2])
+    features = arrays((8, 2), 6)
+    targets = arrays((8,), 7)
+    for size in (None, 2, 4):
+        kwargs = dict(
+            argnums=0,
+            batch_argnums=(1, 2),
+            transform_fn=lambda g: (g, g**2),
+            metrics_fn=jnp.linalg.norm,
+            keep_batch_dim=keep_batch_dim,
+            microbatch_size=size,
+        )
+        ours = zo.micro_grad(squared_loss, accumulator=both(name)[0], **kwargs)
+        theirs = om.micro_grad(squared_loss, accumulator=both(name)[1], **kwargs)
+        (ours_grad, ours_aux) = ours(params, features, targets)
+        (theirs_grad, theirs_aux) = theirs(params, features, targets)
+        assert_same(ours_grad, theirs_grad)
+        assert type(ours_aux).__name__ == type(theirs_aux).__name__ == "Aux"
+        assert ours_aux._fields == theirs_aux._fields
+        assert_same(tuple(ours_aux), tuple(theirs_aux))
+
+
+def test_micro_grad_has_aux_several_argnums_and_early_stop():
+    def loss(w, b, x):
+        value = jnp.sum((x * w + b) ** 2)
+        return value, {"twice": 2 * value}
+
+    w, b, x = jnp.asarray(0.5), jnp.asarray(0.1), arrays((12,), 8)
+    for count in (None, 2):
+        kwargs = dict(
+            has_aux=True,
+            argnums=(0, 1),
+            batch_argnums=2,
+            microbatch_size=3,
+            num_real_microbatches=count,
+        )
+        ours = zo.micro_grad(loss, **kwargs)(w, b, x)
+        theirs = om.micro_grad(loss, **kwargs)(w, b, x)
+        assert_same(ours[0], theirs[0])
+        assert_same(tuple(ours[1]), tuple(theirs[1]))
+
+
+# ----------------------------------------------------------------------------------
+# reshape_batch_axis
+
+
+def test_reshape_batch_axis_matches_optax():
+    tree = {"a": jnp.arange(24.0).reshape(2, 12), "b": jnp.arange(36).reshape(12, 3)}
+    for size in (1, 2, 3, 4, 6, 12):
+        assert_same(
+            zo.reshape_batch_axis(tree["b"], size), om.reshape_batch_axis(tree["b"], size), True
+        )
+        assert_same(
+            zo.reshape_batch_axis(tree["a"], size, axis=1),
+            om.reshape_batch_axis(tree["a"], size, axis=1),
+            exact=True,
+        )
+    x = jnp.arange(60).reshape(3, 4, 5)
+    assert_same(zo.reshape_batch_axis(x, 5, axis=-1), om.reshape_batch_axis(x, 5, axis=2), True)
+    assert_same(
+        zo.reshape_batch_axis({"t": (x, x)}, 2, axis=1),
+        om.reshape_batch_axis({"t": (x, x)}, 2, axis=1),
+        exact=True,
+    )
+    raises_alike(
+        lambda: zo.reshape_batch_axis(x, 3, axis=1),
+        lambda: om.reshape_batch_axis(x, 3, axis=1),
+        TypeError,
+        "reshape",
+    )
