@@ -137,6 +137,12 @@ def _check_axis_spec(spec: Any, name: str) -> None:
             )
 
 
+_WHAT = {
+    "in_axes": "the positional arguments (a tuple)",
+    "out_axes": "the output of `fn`",
+}
+
+
 def _resolve(spec: Any, tree: Any, name: str) -> Any:
     """One axis (an int or None) per leaf of `tree`, from the prefix `spec`."""
 
@@ -160,12 +166,6 @@ def _resolve(spec: Any, tree: Any, name: str) -> Any:
                 f"but it returned {axis!r} of type {type(axis).__name__}; got {name}={spec!r}."
             )
     return resolved
-
-
-_WHAT = {
-    "in_axes": "the positional arguments (a tuple)",
-    "out_axes": "the output of `fn`",
-}
 
 
 def _split_in_axes(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
