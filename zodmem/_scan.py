@@ -140,11 +140,11 @@ class SlicedScan(AbstractTransform):
         import jax.numpy as jnp
         import zodmem as zm
 
-        def step(x, _):
+        def advance(x, _):
             x = x + 0.1 * jnp.sin(x)
             return x, x
 
-        scan = zm.SlicedScan(step, start=99, step=100, length=10_000)
+        scan = zm.SlicedScan(advance, start=99, step=100, length=10_000)
         x, every_100th = scan(jnp.zeros(3))   # every_100th.shape == (100, 3)
         ```
 

@@ -11,6 +11,10 @@ As in powerpax, `chunked_vmap` maps every argument over its leading axis. For
 over. What differs, deliberately: the remainder chunk is computed by moving the
 last chunk back to overlap the one before it, and every chunk is written straight
 into the preallocated results, with no stacking or concatenation of chunks.
+
+`sliced_scan` and `checkpoint_chunked_scan` are thin layers over `zm.SlicedScan`
+and `zm.CheckpointedScan`; both write each chunk's outputs straight into the
+preallocated `ys` as well.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._scan import CheckpointedScan, SlicedScan, scan_length
 from .._vmap import ChunkedVmap
 
-__all__ = ["chunked_vmap", "Static"]
+__all__ = ["chunked_vmap", "sliced_scan", "checkpoint_chunked_scan", "Static"]
 
 C = TypeVar("C", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -92,6 +97,147 @@ def chunked_vmap(fun: C, chunk_size: SupportsIndex) -> C:
         return transform(*args, **kwargs)
 
     return vectorised  # type: ignore[return-value]
+
+
+def _scan_steps(xs: Any, length: SupportsIndex | None, owner: str) -> int:
+    """The number of steps, with powerpax's checks in powerpax's order: the leaves
+    of `xs` first, then `length`, then whether the two agree."""
+    if jax.tree_util.tree_leaves(xs):
+        scan_length(xs, None, owner=owner)
+    if length is not None:
+        length = operator.index(length)
+        if length < 0:
+            raise ValueError(f"{owner}: `length` may not be negative, got length={length}.")
+    return scan_length(xs, length, owner=owner)
+
+
+def _clip_unroll(unroll: SupportsIndex, steps: int) -> int:
+    # powerpax takes any int and clips it into [1, steps] (1 for an empty scan).
+    return max(min(operator.index(unroll), steps), 1)
+
+
+def sliced_scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    length: SupportsIndex | None = None,
+    reverse: bool = False,
+    unroll: SupportsIndex = 1,
+    *,
+    start: SupportsIndex | None = None,
+    stop: SupportsIndex | None = None,
+    step: SupportsIndex | None = None,
+) -> tuple[Any, Any]:
+    """`lax.scan(f, init, xs, length, reverse, unroll)` with `ys[start:stop:step]`
+    on every leaf of `ys`, without ever storing the outputs left out.
+
+    A thin layer over `zm.SlicedScan`, which holds the algorithm.
+
+    **Arguments:**
+
+    - `f`, `init`, `xs`, `length`, `reverse`: as for `lax.scan`. `length` (anything
+      with `__index__`) must agree with the leading axis of the leaves of `xs`.
+    - `unroll`: an int, clipped into `[1, number of steps]`.
+    - `start`, `stop`, `step`: the slice of `ys` to keep, with Python's meaning
+      (ints, anything with `__index__`, or None).
+
+    **Returns:**
+
+    `(carry, ys)`: the final carry and the kept outputs.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        from zodmem.compat.powerpax import sliced_scan
+
+        def step(c, x):
+            return c + x, c
+
+        carry, ys = sliced_scan(step, 0.0, jnp.arange(100.0), start=9, step=10)
+        # ys.shape == (10,)
+        ```
+
+    !!! note
+
+        The results are always `lax.scan`'s, sliced. powerpax 0.2.1 itself goes wrong
+        (wrongly shaped results, or an error) when `xs` is given and exactly one
+        discarded step is left to run on its own before the first kept step, or,
+        with `reverse=True`, after the last one: for example `start=1, step=3`.
+    """
+    steps = _scan_steps(xs, length, "sliced_scan")
+    unroll = _clip_unroll(unroll, steps)
+    slice(start, stop, step).indices(steps)  # Python's own checks of the bounds
+    start, stop, step = (None if v is None else operator.index(v) for v in (start, stop, step))
+    transform = SlicedScan(
+        f,
+        start=start,
+        stop=stop,
+        step=step,
+        length=steps,
+        reverse=bool(reverse),
+        unroll=unroll,
+    )
+    return transform(init, xs)
+
+
+def checkpoint_chunked_scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    length: SupportsIndex | None = None,
+    reverse: bool = False,
+    unroll: SupportsIndex = 1,
+    *,
+    chunk_size: SupportsIndex | None = None,
+) -> tuple[Any, Any]:
+    """`lax.scan(f, init, xs, length, reverse, unroll)` with a `jax.checkpoint`
+    around every chunk of `chunk_size` steps.
+
+    A thin layer over `zm.CheckpointedScan`, which holds the algorithm.
+
+    **Arguments:**
+
+    - `f`, `init`, `xs`, `length`, `reverse`: as for `lax.scan`.
+    - `unroll`: an int, clipped into `[1, number of steps]`.
+    - `chunk_size`: the steps per checkpointed chunk, a positive int (anything with
+      `__index__`). None means one chunk holding every step, as in powerpax; note
+      that `zm.CheckpointedScan` defaults to about the square root of the number of
+      steps instead.
+
+    **Returns:**
+
+    `(carry, ys)`, equal to `lax.scan`'s.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        from zodmem.compat.powerpax import checkpoint_chunked_scan
+
+        def step(c, w):
+            return jnp.tanh(w * c), None
+
+        def loss(ws):
+            c, _ = checkpoint_chunked_scan(step, jnp.ones(4), ws, chunk_size=16)
+            return jnp.sum(c)
+
+        jax.grad(loss)(jnp.linspace(0.5, 1.5, 256))
+        ```
+    """
+    steps = _scan_steps(xs, length, "checkpoint_chunked_scan")
+    unroll = _clip_unroll(unroll, steps)
+    chunk_size = max(1, steps) if chunk_size is None else operator.index(chunk_size)
+    if chunk_size <= 0:
+        raise ValueError(
+            f"checkpoint_chunked_scan: `chunk_size` must be a positive int, got "
+            f"chunk_size={chunk_size}."
+        )
+    transform = CheckpointedScan(
+        f, chunk_size=chunk_size, length=steps, reverse=bool(reverse), unroll=unroll
+    )
+    return transform(init, xs)
 
 
 class Static(eqx.Module, Generic[T]):
