@@ -89,8 +89,9 @@ def plan_blocks(
 ) -> BlockPlan:
     """Plan blocks over `total` items from a number of blocks or a block size.
 
-    - `nbatches`: cut into this many blocks (of `ceil(total / nbatches)` items). It
-      may not exceed `total`.
+    - `nbatches`: cut into blocks of `ceil(total / nbatches)` items: this many
+      blocks, or fewer where the rounded-up size covers `total` sooner (10 items
+      in `nbatches=6` are 5 blocks of 2). It may not exceed `total`.
     - `batch_size`: cut into blocks of this many items (a size above `total` means
       a single block).
     - Neither: one block holding everything.
