@@ -103,7 +103,7 @@ class BatchedJacobian(AbstractTransform):
     @jaxtyped(typechecker=beartype)
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
-    ) -> PyTree[Inexact[Array, "*out n"]] | tuple[PyTree[Inexact[Array, "*out n"]], Any]:
+    ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
         compute = _jacobian_jit if self.jit else _jacobian
         return compute(self, x, args, kwargs)
 
@@ -165,9 +165,7 @@ def _forward(t: BatchedJacobian, fn_of_flat, flat, n: int):
 
 def _reverse(t: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
     """Rows from VJPs of one forward pass, output leaf by output leaf."""
-    plan = plan_blocks(
-        m, nbatches=t.nbatches, batch_size=t.batch_size, what="output elements"
-    )
+    plan = plan_blocks(m, nbatches=t.nbatches, batch_size=t.batch_size, what="output elements")
     if t.has_aux:
         out, vjp, aux = jax.vjp(fn_of_flat, flat, has_aux=True)
     else:
