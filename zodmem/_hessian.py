@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Inexact, PyTree, jaxtyped
+from jaxtyping import Array, ArrayLike, Inexact, PyTree, jaxtyped
 
 from ._blocks import check_block_option, map_blocks, plan_blocks
 from ._pytree import Variables, basis_block, flat_function, split_variables
@@ -23,10 +23,10 @@ class BatchedHessian(AbstractTransform):
 
     Use it where `jax.hessian` runs out of memory: the gradient of `fn` is
     linearised once, and Hessian-vector products (forward-over-reverse) against
-    blocks of basis vectors are computed one block at a time. Since the Hessian is
-    symmetric, each block of products is written as a block of rows straight into
-    the preallocated `(n, n)` result, so peak memory is the Hessian, the
-    linearisation's residuals and one block, and never a second copy of the Hessian.
+    blocks of basis vectors are computed one block at a time. Each block of products
+    is written as a block of columns straight into the preallocated `(n, n)` result,
+    so peak memory is the Hessian, the linearisation's residuals and one block, and
+    never a second copy of the Hessian.
 
     The variables are the inexact-array leaves of `x`, raveled in leaf order; every
     other leaf (functions, ints, bools, static fields of an Equinox model) is held
@@ -36,9 +36,9 @@ class BatchedHessian(AbstractTransform):
 
     - `fn`: the function, called as `fn(x, *args, **kwargs)`; it must return a
       scalar (or `(scalar, aux)` with `has_aux=True`). It may be an Equinox module.
-    - `nbatches`: compute the Hessian in this many blocks of rows. At most one of
+    - `nbatches`: compute the Hessian in this many blocks of columns. At most one of
       `nbatches` and `batch_size` may be given; with neither, one block.
-    - `batch_size`: the number of rows per block.
+    - `batch_size`: the number of columns per block.
     - `has_aux`: `fn` returns `(value, aux)`; `aux` is returned unchanged.
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
@@ -138,10 +138,14 @@ def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
     else:
         (_, hvp), aux = jax.linearize(gradient, flat), None
 
-    def rows(start):
-        return jax.vmap(hvp)(basis_block(start, plan.block_size, n, flat.dtype))
+    def columns(start):
+        # Column j is the product with e_j, as in `jax.hessian`; written as columns, the
+        # result matches it exactly even where rounding makes it not quite symmetric
+        # (float32 leaves among float64 ones).
+        products = jax.vmap(hvp)(basis_block(start, plan.block_size, n, flat.dtype))
+        return products.T
 
-    hessian = map_blocks(rows, plan, axis=0)
+    hessian = map_blocks(columns, plan, axis=1)
     return (hessian, aux) if t.has_aux else hessian
 
 
@@ -152,7 +156,7 @@ def _variables_of(x: Any, argname: str = "x") -> Variables:
     return split_variables(x, argname=argname)[1]
 
 
-def hessian_to_pytree(H: Array, x: PyTree) -> PyTree:
+def hessian_to_pytree(H: ArrayLike, x: PyTree) -> PyTree:
     """Cut a flat `(n, n)` Hessian into blocks, one per pair of variable leaves of `x`.
 
     The layout is zodiax's: the result has `x`'s structure twice, and block
@@ -177,6 +181,7 @@ def hessian_to_pytree(H: Array, x: PyTree) -> PyTree:
         blocks["w"]["b"].shape   # (4,)
         ```
     """
+    H = jnp.asarray(H)
     variables = _variables_of(x)
     n = variables.size
     if jnp.ndim(H) != 2 or jnp.shape(H) != (n, n):
@@ -219,7 +224,8 @@ def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
     variables = _variables_of(x)
     n = variables.size
 
-    def one_output(leaf: Array) -> Any:
+    def one_output(leaf: ArrayLike) -> Any:
+        leaf = jnp.asarray(leaf)
         if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[-1] != n:
             raise ValueError(
                 f"J has a leaf of shape {jnp.shape(leaf)}, but x flattens to {n} elements, so "
