@@ -15,6 +15,7 @@ transposed and sliced, so peak memory is about one Hessian smaller; and a bad
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +28,11 @@ from .._pytree import split_variables
 __all__ = ["jacobian", "hessian", "hessian_to_pytree"]
 
 
-def _check_nbatches(nbatches: Any, n: int) -> None:
-    if isinstance(nbatches, bool) or not isinstance(nbatches, int):
+def _check_nbatches(nbatches: Any, n: int) -> int:
+    """`nbatches` as a Python int, refused unless it is a whole number from 1 to `n`."""
+    if isinstance(nbatches, bool) or not isinstance(nbatches, numbers.Integral):
         raise TypeError(f"nbatches must be a positive int, got {nbatches!r}.")
+    nbatches = int(nbatches)
     if nbatches <= 0:
         raise ValueError(f"nbatches must be a positive int, got nbatches={nbatches}.")
     if nbatches > n:
@@ -37,6 +40,7 @@ def _check_nbatches(nbatches: Any, n: int) -> None:
             f"nbatches={nbatches} is too large for n={n} parameters. "
             f"Choose nbatches <= n, or set nbatches=1 for no batching."
         )
+    return nbatches
 
 
 def jacobian(
@@ -45,17 +49,18 @@ def jacobian(
     nbatches: int = 1,
     jit: bool = True,
     checkpoint: bool = False,
-) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+) -> tuple[Any, Callable[[jax.Array], Any]]:
     """The Jacobian of `f` at `x` in `nbatches` blocks of columns, and `unflatten`.
 
-    Returns `(J, unflatten)`: `J` has shape `(*f(x).shape, n)` and `unflatten` maps
-    a flat vector of the `n` variables back to the structure of `x`.
+    Returns `(J, unflatten)`: `J` has shape `(*f(x).shape, n)` (a pytree of these
+    when `f` returns a pytree) and `unflatten` maps a flat vector of the `n`
+    variables back to the structure of `x`.
     """
     _, variables = split_variables(x)
-    _check_nbatches(nbatches, variables.size)
-    transform = BatchedJacobian(
-        f, nbatches=nbatches, mode="fwd", jit=jit, checkpoint=checkpoint
-    )
+    nbatches = _check_nbatches(nbatches, variables.size)
+    # One block is `jax.jacobian` (reverse mode) in zodiax, blocks of columns are JVPs.
+    mode = "rev" if nbatches == 1 else "fwd"
+    transform = BatchedJacobian(f, mode=mode, nbatches=nbatches, jit=jit, checkpoint=checkpoint)
     return transform(x), variables.unravel
 
 
@@ -68,6 +73,6 @@ def hessian(
 ) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     """The `(n, n)` Hessian of the scalar `f` at `x` in `nbatches` blocks, and `unflatten`."""
     _, variables = split_variables(x)
-    _check_nbatches(nbatches, variables.size)
+    nbatches = _check_nbatches(nbatches, variables.size)
     transform = BatchedHessian(f, nbatches=nbatches, jit=jit, checkpoint=checkpoint)
     return transform(x), variables.unravel

@@ -1,0 +1,227 @@
+"""`zodmem.compat.zodiax` against the installed `zodiax.diffops` 0.5."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zodiax.diffops as zd
+from jax.flatten_util import ravel_pytree
+
+import zodmem.compat.zodiax as zc
+
+
+@pytest.fixture(autouse=True, scope="module")
+def float64():
+    previous = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+def close(actual, expected, rtol=1e-12, atol=1e-12):
+    """Compare pytrees leaf by leaf: same structure, shapes, dtypes and values."""
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
+    for a, e in zip(
+        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
+    ):
+        assert a.shape == e.shape
+        assert a.dtype == e.dtype
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+# Built lazily: float64 is enabled only while the tests run.
+TREES = {
+    "dict": lambda: {
+        "a": jnp.asarray(np.arange(3.0) / 3),
+        "b": jnp.asarray(0.5),
+        "c": jnp.asarray(np.ones((1, 2))),
+    },
+    "nested": lambda: (
+        [jnp.asarray(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
+        {"z": jnp.asarray(np.arange(2.0))},
+    ),
+    "mixed-precision": lambda: {
+        "single": jnp.asarray([0.25, -0.5], jnp.float32),
+        "double": jnp.asarray([1.5, 0.1, 0.2, -0.7]),
+    },
+}
+
+
+def variables_vector(x):
+    return jnp.concatenate([jnp.ravel(leaf).astype(jnp.float64) for leaf in jax.tree.leaves(x)])
+
+
+def mixing(rows, cols, seed=0.0):
+    """A fixed dense matrix (a NumPy constant, so it costs nothing to compile)."""
+    return np.cos(np.arange(rows * cols, dtype=np.float64).reshape(rows, cols) * 0.7 + seed)
+
+
+def outputs(x):
+    v = variables_vector(x)
+    return jnp.sin(mixing(4, v.size) @ v).reshape(2, 2) * jnp.sum(v**2)
+
+
+def loss(x):
+    v = variables_vector(x)
+    return jnp.sum(jnp.sin(mixing(3, v.size, 1.0) @ v)) + jnp.sum(v**2) ** 2
+
+
+def derivatives(module, x, options, jit=True, checkpoint=False):
+    """`module.jacobian` and `module.hessian` for each nbatches, in one compiled function.
+
+    zodiax runs its block loop eagerly when called outside `jax.jit`; compiling all
+    cases at once keeps these tests quick without changing the numbers.
+    """
+
+    @jax.jit
+    def run(x):
+        return [
+            (
+                module.jacobian(outputs, x, nbatches, jit, checkpoint)[0],
+                module.hessian(loss, x, nbatches=nbatches, jit=jit, checkpoint=checkpoint)[0],
+            )
+            for nbatches in options
+        ]
+
+    return run(x)
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_same_results_as_zodiax(name):
+    x = TREES[name]()
+    n = ravel_pytree(x)[0].size
+    options = sorted({1, 2, 3, n})
+    actual, expected = derivatives(zc, x, options), derivatives(zd, x, options)
+    close(actual, expected)
+    # hessian_to_pytree gives zodiax's layout (zodiax's cannot be compiled).
+    H = actual[-1][1]
+    close(jax.jit(zc.hessian_to_pytree)(H, x), zd.hessian_to_pytree(H, x))
+    # unflatten maps a flat vector back to x's structure, as zodiax's (ravel_pytree's) does.
+    H, unflatten = zc.hessian(loss, x, nbatches=n)
+    close(H, expected[-1][1])
+    flat = jnp.asarray(np.linspace(-2, 2, n))
+    close(unflatten(flat), ravel_pytree(x)[1](flat))
+    close(unflatten(ravel_pytree(x)[0]), x)
+
+
+def test_called_directly():
+    x = TREES["dict"]()
+    J, unflatten = zc.jacobian(outputs, x, 2)
+    J_zodiax, unflatten_zodiax = zd.jacobian(outputs, x, 1)
+    close(J, J_zodiax)
+    H, _ = zc.hessian(loss, x, nbatches=6)
+    H_zodiax = derivatives(zd, x, [6])[0][1]
+    close(H, H_zodiax)
+    close(zc.hessian_to_pytree(H, x), zd.hessian_to_pytree(H_zodiax, x))
+    flat = jnp.asarray(np.linspace(-2, 2, 6))
+    close(unflatten(flat), unflatten_zodiax(flat))
+    close(unflatten(H[0]), unflatten_zodiax(H_zodiax[0]))
+
+
+def test_jit_and_checkpoint_flags():
+    x = TREES["nested"]()
+    expected = derivatives(zd, x, [2])
+    for jit, checkpoint in [(False, False), (True, True), (False, True)]:
+        close(derivatives(zc, x, [2], jit, checkpoint), expected)
+    close(zc.hessian(loss, x, 3, False, True)[0], expected[0][1])
+
+
+def test_a_single_array_and_a_pytree_output():
+    x = jnp.asarray(np.linspace(0.1, 0.9, 5))
+    close(derivatives(zc, x, [1, 4, 5]), derivatives(zd, x, [1, 4, 5]))
+
+    def tree_out(x):
+        return {"grid": outputs(x), "total": loss(x)}
+
+    # zodiax handles a pytree output only without batching; zodmem in any number of blocks.
+    expected = jax.jit(lambda x: zd.jacobian(tree_out, x, 1)[0])(x)
+    close(zc.jacobian(tree_out, x, 1)[0], expected)
+    close(zc.jacobian(tree_out, x, 3)[0], expected)
+
+
+def test_errors_where_zodiax_raises():
+    x = TREES["dict"]()  # n = 6
+    for module in (zd, zc):
+        with pytest.raises(ValueError, match=r"nbatches=7 is too large for n=6 parameters"):
+            module.jacobian(outputs, x, nbatches=7)
+        with pytest.raises(ValueError, match=r"nbatches=9 is too large for n=6 parameters"):
+            module.hessian(loss, x, nbatches=9)
+        with pytest.raises(ValueError, match=r"H has shape \(5, 5\), but x flattens to 6"):
+            module.hessian_to_pytree(jnp.zeros((5, 5)), x)
+
+
+def test_bad_nbatches_is_refused_plainly():
+    """zodiax divides by zero or fails deep inside; zodmem says what is wrong."""
+    x = TREES["dict"]()
+    for fn in (zc.jacobian, zc.hessian):
+        with pytest.raises(ValueError, match="nbatches must be a positive int, got nbatches=0"):
+            fn(loss, x, 0)
+        with pytest.raises(ValueError, match="got nbatches=-2"):
+            fn(loss, x, -2)
+        with pytest.raises(TypeError, match="nbatches must be a positive int, got 2.5"):
+            fn(loss, x, 2.5)
+        with pytest.raises(TypeError, match="got True"):
+            fn(loss, x, True)
+    with pytest.raises(ZeroDivisionError):
+        zd.hessian(loss, x, 0)
+    # NumPy integers are ints to zodiax, and so to zodmem.
+    expected = jax.jit(lambda x: zd.hessian(loss, x, np.int64(2))[0])(x)
+    close(zc.hessian(loss, x, np.int64(2))[0], expected)
+
+
+def make_mlp(in_size, out_size, width, depth, seed=0):
+    """An `eqx.nn.MLP` in float64 with random weights, built without tracing its init."""
+    shapes = eqx.filter_eval_shape(
+        eqx.nn.MLP, in_size, out_size, width, depth, key=jax.random.key(0), dtype=jnp.float64
+    )
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jnp.asarray(rng.uniform(-1, 1, leaf.shape), leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(fill, shapes)
+
+
+def test_mlp_works_where_zodiax_fails():
+    mlp = make_mlp(2, 1, 3, 1)  # n = 2 * 3 + 3 + 3 + 1 = 13
+    inputs = jnp.asarray(np.linspace(-1, 1, 8).reshape(4, 2))
+
+    def mse(model):
+        return jnp.mean((jax.vmap(model)(inputs) - 0.5) ** 2)
+
+    def predictions(model):
+        return jax.vmap(model)(inputs)[:, 0]
+
+    # zodiax ravels every leaf, the activation functions included.
+    with pytest.raises(TypeError, match="Cannot determine dtype"):
+        zd.hessian(mse, mlp, nbatches=2)
+    with pytest.raises(TypeError, match="Cannot determine dtype"):
+        zd.jacobian(predictions, mlp, 2)
+
+    # zodmem differentiates the model's arrays and holds its functions fixed: check against
+    # zodiax on the arrays alone.
+    params, fixed = eqx.partition(mlp, eqx.is_inexact_array)
+
+    @jax.jit
+    def zodiax_on_params(params):
+        hessians = [
+            zd.hessian(lambda p: mse(eqx.combine(p, fixed)), params, nbatches=k)[0]
+            for k in (1, 4, 13)
+        ]
+        return hessians, zd.jacobian(lambda p: predictions(eqx.combine(p, fixed)), params, 3)[0]
+
+    hessians, jacobian = zodiax_on_params(params)
+    for nbatches, expected in zip((1, 4, 13), hessians, strict=True):
+        H, unflatten = zc.hessian(mse, mlp, nbatches=nbatches)
+        close(H, expected)
+    close(zc.jacobian(predictions, mlp, 3)[0], jacobian)
+
+    rebuilt = unflatten(ravel_pytree(params)[0])
+    assert rebuilt.activation is mlp.activation
+    close(eqx.filter(rebuilt, eqx.is_array), params)
+    blocks = eqx.filter_jit(zc.hessian_to_pytree)(H, mlp)
+    assert blocks.layers[0].weight.layers[1].bias.shape == (3, 2, 1)
+    assert blocks.activation is None
