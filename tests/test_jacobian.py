@@ -263,6 +263,25 @@ def test_jit_and_checkpoint(jit, checkpoint):
         close(transform(x, 0.5, shift=2.0), expected)
 
 
+def empty_and_constant(x):
+    """Outputs that include an empty array and a constant Python number."""
+    v = variables_vector(x)
+    return {"y": jnp.sin(v[:2]) * jnp.sum(v), "empty": jnp.zeros((0, 3)) + jnp.sum(v), "c": 3.0}
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev", "auto"])
+def test_empty_leaves_and_constant_outputs(mode):
+    # A zero-size variable among others, an empty output and a constant output.
+    x = {"a": jnp.asarray([0.5, -1.5, 2.0]), "e": jnp.zeros((0, 2)), "n": None}
+    expected = reference_jacobians("empty-leaf", empty_and_constant, x)["fwd"]
+    close(zm.BatchedJacobian(empty_and_constant, mode=mode, batch_size=2)(x), expected)
+    assert expected["empty"].shape == (0, 3, 3) and expected["c"].shape == (3,)
+    # Only empty variables: n = 0, an empty Jacobian, as jax.jacfwd gives.
+    x = {"e": jnp.zeros((0, 2))}
+    J = zm.BatchedJacobian(lambda x: jnp.ones(2) + jnp.sum(x["e"]), mode=mode)(x)
+    assert J.shape == (2, 0) and J.dtype == jnp.float64
+
+
 def call_holder(holder, inputs):
     return holder(inputs)
 

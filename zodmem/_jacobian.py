@@ -118,9 +118,24 @@ def _check_outputs(out: Any) -> None:
             )
 
 
+def _with_array_outputs(fn_of_flat: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """`fn_of_flat` with its output leaves as arrays: a constant Python number becomes a
+    scalar array, as `jax.jacfwd` treats it. `aux` is left as it is."""
+
+    def wrapped(flat):
+        result = fn_of_flat(flat)
+        if not has_aux:
+            return jax.tree_util.tree_map(jnp.asarray, result)
+        if isinstance(result, tuple) and len(result) == 2:
+            return jax.tree_util.tree_map(jnp.asarray, result[0]), result[1]
+        return result  # not a pair: refused below, with the shapes it returned
+
+    return wrapped
+
+
 def _jacobian(t: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
     flat, variables = split_variables(x)
-    fn_of_flat = flat_function(t.fn, variables, args, kwargs)
+    fn_of_flat = _with_array_outputs(flat_function(t.fn, variables, args, kwargs), t.has_aux)
     if t.checkpoint:
         fn_of_flat = jax.checkpoint(fn_of_flat)
     n = variables.size
@@ -154,6 +169,8 @@ def _forward(t: BatchedJacobian, fn_of_flat, flat, n: int):
     else:
         (out, jvp), aux = jax.linearize(fn_of_flat, flat), None
     dtypes = jax.tree_util.tree_map(lambda o: jnp.result_type(o.dtype, flat.dtype), out)
+    if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
+        return jax.tree_util.tree_map(lambda o, d: jnp.zeros((*o.shape, 0), d), out, dtypes), aux
 
     def columns(start):
         tangents = basis_block(start, plan.block_size, n, flat.dtype)
