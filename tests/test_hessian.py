@@ -193,6 +193,21 @@ def test_jit_and_checkpoint(jit, checkpoint):
     close(transform(x, 0.5, weight=1.5), expected)
 
 
+def test_empty_leaves_and_a_constant():
+    x = {"a": jnp.asarray([0.5, -1.5, 2.0]), "e": jnp.zeros((0, 2)), "n": None}
+    expected = reference_hessian("empty-leaf", loss, x)
+    for nbatches in (1, 2):
+        close(zm.BatchedHessian(loss, nbatches=nbatches)(x), expected)
+    blocks = zm.hessian_to_pytree(expected, x)
+    assert blocks["a"]["e"].shape == (3, 0, 2) and blocks["e"]["e"].shape == (0, 2, 0, 2)
+    assert blocks["n"] is None and blocks["a"]["n"] is None
+    # Only empty variables: n = 0, an empty Hessian, as jax.hessian gives.
+    H = zm.BatchedHessian(lambda x: jnp.sum(x["e"]) + 1.0)({"e": jnp.zeros((0, 2))})
+    assert H.shape == (0, 0) and H.dtype == jnp.float64
+    # A constant Python number has a zero Hessian.
+    close(zm.BatchedHessian(lambda x: 2.0, nbatches=2)(x), jnp.zeros((3, 3)))
+
+
 def holder_loss(holder, inputs):
     return holder(inputs)
 

@@ -145,7 +145,10 @@ def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
         products = jax.vmap(hvp)(basis_block(start, plan.block_size, n, flat.dtype))
         return products.T
 
-    hessian = map_blocks(columns, plan, axis=1)
+    if n == 0:  # only empty variables: nothing to run, the Hessian is empty
+        hessian = jnp.zeros((0, 0), flat.dtype)
+    else:
+        hessian = map_blocks(columns, plan, axis=1)
     return (hessian, aux) if t.has_aux else hessian
 
 
