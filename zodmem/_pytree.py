@@ -55,9 +55,7 @@ class Variables(eqx.Module):
         """Concatenate the variable leaves of `tree` into one vector of dtype `self.dtype`."""
         leaves = [
             leaf
-            for leaf, is_var in zip(
-                jax.tree_util.tree_leaves(tree), self.is_variable, strict=True
-            )
+            for leaf, is_var in zip(jax.tree_util.tree_leaves(tree), self.is_variable, strict=True)
             if is_var
         ]
         if not leaves:
