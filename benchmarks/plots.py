@@ -91,16 +91,17 @@ def _figure(ncols: int, title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.6), squeeze=False)
     fig.suptitle(title, fontsize=11)
     return fig, list(axes[0])
 
 
-def _save(fig: Any, path: Path) -> None:
+def _save(fig: Any, path: Path, legend_rows: int = 0) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    # Leave room at the bottom for a figure-wide legend of `legend_rows` rows.
+    fig.tight_layout(rect=(0, 0.045 * legend_rows, 1, 1))
     # No metadata, so that redrawing from the same results gives the same bytes.
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
@@ -177,7 +178,7 @@ def plot_hessian_memory(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     batched_times = [r["time_s"] for points in series.values() for _, r in points]
     for index, (tool, r) in enumerate(sorted(unbatched.items())):
         style = _style(tool, index)
-        label = f"{tool} (one block)"
+        label = f"{tool} (all at once)"
         _reference_line(memory_ax, r["peak_rss_bytes"] / _GB, "GB", batched_peaks, label, style)
         if "time_s" in r:
             _reference_line(time_ax, r["time_s"], "s", batched_times, label, style)
@@ -202,8 +203,9 @@ def plot_hessian_memory(results_dir: Path, out_dir: Path, suffix: str) -> bool:
         _log2_axis(ax, all_nbatches)
         ax.set_xlabel("nbatches (blocks of rows)")
         ax.grid(True, alpha=0.3)
-    memory_ax.legend(fontsize=8, loc="best")
-    _save(fig, out_dir / "hessian_memory.png")
+    handles, labels = memory_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    _save(fig, out_dir / "hessian_memory.png", legend_rows=-(-len(labels) // 4))
     return True
 
 
