@@ -17,7 +17,7 @@ from hypothesis import given
 from jax.ad_checkpoint import print_saved_residuals
 
 import zodmem as zm
-from zodmem._blocks import plan_blocks, scan_blocks
+from zodmem._blocks import plan_blocks, scan_blocks, write_once
 from zodmem._scan import default_chunk_size
 
 
@@ -156,20 +156,50 @@ def loss_of(scan):
 
 
 @pytest.mark.parametrize(
-    "length,start,stop,step,reverse",
-    [(13, 2, 11, 3, False), (13, -2, 1, -4, True), (9, None, None, 2, True), (6, 9, 0, 1, False)],
+    "length,start,stop,step,reverse,with_xs",
+    [
+        (13, 2, 11, 3, False, True),
+        (13, -2, 1, -4, True, True),
+        (6, 9, 0, 1, False, True),
+        (13, 1, None, 3, True, False),
+        (9, -1, None, -2, False, False),
+    ],
 )
-def test_sliced_scan_gradients_match_lax_scan(x64, length, start, stop, step, reverse):
+def test_sliced_scan_gradients_match_lax_scan(x64, length, start, stop, step, reverse, with_xs):
     init = (jnp.asarray([0.1, -0.2, 0.3]), jnp.asarray(0.0))
-    xs = smooth_xs(length)
+    if with_xs:
+        params, given_length = smooth_xs(length), None
+        step_fn = smooth_step
+    else:
+        # Without xs, the differentiated inputs reach the steps through a closure.
+        params, given_length = {"w": jnp.asarray([0.9, 1.1, 1.3]), "b": jnp.asarray(0.2)}, length
 
-    def reference(init, xs):
-        carry, ys = jax.lax.scan(smooth_step, init, xs, reverse=reverse)
+        def step_fn(carry, x):
+            return smooth_step(carry, params)
+
+    def loss(scan):
+        def value(init, params):
+            xs = params if with_xs else None
+            (h, total), ys = scan(init, xs, params)
+            terms = [jnp.sum(leaf**3) for leaf in jax.tree_util.tree_leaves(ys)]
+            return jnp.sum(h) + total + sum(terms)
+
+        return value
+
+    def reference(init, xs, params):
+        fn = smooth_step if with_xs else (lambda c, x: smooth_step(c, params))
+        carry, ys = jax.lax.scan(fn, init, xs, length=length, reverse=reverse)
         return carry, take(ys, np.s_[start:stop:step])
 
-    sliced = zm.SlicedScan(smooth_step, start=start, stop=stop, step=step, reverse=reverse)
-    want = jax.grad(loss_of(reference), argnums=(0, 1))(init, xs)
-    got = jax.grad(loss_of(sliced), argnums=(0, 1))(init, xs)
+    def sliced(init, xs, params):
+        fn = smooth_step if with_xs else (lambda c, x: smooth_step(c, params))
+        transform = zm.SlicedScan(
+            fn, start=start, stop=stop, step=step, length=given_length, reverse=reverse
+        )
+        return transform(init, xs)
+
+    want = jax.grad(loss(reference), argnums=(0, 1))(init, params)
+    got = jax.grad(loss(sliced), argnums=(0, 1))(init, params)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
 
@@ -273,6 +303,42 @@ def test_sliced_scan_memory_scales_with_kept_steps():
         assert sliced.output_size_in_bytes == plain.output_size_in_bytes
         assert sliced.output_size_in_bytes < kept_ys + width * 4 + 64
         assert sliced.temp_size_in_bytes < kept_ys
+
+    # With `length` alone, the steps between kept ones run in inner loops.
+    def free_step(c, _):
+        return step(c, 1.0)
+
+    sliced = zm.SlicedScan(free_step, start=7, step=stride, length=length)
+    analysis = jax.jit(sliced).lower(init).compile().memory_analysis()
+    assert analysis.output_size_in_bytes < kept_ys + width * 4 + 64
+    assert analysis.temp_size_in_bytes < kept_ys
+
+
+def test_sliced_scan_gradient_memory_is_no_more_than_lax_scan():
+    def step(c, x):
+        c = jnp.sin(c) * x
+        return c, c[:4]
+
+    init, xs = jnp.zeros(128), jnp.ones((300, 128))
+
+    def temp_bytes(scan):
+        def loss(init, xs):
+            carry, ys = scan(init, xs)
+            return jnp.sum(carry) + jnp.sum(ys**2)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        analysis = grad.lower(init, xs).compile().memory_analysis()
+        if analysis is None or not hasattr(analysis, "temp_size_in_bytes"):
+            pytest.skip("this backend gives no memory analysis of compiled code")
+        return analysis.temp_size_in_bytes
+
+    def reference(init, xs):
+        carry, ys = jax.lax.scan(step, init, xs)
+        return carry, ys[3::7]
+
+    plain = temp_bytes(reference)
+    assert temp_bytes(zm.SlicedScan(step, start=3, step=7)) <= plain
+    assert temp_bytes(zm.CheckpointedScan(step, chunk_size=20)) < plain / 4
 
 
 def test_empty_and_length_only_scans():
@@ -444,17 +510,10 @@ def test_checkpointed_scan_stores_fewer_residuals():
 
 
 def test_default_chunk_size():
-    assert [default_chunk_size(n) for n in (0, 1, 2, 4, 5, 9, 10, 400, 401)] == [
-        1,
-        1,
-        2,
-        2,
-        3,
-        3,
-        4,
-        20,
-        21,
-    ]
+    lengths = (0, 1, 2, 4, 5, 10, 400, 401)
+    assert [default_chunk_size(n) for n in lengths] == [1, 1, 2, 2, 3, 4, 20, 21]
+    for n in range(1, 300):
+        assert default_chunk_size(n) == math.ceil(math.sqrt(n))
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -466,19 +525,65 @@ def test_scan_blocks_places_block_outputs(reverse, reverse_outputs):
     xs = jnp.arange(11)
     want_carry, want_ys = jax.lax.scan(step, 1, xs, reverse=reverse)
 
-    def block(carry, part, size):
-        assert part.shape == (size,)
+    def block(carry, start, size):
+        assert start.dtype == jnp.int32 and start.shape == ()
+        part = jax.lax.dynamic_slice_in_dim(xs, start, size)
         return jax.lax.scan(step, carry, part, reverse=reverse)
 
     carry, ys = scan_blocks(
         block,
         plan_blocks(11, batch_size=4),
         1,
-        xs,
         reverse=reverse,
         reverse_outputs=reverse_outputs,
     )
     assert int(carry) == int(want_carry)
     np.testing.assert_array_equal(ys, want_ys[::-1] if reverse_outputs else want_ys)
     with pytest.raises(ValueError, match="at least one step"):
-        scan_blocks(block, plan_blocks(0), 1, xs[:0])
+        scan_blocks(block, plan_blocks(0), 1)
+
+
+def test_write_once_values_and_derivatives(x64):
+    buffer = jnp.zeros((4, 2))
+    piece = jnp.asarray([[-0.0, 2.0]])
+    written = write_once(buffer, piece, 1)
+    np.testing.assert_array_equal(written[1], [-0.0, 2.0])
+    assert np.signbit(written[1, 0])  # written as it is, sign of zero included
+    np.testing.assert_array_equal(write_once(buffer, piece, 2, jnp.asarray(False)), buffer)
+    flags = write_once(jnp.zeros((3,), bool), jnp.asarray([True]), 2, jnp.asarray(True))
+    np.testing.assert_array_equal(flags, [False, False, True])
+
+    def fill(values, keep):
+        def body(out, i):
+            return write_once(out, jnp.sin(values[i])[None], i, keep[i]), None
+
+        out, _ = jax.lax.scan(body, jnp.zeros(4), jnp.arange(4))
+        return out
+
+    def reference(values, keep):
+        return jnp.where(keep, jnp.sin(values), 0.0)
+
+    values, keep = jnp.asarray([0.1, 0.2, 0.3, 0.4]), jnp.asarray([True, False, True, True])
+    weights = jnp.asarray([1.0, -2.0, 3.0, 0.5])
+    np.testing.assert_allclose(fill(values, keep), reference(values, keep))
+    got = jax.grad(lambda v: jnp.dot(fill(v, keep), weights))(values)
+    want = jax.grad(lambda v: jnp.dot(reference(v, keep), weights))(values)
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+    got = jax.jvp(lambda v: fill(v, keep), (values,), (weights,))[1]
+    want = jax.jvp(lambda v: reference(v, keep), (values,), (weights,))[1]
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+
+
+def test_kept_outputs_are_exact():
+    def step(c, x):
+        return c + x, -c * 0.0  # outputs -0.0 for positive carries
+
+    xs = jnp.arange(1.0, 9.0)
+    for length_only in (False, True):
+        if length_only:
+            got = zm.SlicedScan(lambda c, _: step(c, 1.0), step=3, length=8)(1.0)
+            want = jax.lax.scan(lambda c, _: step(c, 1.0), 1.0, None, length=8)
+        else:
+            got = zm.SlicedScan(step, step=3)(1.0, xs)
+            want = jax.lax.scan(step, 1.0, xs)
+        np.testing.assert_array_equal(np.signbit(got[1]), np.signbit(want[1][::3]))

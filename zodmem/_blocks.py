@@ -11,7 +11,8 @@ results for `block_size` consecutive items starting at a traced index. The engin
    or folds them into an accumulator (`reduce_blocks`);
 3. runs a `lax.scan` one block of consecutive steps at a time, with a per-block
    function and a remainder block, writing each block's outputs into preallocated
-   outputs (`scan_blocks`).
+   outputs (`scan_blocks`); blocks are handed their first step number, and read
+   their inputs in place.
 
 No stacked copy of all blocks is ever made, the outputs are never transposed or
 padded and sliced: when `block_size` does not divide `total`, the last block of
@@ -34,6 +35,7 @@ __all__ = [
     "plan_blocks",
     "map_blocks",
     "scan_blocks",
+    "write_once",
     "reduce_blocks",
     "check_block_option",
 ]
@@ -177,11 +179,51 @@ def map_blocks(
     return jax.tree_util.tree_unflatten(treedef, buffers)
 
 
+def _write(buffer: Any, piece: Any, start: Any, keep: Any) -> Any:
+    if keep is not None:
+        old = jax.lax.dynamic_slice_in_dim(buffer, start, piece.shape[0])
+        piece = jnp.where(keep, piece, old)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, piece, start, axis=0)
+
+
+@jax.custom_jvp
+def _write_inexact(buffer: Any, piece: Any, start: Any, keep: Any) -> Any:
+    return _write(buffer, piece, start, keep)
+
+
+@_write_inexact.defjvp
+def _write_inexact_jvp(primals, tangents):
+    buffer, piece, start, keep = primals
+    d_buffer, d_piece = tangents[:2]
+    if keep is not None:
+        d_piece = jnp.where(keep, d_piece, jnp.zeros_like(d_piece))
+    # The entries written still hold the buffer's initial constant, whose tangent is
+    # zero, so adding the piece's tangent in is exact; and the transpose of this
+    # form only reads the output cotangent, where a plain dynamic_update_slice
+    # would also zero it, costing a copy of the whole buffer on every write.
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(d_buffer), d_piece, start, 0)
+    return _write(buffer, piece, start, keep), d_buffer + placed
+
+
+def write_once(buffer: Any, piece: Any, start: Any, keep: Any = None) -> Any:
+    """`buffer` with `piece` written at `start` along the leading axis.
+
+    For a preallocated output carried through a loop in which every entry is
+    written at most once, while it still holds its initial value: then its
+    reverse-mode derivative reads the cotangent of each piece out of the output's
+    cotangent without rewriting it, and the loop needs no copy of the output per
+    write. `keep` (a traced bool) makes the write conditional without a branch.
+    """
+    piece = jnp.asarray(piece, buffer.dtype)
+    if jnp.issubdtype(buffer.dtype, jnp.inexact):
+        return _write_inexact(buffer, piece, start, keep)
+    return _write(buffer, piece, start, keep)
+
+
 def scan_blocks(
     block_fn: Callable[[Any, Any, int], tuple[Any, Any]],
     plan: BlockPlan,
     init: Any,
-    xs: Any,
     *,
     reverse: bool = False,
     unroll: int | bool = 1,
@@ -189,41 +231,41 @@ def scan_blocks(
 ) -> tuple[Any, Any]:
     """Run a scan of `plan.total` steps one block of consecutive steps at a time.
 
-    - `block_fn(carry, xs_block, size)`: runs `size` consecutive steps (a Python
-      int: `plan.block_size`, or `plan.remainder` for the last block) from `carry`
-      and returns `(carry, out)`. The leaves of `xs_block` hold the inputs of those
-      steps along their leading axis in index order (`xs_block` is None when `xs`
-      is); with `reverse=True` the steps run from the last index to the first, as in
-      `lax.scan`. Every leaf of `out` holds this block's results along its leading
-      axis, as many for every full block.
+    The steps are numbered `0, ..., plan.total - 1` in index order, as the entries
+    of a `lax.scan`'s `xs`; the engine hands each block its first step number and
+    never touches `xs`, so the block function reads its own inputs where they lie
+    (`lax.dynamic_slice_in_dim`) and `xs` is never sliced or copied as a whole.
+
+    - `block_fn(carry, start, size)`: runs steps `start, ..., start + size - 1`
+      from `carry` and returns `(carry, out)`. `start` is an int32 scalar (traced in
+      the loop over full blocks) and `size` a Python int: `plan.block_size`, or
+      `plan.remainder` for the last block. With `reverse=True` the block runs its
+      steps from the last to the first, as `lax.scan(reverse=True)` does. Every leaf
+      of `out` holds the block's results along its leading axis, as many for every
+      full block.
     - `init`: the carry before the first step.
-    - `xs`: a pytree of arrays with `plan.total` steps along their leading axis, or
-      None.
-    - `reverse`: run the steps from the last index to the first. The remainder
-      block then holds the lowest indices, so that it still runs last.
+    - `reverse`: run the steps from the last to the first. The remainder block then
+      holds the lowest step numbers, so that it still runs last.
     - `unroll`: the `unroll` of the `lax.scan` over full blocks.
     - `reverse_outputs`: assemble the outputs in the opposite order.
 
     Returns `(carry, outputs)`: the carry after the last step, and every block's
-    results along the leading axis in the index order of the steps that made them
+    results along the leading axis in the order of the step numbers that made them
     (the order of `lax.scan`'s `ys`), or in the opposite order with
-    `reverse_outputs`. The results are written into preallocated outputs carried by
-    the loop over full blocks, so no stacked copy, concatenation or flip of all the
-    outputs is ever made.
+    `reverse_outputs`. The results are written (`write_once`) into preallocated
+    outputs carried by the loop over full blocks, so no stacked copy,
+    concatenation or flip of all the outputs is ever made, in the forward pass or
+    the backward one.
     """
     if plan.total == 0:
         raise ValueError("scan_blocks needs at least one step; handle an empty scan before.")
     size, full, rest = plan.block_size, plan.num_full_blocks, plan.remainder
-    covered = full * size
-    first = rest if reverse else 0  # first index of the full blocks
-    full_xs = jax.tree_util.tree_map(lambda a: a[first : first + covered], xs)
-    rest_xs = jax.tree_util.tree_map(lambda a: a[:rest] if reverse else a[covered:], xs)
+    first = rest if reverse else 0  # first step of the full blocks
+    rest_start = jnp.asarray(0 if reverse else full * size, jnp.int32)
 
     def out_shapes(steps: int) -> Any:
-        x = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct((steps, *a.shape[1:]), a.dtype), xs
-        )
-        return jax.eval_shape(lambda c, x: block_fn(c, x, steps)[1], init, x)
+        start = jax.ShapeDtypeStruct((), jnp.int32)
+        return jax.eval_shape(lambda c, s: block_fn(c, s, steps)[1], init, start)
 
     shapes, treedef = jax.tree_util.tree_flatten(out_shapes(size if full else rest))
     per_block = [leaf.shape[0] if full else 0 for leaf in shapes]
@@ -246,28 +288,26 @@ def scan_blocks(
             if reverse_outputs:
                 position = buf.shape[0] - position - piece.shape[0]
                 piece = jnp.flip(piece, axis=0) if piece.shape[0] > 1 else piece
-            written.append(jax.lax.dynamic_update_slice_in_dim(buf, piece, position, axis=0))
+            written.append(write_once(buf, piece, position))
         return written
 
-    def run_block(state, inputs):
+    def run_block(state, index):
         carry, buffers = state
-        index, x = inputs
-        carry, out = block_fn(carry, x, size)
+        carry, out = block_fn(carry, first + index * size, size)
         offsets = in_rest if reverse else [0] * len(buffers)
         positions = [offset + index * n for offset, n in zip(offsets, per_block, strict=True)]
         return (carry, write(buffers, out, positions)), None
 
     carry = init
     if full == 1:
-        (carry, buffers), _ = run_block((carry, buffers), (0, full_xs))
+        (carry, buffers), _ = run_block((carry, buffers), jnp.asarray(0, jnp.int32))
     elif full > 1:
-        blocks = jax.tree_util.tree_map(lambda a: a.reshape(full, size, *a.shape[1:]), full_xs)
         indices = jnp.arange(full, dtype=jnp.int32)
         (carry, buffers), _ = jax.lax.scan(
-            run_block, (carry, buffers), (indices, blocks), reverse=reverse, unroll=unroll
+            run_block, (carry, buffers), indices, reverse=reverse, unroll=unroll
         )
     if rest:
-        carry, out = block_fn(carry, rest_xs, rest)
+        carry, out = block_fn(carry, rest_start, rest)
         positions = [0 if reverse else full * n for n in per_block]
         buffers = write(buffers, out, positions)
     return carry, jax.tree_util.tree_unflatten(treedef, buffers)

@@ -3,7 +3,6 @@ outputs, and `lax.scan` whose gradient stores only a carry per chunk of steps.""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +14,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
-from ._blocks import check_block_option, plan_blocks, scan_blocks
+from ._blocks import check_block_option, plan_blocks, scan_blocks, write_once
 from ._transform import AbstractTransform, check_bool, check_callable
 
 __all__ = ["SlicedScan", "CheckpointedScan", "scan_length", "default_chunk_size"]
@@ -86,8 +85,8 @@ def scan_length(xs: Any, length: int | None, *, owner: str) -> int:
 
 def default_chunk_size(length: int) -> int:
     """The chunk size `CheckpointedScan` uses when none is given: the ceiling of the
-    square root of the number of steps, which balances stored carries against the
-    steps of one recomputed chunk."""
+    square root of the number of steps, which balances the carries stored (one per
+    chunk) against the steps of the one chunk recomputed at a time."""
     return math.isqrt(length - 1) + 1 if length > 1 else 1
 
 
@@ -107,11 +106,21 @@ class SlicedScan(AbstractTransform):
     some of them are wanted: every `step`-th state of a simulation, the last few
     steps of a long rollout. The result equals `lax.scan(fn, init, xs)` followed by
     `ys[start:stop:step]` on every leaf of `ys`, but the outputs of the steps left
-    out are never stored: the steps before the first kept one run in a scan that
-    discards their outputs, then a scan over the kept steps runs each kept step
-    followed by the discarded steps up to the next one, writing each kept output
-    into the preallocated result, and the steps after the last kept one run in a
-    final discarding scan. The carry still goes through every step.
+    out are never stored: the result is preallocated with one entry per kept step,
+    and each kept output is written into it as soon as it is made. The carry still
+    goes through every step.
+
+    How the steps run depends on `xs`:
+
+    - With `length` alone (`xs` None, or a pytree without arrays), the steps before
+      the first kept one run in a loop that discards their outputs, then a loop
+      over the kept steps runs each kept step followed by an inner loop over the
+      discarded steps up to the next one, then a last loop runs the steps after the
+      last kept one. Outputs of discarded steps are never even computed.
+    - With `xs`, one `lax.scan` over `xs` runs every step and writes the output of
+      each kept step into the result, dropping the others at once. `xs` is read in
+      place (never sliced or copied), and its gradient is formed as `lax.scan`
+      forms it; every step's output is computed, as in `lax.scan`.
 
     **Arguments:**
 
@@ -153,6 +162,7 @@ class SlicedScan(AbstractTransform):
         Only the outputs are sliced: under `jax.grad` every step still stores its
         residuals. To bound those as well, wrap `fn` in `jax.checkpoint`, or use
         `zm.CheckpointedScan` when every output is wanted.
+
     """
 
     fn: Callable[..., Any]
@@ -184,76 +194,109 @@ class SlicedScan(AbstractTransform):
 
 def _sliced_scan(t: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
     length = scan_length(xs, t.length, owner="SlicedScan")
-    reverse = t.reverse
     kept = range(*slice(t.start, t.stop, t.step).indices(length))
 
-    def step(carry, x):
+    def fn(carry, x):
         # A plain function: lax.scan hashes its `fn`, and a module holding traced
         # arrays cannot be hashed.
         return t.fn(carry, x)
 
     # Traced once as `lax.scan` itself, for its checks of `fn` and the shape of `ys`.
     _, ys_shapes = jax.eval_shape(
-        functools.partial(jax.lax.scan, step, length=length, reverse=reverse), init, xs
+        lambda init, xs: jax.lax.scan(fn, init, xs, length=length, reverse=t.reverse),
+        init,
+        xs,
     )
-
-    def discard_outputs(carry, x):
-        return step(carry, x)[0], None
-
-    def run_discarding(carry: Any, part: Any, steps: int) -> Any:
-        if steps == 0:
-            return carry
-        unroll = _inner_unroll(t.unroll, steps)
-        carry, _ = jax.lax.scan(
-            discard_outputs, carry, part, length=steps, reverse=reverse, unroll=unroll
-        )
-        return carry
-
     if not kept:
         carry, _ = jax.lax.scan(
-            discard_outputs,
+            lambda carry, x: (fn(carry, x)[0], None),
             init,
             xs,
             length=length,
-            reverse=reverse,
+            reverse=t.reverse,
             unroll=_inner_unroll(t.unroll, length),
         )
         ys = jax.tree_util.tree_map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), ys_shapes)
         return carry, ys
+    if jax.tree_util.tree_leaves(xs):
+        return _scan_keeping(t, fn, init, xs, length, kept, ys_shapes)
+    return _scan_skipping(t, fn, init, xs, length, kept)
 
-    def steps_between(begin: int, end: int) -> Any:
-        """The inputs of the steps that run `begin`-th to `end`-th (exclusive)."""
-        low, high = (length - end, length - begin) if reverse else (begin, end)
-        return jax.tree_util.tree_map(lambda a: a[low:high], xs)
+
+def _scan_keeping(
+    t: SlicedScan, fn: Callable, init: Any, xs: Any, length: int, kept: range, ys_shapes: Any
+) -> tuple[Any, Any]:
+    """One scan over `xs` that writes the output of each kept step into its slot."""
+    low, high = min(kept[0], kept[-1]), max(kept[0], kept[-1])
+    stride = abs(kept.step)
+    outputs = jax.tree_util.tree_map(
+        lambda s: jnp.zeros((len(kept), *s.shape[1:]), s.dtype), ys_shapes
+    )
+
+    def step(state, x):
+        carry, index, outputs = state
+        carry, y = fn(carry, x)
+        is_kept = (index >= low) & (index <= high) & ((index - low) % stride == 0)
+        slot = jnp.clip((index - kept[0]) // kept.step, 0, len(kept) - 1)
+
+        def write(out, value):
+            # A select, not a branch: every step has the same residuals under AD.
+            return write_once(out, jnp.asarray(value)[None], slot, is_kept)
+
+        outputs = jax.tree_util.tree_map(write, outputs, y)
+        return (carry, index + (-1 if t.reverse else 1), outputs), None
+
+    first = jnp.asarray(length - 1 if t.reverse else 0, jnp.int32)
+    (carry, _, outputs), _ = jax.lax.scan(
+        step,
+        (init, first, outputs),
+        xs,
+        length=length,
+        reverse=t.reverse,
+        unroll=_inner_unroll(t.unroll, length),
+    )
+    return carry, outputs
+
+
+def _scan_skipping(
+    t: SlicedScan, fn: Callable, init: Any, xs: Any, length: int, kept: range
+) -> tuple[Any, Any]:
+    """Steps without inputs: loops that never compute the outputs of discarded steps."""
+
+    def skip(carry: Any, steps: int) -> Any:
+        if not steps:
+            return carry
+        carry, _ = jax.lax.scan(
+            lambda carry, _: (fn(carry, xs)[0], None),
+            carry,
+            None,
+            length=steps,
+            unroll=_inner_unroll(t.unroll, steps),
+        )
+        return carry
 
     # Kept steps come every `stride` steps in the order they run, from `first` on.
     stride = abs(kept.step)
-    order = (lambda index: length - 1 - index) if reverse else (lambda index: index)
+    order = (lambda index: length - 1 - index) if t.reverse else (lambda index: index)
     first = min(order(kept[0]), order(kept[-1]))
     # Each block runs a kept step, then the discarded steps before the next kept
     # one; the last block stops at the end of the scan when fewer steps are left.
     span = min(len(kept) * stride, length - first)
 
-    def kept_then_discarded(carry: Any, part: Any, steps: int) -> tuple[Any, Any]:
-        lead = steps - 1 if reverse else 0
-        carry, y = step(carry, jax.tree_util.tree_map(lambda a: a[lead], part))
-        after = jax.tree_util.tree_map(lambda a: a[:lead] if reverse else a[1:], part)
-        carry = run_discarding(carry, after, steps - 1)
+    def kept_then_skipped(carry: Any, start: Any, size: int) -> tuple[Any, Any]:
+        carry, y = fn(carry, xs)
+        carry = skip(carry, size - 1)
         return carry, jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf)[None], y)
 
-    carry = run_discarding(init, steps_between(0, first), first)
     carry, ys = scan_blocks(
-        kept_then_discarded,
+        kept_then_skipped,
         plan_blocks(span, batch_size=stride, what="steps"),
-        carry,
-        steps_between(first, first + span),
-        reverse=reverse,
+        skip(init, first),
+        reverse=t.reverse,
         unroll=_outer_unroll(t.unroll, stride),
         reverse_outputs=kept.step < 0,
     )
-    end = first + span
-    carry = run_discarding(carry, steps_between(end, length), length - end)
-    return carry, ys
+    return skip(carry, length - first - span), ys
 
 
 _sliced_scan_jit = eqx.filter_jit(_sliced_scan)
@@ -268,8 +311,9 @@ class CheckpointedScan(AbstractTransform):
     `jax.checkpoint`: the forward pass keeps only the carry at the start of each
     chunk, and the backward pass recomputes one chunk at a time. The stored state is
     then about `length / chunk_size` carries plus one chunk's residuals, for about
-    one extra forward pass of compute. Values and gradients equal those of
-    `lax.scan`.
+    one extra forward pass of compute. Each chunk reads its inputs from `xs` where
+    they lie, so `xs` is never sliced or copied as a whole. Values and gradients
+    equal those of `lax.scan`.
 
     **Arguments:**
 
@@ -339,27 +383,30 @@ class CheckpointedScan(AbstractTransform):
 def _checkpointed_scan(t: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, Any]:
     length = scan_length(xs, t.length, owner="CheckpointedScan")
 
-    def step(carry, x):
+    def fn(carry, x):
         return t.fn(carry, x)  # a plain function, which lax.scan can hash
 
     if length == 0:
-        return jax.lax.scan(step, init, xs, length=0, reverse=t.reverse)
+        return jax.lax.scan(fn, init, xs, length=0, reverse=t.reverse)
     chunk_size = default_chunk_size(length) if t.chunk_size is None else t.chunk_size
     plan = plan_blocks(length, batch_size=chunk_size, what="steps")
 
-    def checkpointed_chunk(carry: Any, part: Any, steps: int) -> tuple[Any, Any]:
-        unroll = _inner_unroll(t.unroll, steps)
+    def checkpointed_chunk(carry: Any, start: Any, size: int) -> tuple[Any, Any]:
+        def chunk(carry, start):
+            # The chunk's inputs, read from `xs` where they lie: no slice of `xs` is
+            # made outside the loop, and its gradient is assembled chunk by chunk.
+            part = jax.tree_util.tree_map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), xs
+            )
+            unroll = _inner_unroll(t.unroll, size)
+            return jax.lax.scan(fn, carry, part, length=size, reverse=t.reverse, unroll=unroll)
 
-        def chunk(carry, part):
-            return jax.lax.scan(step, carry, part, length=steps, reverse=t.reverse, unroll=unroll)
-
-        return jax.checkpoint(chunk)(carry, part)
+        return jax.checkpoint(chunk)(carry, start)
 
     return scan_blocks(
         checkpointed_chunk,
         plan,
         init,
-        xs,
         reverse=t.reverse,
         unroll=_outer_unroll(t.unroll, plan.block_size),
     )
