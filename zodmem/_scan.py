@@ -136,7 +136,8 @@ class SlicedScan(AbstractTransform):
       `lax.scan(reverse=True)`. The slice is of `ys` as `lax.scan` returns them
       (indexed like `xs`), whatever the order in which the steps run.
     - `unroll`: a positive int or a bool, `lax.scan`'s `unroll`: an upper bound on
-      the steps unrolled in each inner loop.
+      the steps unrolled in each loop (a loop over kept steps unrolls `unroll //
+      step` of them). It changes speed, never values.
 
     **Returns:**
 
@@ -162,7 +163,6 @@ class SlicedScan(AbstractTransform):
         Only the outputs are sliced: under `jax.grad` every step still stores its
         residuals. To bound those as well, wrap `fn` in `jax.checkpoint`, or use
         `zm.CheckpointedScan` when every output is wanted.
-
     """
 
     fn: Callable[..., Any]
