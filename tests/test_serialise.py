@@ -345,11 +345,6 @@ def test_scans_round_trip(tmp_path):
     assert bool(eqx.tree_equal(loaded(jnp.asarray(1.0), xs), expected))
 
 
-@pytest.mark.xfail(
-    reason="the scan transforms hash `fn`, so a step module holding arrays is refused",
-    raises=TypeError,
-    strict=False,
-)
 def test_scan_of_loaded_step_module(tmp_path):
     step = Step(jnp.asarray([0.5, 0.25]), zm.Static("decay"))
     checkpointed = zm.CheckpointedScan(step, chunk_size=3)
