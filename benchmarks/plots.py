@@ -13,7 +13,9 @@ for want of results.
 - `hessian_memory.png` (from `hessian_memory.json`): peak resident memory and wall
   time of a full Hessian against `nbatches`, for zodmem, zodiax and `jax.hessian`,
   with the process floor and "floor + one Hessian" for scale.
-- `loops.png` (from `loops.json`): wall time of each map against its chunk size.
+- `loops.png` (from `loops.json`): peak memory and time of each chunked map,
+  microbatched gradient and nested stack against its chunk (or microbatch) size, with
+  the unchunked JAX version and the process floor for scale.
 """
 
 from __future__ import annotations
@@ -238,45 +240,88 @@ def _series_of(r: dict[str, Any]) -> str:
     return tool
 
 
+def _seconds(r: dict[str, Any]) -> float | None:
+    """A compiled call's time when the case repeated its call, else the first call's."""
+    for key in ("steady_median_s", "time_s"):
+        if isinstance(r.get(key), (int, float)):
+            return float(r[key])
+    return None
+
+
+_SIZE_NAMES = {"chunk_size": "chunk size", "microbatch_size": "microbatch size"}
+
+
 def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     results = load_results(results_dir / f"loops{suffix}.json")
     if results is None:
         return False
-    groups: dict[str, dict[str, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
-    references: dict[str, dict[str, float]] = defaultdict(dict)
+    # group -> tool -> [(chunk, result)]; tools without a chunk are drawn as references.
+    groups: dict[str, dict[str, list[tuple[int, dict]]]] = defaultdict(lambda: defaultdict(list))
+    references: dict[str, dict[str, dict]] = defaultdict(dict)
+    size_names: dict[str, str] = {}
+    steady = any("steady_median_s" in r for r in results)
     for r in results:
-        if "time_s" not in r:
-            continue
-        chunk = _chunk_of(r)
+        group, tool, chunk = _group_of(r), _series_of(r), _chunk_of(r)
         if chunk is None:
-            references[_group_of(r)][_series_of(r)] = r["time_s"]
-        else:
-            groups[_group_of(r)][_series_of(r)].append((chunk, r["time_s"]))
+            references[group][tool] = r
+        elif _seconds(r) is not None:
+            groups[group][tool].append((chunk, r))
+            size_key = next((k for k in _SIZE_NAMES if k in r.get("info", {})), "chunk_size")
+            size_names[group] = _SIZE_NAMES[size_key]
     if not groups:
         print("skip loops.png: no case has a chunk size", file=sys.stderr)
         return False
 
     names = sorted(groups)
-    fig, axes = _figure(len(names), "Maps in chunks: wall time against chunk size")
-    for ax, group in zip(axes, names, strict=True):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.6), squeeze=False)
+    fig.suptitle("Work in chunks: peak memory and time against the chunk size", fontsize=11)
+    time_label = "time of a compiled call (s)" if steady else "wall time, compilation included (s)"
+    for column, group in enumerate(names):
+        memory_ax, time_ax = axes[0][column], axes[1][column]
+        floor = references[group].pop("floor", {}).get("peak_rss_bytes", 0)
+        all_peaks = [
+            r["peak_rss_bytes"] - floor
+            for r in [r for pts in groups[group].values() for _, r in pts]
+            + list(references[group].values())
+            if "peak_rss_bytes" in r
+        ]
+        # Memory above the process floor: what the computation itself needed.
+        unit, scale = ("GB", _GB) if max(all_peaks, default=0) >= 1e9 else ("MB", 1e6)
         chunks = []
         for index, (tool, points) in enumerate(sorted(groups[group].items())):
-            points.sort()
-            chunks += [c for c, _ in points]
-            ax.plot(
-                [c for c, _ in points], [t for _, t in points], label=tool, **_style(tool, index)
-            )
-        for index, (tool, seconds) in enumerate(sorted(references[group].items())):
-            colour = _style(tool, index)["color"]
-            ax.axhline(seconds, color=colour, linestyle=":", label=f"{tool} (all at once)")
-        _log2_axis(ax, chunks)
-        ax.set_xlabel("chunk size")
-        ax.set_ylabel("wall time, compilation included (s)")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        if group:
-            ax.set_title(group, fontsize=10)
-        ax.legend(fontsize=8, loc="best")
+            points.sort(key=lambda p: p[0])
+            xs = [c for c, _ in points]
+            chunks += xs
+            style = _style(tool, index)
+            peaks = [(r.get("peak_rss_bytes", float("nan")) - floor) / scale for _, r in points]
+            memory_ax.plot(xs, peaks, label=tool, **style)
+            time_ax.plot(xs, [_seconds(r) for _, r in points], label=tool, **style)
+        points = [r for pts in groups[group].values() for _, r in pts]
+        peaks = [(r.get("peak_rss_bytes", floor) - floor) / scale for r in points]
+        seconds = [_seconds(r) or 0.0 for r in points]
+        for index, (tool, r) in enumerate(sorted(references[group].items())):
+            style = _style(tool, len(groups[group]) + index)
+            label = f"{tool} (all at once)"
+            if "peak_rss_bytes" in r:
+                value = (r["peak_rss_bytes"] - floor) / scale
+                _reference_line(memory_ax, value, unit, peaks, label, style)
+            if _seconds(r) is not None:
+                _reference_line(time_ax, _seconds(r), "s", seconds, label, style)
+        memory_ax.set_title(group, fontsize=10)
+        above = " above the floor" if floor else ""
+        memory_ax.set_ylabel(f"peak memory{above} ({unit})")
+        time_ax.set_ylabel(time_label)
+        for ax in (memory_ax, time_ax):
+            _log2_axis(ax, chunks)
+            ax.set_xlabel(size_names.get(group, "chunk size"))
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+        memory_ax.legend(fontsize=7, loc="lower left")
     _save(fig, out_dir / "loops.png")
     return True
 
