@@ -129,30 +129,44 @@ def _leaf_axes(axis: Any, tree: Any) -> list[int]:
 
 
 def map_blocks(
-    block_fn: Callable[[Any], Any],
+    block_fn: Callable[..., Any],
     plan: BlockPlan,
     *,
     axis: Any = 0,
+    read: Callable[[Any], Any] | None = None,
 ) -> Any:
     """Run `block_fn` over every block and assemble the results along `axis`.
 
     - `block_fn(start)`: results for items `start, ..., start + plan.block_size - 1`
       (`start` is a traced int32), a pytree whose leaves hold those items along
-      their `axis`.
+      their `axis`. Called as `block_fn(start, inputs)` when `read` is given.
     - `axis`: the block axis of each output leaf, an int or a pytree prefix of the
       output with one int per subtree (negative values count from the end).
+    - `read(start)`: optionally, the block's inputs (a pytree of arrays, such as
+      slices of the mapped arrays), handed to `block_fn`. The loop reads each
+      block's inputs one iteration ahead and carries them, so the block function
+      gets arrays of their own rather than slices fused into its first operations:
+      XLA's CPU compiler does not vectorise elementwise work that reads through a
+      dynamic slice (it reloads the offset for every element), which made a chunked
+      map of elementwise-heavy work several times slower than the same work unchunked.
 
     Returns the pytree of the block function with `plan.total` items along `axis`.
     With one block, the block function is called once and its result returned as
     it is.
     """
-    if plan.num_blocks == 1:
-        return block_fn(jnp.asarray(0, jnp.int32))
     if plan.num_blocks == 0:
         raise ValueError("map_blocks needs at least one item; handle empty work before.")
 
+    def compute(start, inputs):
+        return block_fn(start) if read is None else block_fn(start, inputs)
+
+    def read_block(index):
+        return None if read is None else read(plan.start(index).astype(jnp.int32))
+
     first = jnp.asarray(0, jnp.int32)
-    block_shapes = jax.eval_shape(block_fn, first)
+    if plan.num_blocks == 1:
+        return compute(first, read_block(first))
+    block_shapes = jax.eval_shape(lambda start: compute(start, read_block(start)), first)
     leaves, treedef = jax.tree_util.tree_flatten(block_shapes)
     axes = [a % len(leaf.shape) for a, leaf in zip(_leaf_axes(axis, block_shapes), leaves)]
     for leaf, a in zip(leaves, axes):
@@ -167,15 +181,19 @@ def map_blocks(
         for leaf, a in zip(leaves, axes)
     ]
 
-    def write_block(index, buffers):
+    def write_block(index, state):
+        buffers, inputs = state
         start = plan.start(index).astype(jnp.int32)
-        block = jax.tree_util.tree_leaves(block_fn(start))
-        return [
+        block = jax.tree_util.tree_leaves(compute(start, inputs))
+        buffers = [
             jax.lax.dynamic_update_slice_in_dim(buf, piece.astype(buf.dtype), start, axis=a)
             for buf, piece, a in zip(buffers, block, axes)
         ]
+        # The next block's inputs; past the last block `plan.start` clamps the index
+        # to the last block, so this read stays in bounds (and is unused).
+        return buffers, read_block(index + 1)
 
-    buffers = jax.lax.fori_loop(0, plan.num_blocks, write_block, buffers)
+    buffers, _ = jax.lax.fori_loop(0, plan.num_blocks, write_block, (buffers, read_block(first)))
     return jax.tree_util.tree_unflatten(treedef, buffers)
 
 

@@ -286,14 +286,23 @@ def _chunked_vmap(
     if plan.num_blocks == 1:
         return vectorised(inputs)
 
-    def block(start):
-        sliced = [
-            leaf if a is None else jax.lax.dynamic_slice_in_dim(leaf, start, plan.block_size, a)
-            for leaf, a in zip(leaves, axes, strict=True)
-        ]
-        return vectorised(jax.tree_util.tree_unflatten(input_def, sliced))
+    mapped_inputs = [i for i, a in enumerate(axes) if a is not None]
 
-    shapes = eqx.filter_eval_shape(block, jnp.asarray(0, jnp.int32))
+    def read(start):
+        """The block's slices of the mapped inputs."""
+        return [
+            jax.lax.dynamic_slice_in_dim(leaves[i], start, plan.block_size, axes[i])
+            for i in mapped_inputs
+        ]
+
+    def block(pieces):
+        block_inputs = list(leaves)
+        for i, piece in zip(mapped_inputs, pieces, strict=True):
+            block_inputs[i] = piece
+        return vectorised(jax.tree_util.tree_unflatten(input_def, block_inputs))
+
+    first = jnp.asarray(0, jnp.int32)
+    shapes = eqx.filter_eval_shape(lambda start: block(read(start)), first)
     out_leaves, out_def = jax.tree_util.tree_flatten(shapes)
     out_axes_per_leaf = out_def.flatten_up_to(output_axes[-1])
     mapped = [i for i, a in enumerate(out_axes_per_leaf) if a is not None]
@@ -303,19 +312,20 @@ def _chunked_vmap(
         if a is None and isinstance(leaf, jax.ShapeDtypeStruct)
     ]
 
-    def mapped_block(start):
-        block_leaves = jax.tree_util.tree_leaves(block(start))
+    def mapped_block(start, pieces):
+        block_leaves = jax.tree_util.tree_leaves(block(pieces))
         return [block_leaves[i] for i in mapped]
 
     results = list(out_leaves)  # non-array outputs are kept as `fn` returned them
     if mapped:
         mapped_axes = [out_axes_per_leaf[i] for i in mapped]
-        for i, value in zip(mapped, map_blocks(mapped_block, plan, axis=mapped_axes), strict=True):
+        blocks = map_blocks(mapped_block, plan, axis=mapped_axes, read=read)
+        for i, value in zip(mapped, blocks, strict=True):
             results[i] = value
     if unmapped_arrays:
         # Unmapped outputs are the same for every block: read them from one more call,
         # whose mapped part is unused and so dropped by the compiler.
-        block_leaves = jax.tree_util.tree_leaves(block(jnp.asarray(0, jnp.int32)))
+        block_leaves = jax.tree_util.tree_leaves(block(read(first)))
         for i in unmapped_arrays:
             results[i] = block_leaves[i]
     return jax.tree_util.tree_unflatten(out_def, results)
