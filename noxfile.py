@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s docs`, `nox -s benchmarks`."""
+"""Developer sessions: `nox -s tests`, `nox -s examples`, `nox -s lint`, `nox -s docs`,
+`nox -s benchmarks`."""
 
 import nox
 
@@ -9,6 +10,15 @@ nox.options.sessions = ["lint", "tests"]
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", "-n", "auto", "tests", *session.posargs)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Run every script in examples/ and check what it prints."""
+    session.install("-e", ".[test]")
+    session.run(
+        "python", "-m", "pytest", "-m", "examples", "tests/test_examples.py", *session.posargs
+    )
 
 
 @nox.session
