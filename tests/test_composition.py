@@ -395,7 +395,7 @@ def test_errors_surface_through_a_stack():
 # Sweeps over block sizes at every level of a stack
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(
     batch=st.integers(1, 9),
     chunk_size=st.integers(1, 10),
@@ -432,7 +432,7 @@ def test_dataset_hessian_sweep(batch, microbatch_size, nbatches):
     close(dataset_hessian(params, x, y), jax.jit(jax.hessian(fn))(flat, x, y))
 
 
-@settings(max_examples=5)
+@settings(max_examples=4)
 @given(
     batch=st.integers(1, 6),
     chunk_size=st.integers(1, 7),
