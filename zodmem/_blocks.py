@@ -332,24 +332,30 @@ def scan_blocks(
 
 
 def reduce_blocks(
-    block_fn: Callable[[Any, int], Any],
+    block_fn: Callable[..., Any],
     plan: BlockPlan,
     init: Any,
     update: Callable[[Any, Any, Any, int], Any],
     *,
     num_blocks: Any = None,
+    read: Callable[[Any, int], Any] | None = None,
 ) -> Any:
     """Fold the results of every block into an accumulator, block by block.
 
     - `block_fn(start, size)`: results for items `start, ..., start + size - 1`;
       `start` is traced and `size` a Python int (`plan.block_size`, or
-      `plan.remainder` for the last, smaller block).
+      `plan.remainder` for the last, smaller block). Called as
+      `block_fn(start, size, inputs)` when `read` is given.
     - `init`: the starting accumulator.
     - `update(acc, result, index, size)`: the accumulator after block `index`.
     - `num_blocks`: optionally a (possibly traced) number of blocks to run, counted
       from the first; the remainder block, when there is one, is the last block and
       counts as one. Blocks from `num_blocks` on are not evaluated and leave the
       accumulator as it is (a value above `plan.num_blocks` runs every block).
+    - `read(start, size)`: optionally, the block's inputs (a pytree of arrays), handed
+      to `block_fn`. As in `map_blocks`, the loop over full blocks reads each block's
+      inputs one iteration ahead and carries them, so that the block function gets
+      arrays of their own rather than slices fused into its first operations.
 
     Blocks never overlap, so every item is counted exactly once. The loop has a
     fixed trip count even when `num_blocks` is traced (skipped blocks go through
@@ -357,30 +363,50 @@ def reduce_blocks(
     """
     acc = init
 
-    def step(index, acc):
+    def compute(start, size, inputs):
+        return block_fn(start, size) if read is None else block_fn(start, size, inputs)
+
+    def read_full(index):
+        if read is None:
+            return None
+        # Past the last full block the start is clamped, so the read stays in bounds
+        # (and is unused).
+        start = jnp.minimum(index * plan.block_size, plan.total - plan.block_size)
+        return read(start.astype(jnp.int32), plan.block_size)
+
+    def run(index, acc, inputs):
         start = (index * plan.block_size).astype(jnp.int32)
-        return update(acc, block_fn(start, plan.block_size), index, plan.block_size)
+        return update(acc, compute(start, plan.block_size, inputs), index, plan.block_size)
+
+    def step(index, state):
+        acc, inputs = state
+        return run(index, acc, inputs), read_full(index + 1)
 
     def last(acc):
         start = jnp.asarray(plan.num_full_blocks * plan.block_size, jnp.int32)
-        result = block_fn(start, plan.remainder)
+        inputs = None if read is None else read(start, plan.remainder)
+        result = compute(start, plan.remainder, inputs)
         return update(acc, result, jnp.asarray(plan.num_full_blocks), plan.remainder)
 
+    first = jnp.asarray(0, jnp.int32)
     if num_blocks is None:
         if plan.num_full_blocks:
-            acc = jax.lax.fori_loop(0, plan.num_full_blocks, step, acc)
+            acc, _ = jax.lax.fori_loop(0, plan.num_full_blocks, step, (acc, read_full(first)))
         if plan.remainder:
             acc = last(acc)
         return acc
 
     stop = jnp.asarray(num_blocks, jnp.int32)
 
-    def step_if_running(index, acc):
-        return jax.lax.cond(index < stop, lambda a: step(index, a), lambda a: a, acc)
+    def step_if_running(index, state):
+        acc, inputs = state
+        acc = jax.lax.cond(index < stop, lambda a: run(index, a, inputs), lambda a: a, acc)
+        return acc, read_full(index + 1)
 
     if plan.num_full_blocks:
-        acc = jax.lax.fori_loop(0, plan.num_full_blocks, step_if_running, acc)
+        acc, _ = jax.lax.fori_loop(
+            0, plan.num_full_blocks, step_if_running, (acc, read_full(first))
+        )
     if plan.remainder:
         acc = jax.lax.cond(stop > plan.num_full_blocks, last, lambda a: a, acc)
     return acc
-

@@ -601,12 +601,18 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
             f"of {t.microbatch_size}."
         )
 
-    def block_fn(start, size):
-        call_args, call_kwargs = list(args), dict(kwargs)
-        for position, (_, value, axes) in zip(positions, batch, strict=True):
-            piece = jax.tree_util.tree_map(
+    def read(start, size):
+        """The microbatch's slices of the batch arguments."""
+        return [
+            jax.tree_util.tree_map(
                 lambda x, a: jax.lax.dynamic_slice_in_dim(x, start, size, axis=a), value, axes
             )
+            for _, value, axes in batch
+        ]
+
+    def block_fn(start, size, pieces):
+        call_args, call_kwargs = list(args), dict(kwargs)
+        for position, piece in zip(positions, pieces, strict=True):
             if isinstance(position, int):
                 call_args[position] = piece
             else:
@@ -614,7 +620,7 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
         return t.fn(*call_args, **call_kwargs)
 
     def shapes(size):
-        return jax.eval_shape(lambda s: block_fn(s, size), jnp.asarray(0, jnp.int32))
+        return jax.eval_shape(lambda s: block_fn(s, size, read(s, size)), jnp.asarray(0, jnp.int32))
 
     full = shapes(plan.block_size)
     last = shapes(plan.remainder) if plan.remainder else None
@@ -639,7 +645,7 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
             for c, acc, part in zip(combiners, carry, parts, strict=True)
         ]
 
-    carry = reduce_blocks(block_fn, plan, init, update, num_blocks=num_blocks)
+    carry = reduce_blocks(block_fn, plan, init, update, num_blocks=num_blocks, read=read)
     return acc_def.unflatten([c.finalize(acc) for c, acc in zip(combiners, carry, strict=True)])
 
 
