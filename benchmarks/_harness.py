@@ -11,9 +11,12 @@ script hands them to `main`, which
 - in the child process (`--child CASE`), builds the case, calls `compute` once,
   waits for its result (`block_until_ready`), and reports
 
-  * `peak_rss_bytes`: the process's peak resident memory,
-    `resource.getrusage(RUSAGE_SELF).ru_maxrss`, read right after the call and
-    before any checking work;
+  * `peak_rss_bytes`: the process's peak resident memory, read right after the
+    call and before any checking work: `VmHWM` of `/proc/self/status` on Linux, else
+    `resource.getrusage(RUSAGE_SELF).ru_maxrss` (also kept, as `ru_maxrss_bytes`).
+    On Linux `ru_maxrss` survives `exec`, so a child started by a big parent
+    reports at least the parent's size; `VmHWM` starts afresh with the new program.
+    The parent here imports no JAX, so both agree;
   * `time_s`: wall time of the call, tracing and compilation included;
   * `cpu_s`: CPU time of the process over the call, all threads together (less
     disturbed than wall time when other processes share the machine);
@@ -60,7 +63,9 @@ class Case:
     - `info`: extra figures to record with the result (sizes, options).
     - `repeats`: after the measured call, call `compute` this many more times and
       record their wall times (`steady_s`, `steady_min_s`, `steady_median_s`): the
-      time of a call that is already compiled.
+      time of a call that is already compiled; and the CPU time (user and system,
+      all threads) of each (`steady_cpu_s`, `steady_cpu_min_s`), steadier than wall
+      time on a machine shared with other work.
     """
 
     compute: Callable[[], Any] | None
@@ -68,10 +73,22 @@ class Case:
     repeats: int = 0
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports kilobytes)."""
+def ru_maxrss_bytes() -> int:
+    """`ru_maxrss` in bytes (Linux reports kilobytes, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this program so far: `VmHWM` where Linux gives it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return ru_maxrss_bytes()
 
 
 def machine_info() -> dict[str, Any]:
@@ -147,7 +164,9 @@ def _run_child(case: Case) -> dict[str, Any]:
 
     result: dict[str, Any] = {"info": case.info}
     if case.compute is None:
-        result.update(peak_rss_bytes=peak_rss_bytes(), output_bytes=0)
+        result.update(
+            peak_rss_bytes=peak_rss_bytes(), ru_maxrss_bytes=ru_maxrss_bytes(), output_bytes=0
+        )
         return result
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     cpu_start = _cpu_seconds()
@@ -158,6 +177,7 @@ def _run_child(case: Case) -> dict[str, Any]:
     peak = peak_rss_bytes()
     result.update(
         peak_rss_bytes=peak,
+        ru_maxrss_bytes=ru_maxrss_bytes(),
         time_s=elapsed,
         compile_s=compile_seconds[0],
         run_s=elapsed - compile_seconds[0],
@@ -166,16 +186,21 @@ def _run_child(case: Case) -> dict[str, Any]:
         check=fingerprint(out),
     )
     del out
-    steady = []
+    steady, steady_cpu = [], []
     for _ in range(case.repeats):
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         jax.block_until_ready(case.compute())
         steady.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        steady_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     if steady:
         result.update(
             steady_s=steady,
             steady_min_s=min(steady),
             steady_median_s=sorted(steady)[len(steady) // 2],
+            steady_cpu_s=steady_cpu,
+            steady_cpu_min_s=min(steady_cpu),
         )
     return result
 
