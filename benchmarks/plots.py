@@ -103,7 +103,8 @@ def _save(fig: Any, path: Path, legend_rows: int = 0) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     # Leave room at the bottom for a figure-wide legend of `legend_rows` rows.
-    fig.tight_layout(rect=(0, 0.045 * legend_rows, 1, 1))
+    bottom = 0.2 * legend_rows / fig.get_size_inches()[1] if legend_rows else 0
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     # No metadata, so that redrawing from the same results gives the same bytes.
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
@@ -135,7 +136,7 @@ def _reference_line(
             fontsize=8,
             color=style["color"],
         )
-        ax.plot([], [], label=f"{label}, above", **line)
+        ax.plot([], [], label=label, **line)
     else:
         ax.axhline(value, label=label, **line)
 
@@ -281,6 +282,7 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.6), squeeze=False)
     fig.suptitle("Work in chunks: peak memory and time against the chunk size", fontsize=11)
     time_label = "time of a compiled call (s)" if steady else "wall time, compilation included (s)"
+    legend_rows = 0
     for column, group in enumerate(names):
         memory_ax, time_ax = axes[0][column], axes[1][column]
         floor = references[group].pop("floor", {}).get("peak_rss_bytes", 0)
@@ -321,8 +323,19 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
             ax.set_xlabel(size_names.get(group, "chunk size"))
             ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
-        memory_ax.legend(fontsize=7, loc="lower left")
-    _save(fig, out_dir / "loops.png")
+        # Each column's legend goes under it, clear of the curves.
+        handles, labels = memory_ax.get_legend_handles_labels()
+        time_ax.legend(
+            handles,
+            labels,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.2),
+            ncol=2,
+            fontsize=7,
+            frameon=False,
+        )
+        legend_rows = max(legend_rows, -(-len(labels) // 2))
+    _save(fig, out_dir / "loops.png", legend_rows=legend_rows)
     return True
 
 
