@@ -211,7 +211,8 @@ def _cpu_seconds() -> float:
 
 
 def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result from repeated runs of a case: the largest peak, the median times.
+    """One result from repeated runs of a case: the largest peak, the median times
+    (the fastest of the steady calls).
 
     The runs themselves are kept under `runs`.
     """
@@ -222,10 +223,13 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return runs[0]
     combined = dict(good[0])
     combined["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in good)
-    for key in ("time_s", "compile_s", "run_s", "cpu_s"):
+    for key in ("time_s", "compile_s", "run_s", "cpu_s", "steady_median_s"):
         if key in good[0]:
             values = sorted(r[key] for r in good)
             combined[key] = values[len(values) // 2]
+    for key in ("steady_min_s", "steady_cpu_min_s"):
+        if key in good[0]:
+            combined[key] = min(r[key] for r in good)
     combined["runs"] = [{k: v for k, v in r.items() if k != "info"} for r in runs]
     return combined
 
