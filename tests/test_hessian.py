@@ -150,7 +150,11 @@ def test_every_block_option():
     # Every nbatches; batch sizes that divide, do not divide, and exceed n.
     options = [{"nbatches": k} for k in range(1, 6)]
     options += [{"batch_size": k} for k in (1, 2, 3, 5, 8)] + [{}]
-    transforms = [zm.BatchedHessian(loss, **option) for option in options]
+    transforms = [
+        zm.BatchedHessian(loss, mode=mode, **option)
+        for mode in ("auto", "fwd", "rev")
+        for option in options
+    ]
     for H in together(transforms, x, 2.0, weight=0.25):
         assert H.shape == (5, 5) and H.dtype == jnp.float64
         close(H, expected)
@@ -388,9 +392,16 @@ def test_construction_errors(config, error, check_error, message):
         unchecked(zm.BatchedHessian, **config).__check_init__()
 
 
-def test_no_mode_and_fn_must_be_callable():
-    with pytest.raises(TypeError, match="mode"):
-        zm.BatchedHessian(loss, mode="fwd")
+def test_mode_and_fn_must_be_callable():
+    for mode in ("auto", "fwd", "rev"):
+        assert zm.BatchedHessian(loss, mode=mode).mode == mode
+    with pytest.raises((TypeError, ValueError), match=r"mode[\s\S]*'jacfwd'"):
+        zm.BatchedHessian(loss, mode="jacfwd")
+    with pytest.raises(
+        ValueError,
+        match=r"^BatchedHessian: `mode` must be one of 'auto', 'fwd', 'rev'; got 'jacfwd'",
+    ):
+        unchecked(zm.BatchedHessian, mode="jacfwd").__check_init__()
     with pytest.raises(TypeError, match=r"fn[\s\S]*'loss'"):
         zm.BatchedHessian("loss")
     with pytest.raises(TypeError, match=r"`fn` must be callable .* got 'loss' of type str"):
@@ -472,12 +483,13 @@ def hessian_cases(draw):
     )
     m = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 3))
-    return sizes, option, value, m, seed
+    mode = draw(st.sampled_from(["auto", "fwd", "rev"]))
+    return sizes, option, value, m, seed, mode
 
 
 @given(hessian_cases())
 def test_sweep_against_the_exact_hessian(case):
-    sizes, option, value, m, seed = case
+    sizes, option, value, m, seed, mode = case
     n = sum(sizes)
     rng = np.random.default_rng(seed)
     v = rng.uniform(-1, 1, n)
@@ -496,6 +508,6 @@ def test_sweep_against_the_exact_hessian(case):
 
     exact = a.T @ np.diag(-c * np.sin(a @ v)) @ a + s + (w @ v) * np.outer(w, w)
     kwargs = {} if option is None else {option: value}
-    H = zm.BatchedHessian(fn, **kwargs)(x)
+    H = zm.BatchedHessian(fn, mode=mode, **kwargs)(x)
     assert H.shape == (n, n) and H.dtype == jnp.float64
     np.testing.assert_allclose(H, exact, rtol=1e-11, atol=1e-11)

@@ -38,6 +38,7 @@ __all__ = [
     "write_once",
     "reduce_blocks",
     "check_block_option",
+    "check_block_options",
 ]
 
 
@@ -78,6 +79,17 @@ def check_block_option(value: Any, name: str, *, owner: str) -> None:
         )
     if value <= 0:
         raise ValueError(f"{owner}: `{name}` must be a positive int, got {name}={value}.")
+
+
+def check_block_options(nbatches: Any, batch_size: Any, *, owner: str) -> None:
+    """Validate the pair `nbatches` / `batch_size`: each `None` or positive, not both."""
+    check_block_option(nbatches, "nbatches", owner=owner)
+    check_block_option(batch_size, "batch_size", owner=owner)
+    if nbatches is not None and batch_size is not None:
+        raise ValueError(
+            f"{owner}: give at most one of `nbatches` and `batch_size`, got "
+            f"nbatches={nbatches} and batch_size={batch_size}."
+        )
 
 
 def plan_blocks(

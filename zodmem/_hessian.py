@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -11,23 +11,24 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Inexact, PyTree, jaxtyped
 
-from ._blocks import check_block_option, map_blocks, plan_blocks
+from ._blocks import check_block_options, map_blocks, plan_blocks
 from ._pytree import Variables, basis_block, flat_function, split_variables
-from ._transform import AbstractTransform, check_bool, check_callable
+from ._transform import AbstractTransform, check_bool, check_callable, check_choice
 
 __all__ = ["BatchedHessian", "hessian_to_pytree", "jacobian_to_pytree"]
+
+_MODES = ("auto", "fwd", "rev")
 
 
 class BatchedHessian(AbstractTransform):
     """The Hessian of a scalar function with respect to its first argument, in blocks.
 
     Use it where `jax.hessian` runs out of memory: the gradient of `fn` is
-    evaluated once, and its products with blocks of basis vectors are computed one
-    block at a time: VJPs (reverse-over-reverse) give blocks of rows when all
-    variables share one real dtype, and JVPs (forward-over-reverse) give blocks of
-    columns when precisions are mixed. Each block is written straight into the
-    preallocated `(n, n)` result, so peak memory is the Hessian, the gradient's
-    residuals and one block, and never a second copy of the Hessian.
+    differentiated once (one `jax.linearize` or one `jax.vjp` of it), and its
+    products with blocks of basis vectors are computed one block at a time. Each
+    block is written straight into the preallocated `(n, n)` result, so peak memory
+    is the Hessian, the gradient's residuals and one block, and never a second copy
+    of the Hessian.
 
     The variables are the inexact-array leaves of `x`, raveled in leaf order; every
     other leaf (functions, ints, bools, static fields of an Equinox model) is held
@@ -40,6 +41,14 @@ class BatchedHessian(AbstractTransform):
     - `nbatches`: compute the Hessian in this many blocks (of rows or columns). At
       most one of `nbatches` and `batch_size` may be given; with neither, one block.
     - `batch_size`: the number of rows (or columns) per block.
+    - `mode`: how the products are formed. `"fwd"` is forward-over-reverse:
+      Hessian-vector products, JVPs of one linearisation of the gradient, written
+      as blocks of columns exactly as `jax.hessian` (`jacfwd(jacrev(fn))`) forms
+      them. `"rev"` is reverse-over-reverse: VJPs of one `jax.vjp` of the gradient,
+      written as blocks of rows (H is symmetric). `"auto"` (the default) picks
+      `"rev"` when all variables share one real dtype -- it ran up to 2x faster on
+      CPU in `benchmarks/hessian_memory.py`, in no more memory -- and `"fwd"` when
+      precisions are mixed, where rounding makes H not exactly symmetric.
     - `has_aux`: `fn` returns `(value, aux)`; `aux` is returned unchanged.
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
@@ -73,6 +82,7 @@ class BatchedHessian(AbstractTransform):
     fn: Callable[..., Any]
     nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
     batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
     has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
     jit: bool = eqx.field(default=True, static=True, kw_only=True)
     checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
@@ -80,13 +90,8 @@ class BatchedHessian(AbstractTransform):
     def __check_init__(self):
         owner = "BatchedHessian"
         check_callable(self.fn, "fn", owner=owner)
-        check_block_option(self.nbatches, "nbatches", owner=owner)
-        check_block_option(self.batch_size, "batch_size", owner=owner)
-        if self.nbatches is not None and self.batch_size is not None:
-            raise ValueError(
-                f"{owner}: give at most one of `nbatches` and `batch_size`, got "
-                f"nbatches={self.nbatches} and batch_size={self.batch_size}."
-            )
+        check_block_options(self.nbatches, self.batch_size, owner=owner)
+        check_choice(self.mode, "mode", _MODES, owner=owner)
         check_bool(self.has_aux, "has_aux", owner=owner)
         check_bool(self.jit, "jit", owner=owner)
         check_bool(self.checkpoint, "checkpoint", owner=owner)
@@ -156,10 +161,14 @@ def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
     def basis(start):
         return basis_block(start, plan.block_size, n, flat.dtype)
 
-    if len(set(variables.dtypes)) == 1 and jnp.issubdtype(flat.dtype, jnp.floating):
-        # One real precision: H is symmetric, so row i is the VJP of the gradient with
-        # e_i. These reverse-over-reverse products ran up to 2x faster than JVPs of the
-        # gradient on CPU (benchmarks/hessian_memory.py), in no more memory.
+    mode = t.mode
+    if mode == "auto":
+        one_real_dtype = len(set(variables.dtypes)) == 1 and jnp.issubdtype(
+            flat.dtype, jnp.floating
+        )
+        mode = "rev" if one_real_dtype else "fwd"
+    if mode == "rev":
+        # H is symmetric, so row i is the VJP of the gradient with e_i.
         if t.has_aux:
             _, vjp, aux = jax.vjp(gradient, leaves_of(flat), has_aux=True)
         else:

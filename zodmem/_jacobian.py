@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
-from ._blocks import check_block_option, map_blocks, plan_blocks
+from ._blocks import check_block_options, map_blocks, plan_blocks
 from ._pytree import basis_block, flat_function, split_variables
 from ._transform import AbstractTransform, check_bool, check_callable, check_choice
 
@@ -88,13 +88,7 @@ class BatchedJacobian(AbstractTransform):
     def __check_init__(self):
         owner = "BatchedJacobian"
         check_callable(self.fn, "fn", owner=owner)
-        check_block_option(self.nbatches, "nbatches", owner=owner)
-        check_block_option(self.batch_size, "batch_size", owner=owner)
-        if self.nbatches is not None and self.batch_size is not None:
-            raise ValueError(
-                f"{owner}: give at most one of `nbatches` and `batch_size`, got "
-                f"nbatches={self.nbatches} and batch_size={self.batch_size}."
-            )
+        check_block_options(self.nbatches, self.batch_size, owner=owner)
         check_choice(self.mode, "mode", _MODES, owner=owner)
         check_bool(self.has_aux, "has_aux", owner=owner)
         check_bool(self.jit, "jit", owner=owner)
