@@ -98,13 +98,14 @@ def _figure(ncols: int, title: str):
     return fig, list(axes[0])
 
 
-def _save(fig: Any, path: Path, legend_rows: int = 0) -> None:
+def _save(fig: Any, path: Path, legend_rows: int = 0, layout: bool = True) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Leave room at the bottom for a figure-wide legend of `legend_rows` rows.
-    bottom = 0.2 * legend_rows / fig.get_size_inches()[1] if legend_rows else 0
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    if layout:
+        # Leave room at the bottom for a figure-wide legend of `legend_rows` rows.
+        bottom = 0.2 * legend_rows / fig.get_size_inches()[1] if legend_rows else 0
+        fig.tight_layout(rect=(0, bottom, 1, 1))
     # No metadata, so that redrawing from the same results gives the same bytes.
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
@@ -279,12 +280,13 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(names), figsize=(4.6 * len(names), 7.6), squeeze=False)
-    fig.suptitle("Work in chunks: peak memory and time against the chunk size", fontsize=11)
+    # One row per problem (memory, then time), so the figure stays legible at the
+    # width of a documentation page however many problems there are.
+    fig = plt.figure(layout="constrained", figsize=(9.0, 3.7 * len(names)))
+    rows = fig.subfigures(len(names), 1, squeeze=False)[:, 0]
     time_label = "time of a compiled call (s)" if steady else "wall time, compilation included (s)"
-    legend_rows = 0
-    for column, group in enumerate(names):
-        memory_ax, time_ax = axes[0][column], axes[1][column]
+    for row, group in zip(rows, names, strict=True):
+        memory_ax, time_ax = row.subplots(1, 2)
         floor = references[group].pop("floor", {}).get("peak_rss_bytes", 0)
         all_peaks = [
             r["peak_rss_bytes"] - floor
@@ -314,7 +316,8 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
                 _reference_line(memory_ax, value, unit, peaks, label, style)
             if _seconds(r) is not None:
                 _reference_line(time_ax, _seconds(r), "s", seconds, label, style)
-        memory_ax.set_title(group, fontsize=10)
+        if group:
+            row.suptitle(group, fontsize=11)
         above = " above the floor" if floor else ""
         memory_ax.set_ylabel(f"peak memory{above} ({unit})")
         time_ax.set_ylabel(time_label)
@@ -323,19 +326,10 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
             ax.set_xlabel(size_names.get(group, "chunk size"))
             ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
-        # Each column's legend goes under it, clear of the curves.
+        # Each row's legend goes under it, clear of the curves.
         handles, labels = memory_ax.get_legend_handles_labels()
-        time_ax.legend(
-            handles,
-            labels,
-            loc="upper center",
-            bbox_to_anchor=(0.5, -0.2),
-            ncol=2,
-            fontsize=7,
-            frameon=False,
-        )
-        legend_rows = max(legend_rows, -(-len(labels) // 2))
-    _save(fig, out_dir / "loops.png", legend_rows=legend_rows)
+        row.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    _save(fig, out_dir / "loops.png", layout=False)
     return True
 
 
