@@ -225,8 +225,14 @@ def hessian_to_pytree(H: ArrayLike, x: PyTree) -> PyTree:
     !!! example
 
         ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(params, data):
+            return jnp.sum((params["w"] * data + params["b"]) ** 2)
+
         params = {"b": jnp.zeros(()), "w": jnp.ones(4)}
-        H = zm.BatchedHessian(loss)(params, data)
+        H = zm.BatchedHessian(loss)(params, jnp.arange(4.0))
         blocks = zm.hessian_to_pytree(H, params)
         blocks["w"]["b"].shape   # (4,)
         ```
@@ -266,6 +272,12 @@ def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
     !!! example
 
         ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def f(params, t):
+            return params["a"] * jnp.sin(params["w"] * t)
+
         params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
         J = zm.BatchedJacobian(f)(params, 0.5)          # (3, 6)
         zm.jacobian_to_pytree(J, params)["w"].shape     # (3, 3)
