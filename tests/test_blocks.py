@@ -201,3 +201,60 @@ def test_map_blocks_sweep(total, option, fraction, big):
     assert covered.sum() - total == (plan.block_size - plan.remainder) % plan.block_size
     out = jax.jit(lambda: map_blocks(lambda s: items_of(s, plan.block_size, 1)[:, 0], plan))()
     np.testing.assert_array_equal(out, np.arange(total, dtype=np.float64))
+
+
+@pytest.mark.parametrize("total, block_size", [(7, 3), (8, 4), (5, 5), (9, 2)])
+def test_read_ahead_equals_slicing_inside_the_block(total, block_size):
+    from zodmem._blocks import reduce_blocks
+
+    data = jnp.arange(total * 2.0).reshape(total, 2) ** 1.5
+    plan = plan_blocks(total, batch_size=block_size)
+
+    def sliced(start):
+        return jnp.sin(jax.lax.dynamic_slice_in_dim(data, start, plan.block_size))
+
+    def read(start):
+        return jax.lax.dynamic_slice_in_dim(data, start, plan.block_size)
+
+    np.testing.assert_array_equal(
+        map_blocks(lambda start, rows: jnp.sin(rows), plan, read=read),
+        map_blocks(sliced, plan),
+    )
+    np.testing.assert_allclose(map_blocks(sliced, plan), jnp.sin(data), rtol=1e-6)
+
+    def update(acc, result, index, size):
+        return acc + result
+
+    def block_sum(start, size):
+        return jnp.sum(jax.lax.dynamic_slice_in_dim(data, start, size), axis=0)
+
+    def read_rows(start, size):
+        return jax.lax.dynamic_slice_in_dim(data, start, size)
+
+    expected = jnp.sum(data, axis=0)
+    zero = jnp.zeros(2)
+    plain = reduce_blocks(block_sum, plan, zero, update)
+    ahead = reduce_blocks(
+        lambda start, size, rows: jnp.sum(rows, axis=0), plan, zero, update, read=read_rows
+    )
+    np.testing.assert_allclose(plain, expected, rtol=1e-6)
+    np.testing.assert_allclose(ahead, expected, rtol=1e-6)
+    # A traced count of blocks stops both the same way.
+    for count in range(plan.num_blocks + 2):
+        stop = jnp.asarray(count)
+        first = min(count, plan.num_blocks)
+        items = min(first * block_size, total)
+        np.testing.assert_allclose(
+            jax.jit(
+                lambda s: reduce_blocks(
+                    lambda start, size, rows: jnp.sum(rows, axis=0),
+                    plan,
+                    zero,
+                    update,
+                    read=read_rows,
+                    num_blocks=s,
+                )
+            )(stop),
+            jnp.sum(data[:items], axis=0),
+            rtol=1e-6,
+        )

@@ -180,8 +180,10 @@ def map_blocks(
         return compute(first, read_block(first))
     block_shapes = jax.eval_shape(lambda start: compute(start, read_block(start)), first)
     leaves, treedef = jax.tree_util.tree_flatten(block_shapes)
-    axes = [a % len(leaf.shape) for a, leaf in zip(_leaf_axes(axis, block_shapes), leaves)]
-    for leaf, a in zip(leaves, axes):
+    axes = [
+        a % len(leaf.shape) for a, leaf in zip(_leaf_axes(axis, block_shapes), leaves, strict=True)
+    ]
+    for leaf, a in zip(leaves, axes, strict=True):
         if leaf.shape[a] != plan.block_size:
             raise ValueError(
                 f"The block function returned a leaf of shape {leaf.shape} whose axis {a} "
@@ -190,7 +192,7 @@ def map_blocks(
 
     buffers = [
         jnp.zeros(leaf.shape[:a] + (plan.total,) + leaf.shape[a + 1 :], leaf.dtype)
-        for leaf, a in zip(leaves, axes)
+        for leaf, a in zip(leaves, axes, strict=True)
     ]
 
     def write_block(index, state):
@@ -199,7 +201,7 @@ def map_blocks(
         block = jax.tree_util.tree_leaves(compute(start, inputs))
         buffers = [
             jax.lax.dynamic_update_slice_in_dim(buf, piece.astype(buf.dtype), start, axis=a)
-            for buf, piece, a in zip(buffers, block, axes)
+            for buf, piece, a in zip(buffers, block, axes, strict=True)
         ]
         # The next block's inputs; past the last block `plan.start` clamps the index
         # to the last block, so this read stays in bounds (and is unused).

@@ -103,7 +103,7 @@ def split_variables(tree: Any, *, argname: str = "x") -> tuple[jax.Array, Variab
     """
     all_leaves, treedef = jax.tree_util.tree_flatten(tree)
     is_variable = tuple(bool(eqx.is_inexact_array(leaf)) for leaf in all_leaves)
-    leaves = [leaf for leaf, is_var in zip(all_leaves, is_variable) if is_var]
+    leaves = [leaf for leaf, is_var in zip(all_leaves, is_variable, strict=True) if is_var]
     if not leaves:
         kinds = sorted({type(leaf).__name__ for leaf in all_leaves})
         raise ValueError(
@@ -115,7 +115,7 @@ def split_variables(tree: Any, *, argname: str = "x") -> tuple[jax.Array, Variab
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)
     dtype = jnp.result_type(*dtypes)
-    fixed = [None if is_var else leaf for leaf, is_var in zip(all_leaves, is_variable)]
+    fixed = [None if is_var else leaf for leaf, is_var in zip(all_leaves, is_variable, strict=True)]
     info = Variables(
         shapes=shapes,
         dtypes=dtypes,
@@ -144,5 +144,5 @@ def flat_function(
 
 
 def basis_block(start: jax.Array, block_size: int, n: int, dtype: Any) -> jax.Array:
-    """Rows `start, ..., start + block_size - 1` of the `n x n` identity, shape `(block_size, n)`."""
+    """Rows `start, ..., start + block_size - 1` of the `n x n` identity: `(block_size, n)`."""
     return jax.nn.one_hot(start + jnp.arange(block_size), n, dtype=dtype)
