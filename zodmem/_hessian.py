@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -11,16 +10,14 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Inexact, PyTree, jaxtyped
 
-from ._blocks import check_block_options, map_blocks, plan_blocks
+from ._blocks import map_blocks, plan_blocks
 from ._pytree import Variables, basis_block, flat_function, split_variables
-from ._transform import AbstractTransform, check_bool, check_callable, check_choice
+from ._transform import AbstractDerivative
 
 __all__ = ["BatchedHessian", "hessian_to_pytree", "jacobian_to_pytree"]
 
-_MODES = ("auto", "fwd", "rev")
 
-
-class BatchedHessian(AbstractTransform):
+class BatchedHessian(AbstractDerivative):
     """The Hessian of a scalar function with respect to its first argument, in blocks.
 
     Use it where `jax.hessian` runs out of memory: the gradient of `fn` is
@@ -78,23 +75,6 @@ class BatchedHessian(AbstractTransform):
         `fn` must return a scalar: a `(1,)`-shaped loss is refused with a
         `TypeError` naming its shape. Reduce it with `jnp.sum` or index it first.
     """
-
-    fn: Callable[..., Any]
-    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
-    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
-    mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
-    has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
-    jit: bool = eqx.field(default=True, static=True, kw_only=True)
-    checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
-
-    def __check_init__(self):
-        owner = "BatchedHessian"
-        check_callable(self.fn, "fn", owner=owner)
-        check_block_options(self.nbatches, self.batch_size, owner=owner)
-        check_choice(self.mode, "mode", _MODES, owner=owner)
-        check_bool(self.has_aux, "has_aux", owner=owner)
-        check_bool(self.jit, "jit", owner=owner)
-        check_bool(self.checkpoint, "checkpoint", owner=owner)
 
     @jaxtyped(typechecker=beartype)
     def __call__(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -12,16 +12,14 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
-from ._blocks import check_block_options, map_blocks, plan_blocks
+from ._blocks import map_blocks, plan_blocks
 from ._pytree import basis_block, flat_function, split_variables
-from ._transform import AbstractTransform, check_bool, check_callable, check_choice
+from ._transform import AbstractDerivative
 
 __all__ = ["BatchedJacobian"]
 
-_MODES = ("auto", "fwd", "rev")
 
-
-class BatchedJacobian(AbstractTransform):
+class BatchedJacobian(AbstractDerivative):
     """The Jacobian of `fn` with respect to its first argument, computed in blocks.
 
     Use it where `jax.jacfwd` / `jax.jacrev` of a function of many variables runs
@@ -76,23 +74,6 @@ class BatchedJacobian(AbstractTransform):
         `nbatches` and `batch_size` count products: columns with `mode="fwd"`, rows
         (output elements) with `mode="rev"`.
     """
-
-    fn: Callable[..., Any]
-    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
-    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
-    mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
-    has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
-    jit: bool = eqx.field(default=True, static=True, kw_only=True)
-    checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
-
-    def __check_init__(self):
-        owner = "BatchedJacobian"
-        check_callable(self.fn, "fn", owner=owner)
-        check_block_options(self.nbatches, self.batch_size, owner=owner)
-        check_choice(self.mode, "mode", _MODES, owner=owner)
-        check_bool(self.has_aux, "has_aux", owner=owner)
-        check_bool(self.jit, "jit", owner=owner)
-        check_bool(self.checkpoint, "checkpoint", owner=owner)
 
     @jaxtyped(typechecker=beartype)
     def __call__(

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 
-__all__ = ["AbstractTransform", "check_bool", "check_choice", "check_callable"]
+from ._blocks import check_block_options
+
+__all__ = [
+    "AbstractTransform",
+    "AbstractDerivative",
+    "check_bool",
+    "check_choice",
+    "check_callable",
+]
 
 
 class AbstractTransform(eqx.Module):
@@ -29,6 +37,31 @@ class AbstractTransform(eqx.Module):
             for field in dataclasses.fields(self)
             if field.metadata.get("static", False)
         }
+
+
+class AbstractDerivative(AbstractTransform):
+    """The configuration shared by `BatchedJacobian` and `BatchedHessian`.
+
+    Both differentiate `fn` with respect to its first argument, in blocks of
+    products planned from `nbatches` or `batch_size`, in forward or reverse mode.
+    """
+
+    fn: Callable[..., Any]
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
+    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
+    has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
+    jit: bool = eqx.field(default=True, static=True, kw_only=True)
+    checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
+
+    def __check_init__(self):
+        owner = type(self).__name__
+        check_callable(self.fn, "fn", owner=owner)
+        check_block_options(self.nbatches, self.batch_size, owner=owner)
+        check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
+        check_bool(self.has_aux, "has_aux", owner=owner)
+        check_bool(self.jit, "jit", owner=owner)
+        check_bool(self.checkpoint, "checkpoint", owner=owner)
 
 
 def check_callable(value: Any, name: str, *, owner: str) -> None:
