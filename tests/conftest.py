@@ -6,6 +6,8 @@ from jaxtyping import install_import_hook
 with install_import_hook("zodmem", "beartype.beartype"):
     import zodmem  # noqa: F401
 
+import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -15,3 +17,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
 )
 settings.load_profile("zodmem")
+
+
+@pytest.fixture(scope="module")
+def float64():
+    """Double precision for the module's tests (tight tolerances), restored afterwards."""
+    previous = jax.config.read("jax_enable_x64")
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)

@@ -8,13 +8,7 @@ from hypothesis import given, strategies as st
 
 from zodmem._blocks import BlockPlan, check_block_option, map_blocks, plan_blocks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def float64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 @pytest.mark.parametrize("total", [1, 2, 5, 7, 12])

@@ -10,13 +10,7 @@ from jax.flatten_util import ravel_pytree
 
 import zodmem.compat.zodiax as zc
 
-
-@pytest.fixture(autouse=True, scope="module")
-def float64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def close(actual, expected, rtol=1e-12, atol=1e-12):

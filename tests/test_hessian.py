@@ -10,37 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
+from reference import close, raveled
 
 import zodmem as zm
 
-
-@pytest.fixture(autouse=True, scope="module")
-def float64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
-def close(actual, expected, rtol=1e-12, atol=1e-12):
-    """Compare pytrees leaf by leaf: same structure, shapes and values."""
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(
-        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
-    ):
-        assert a.shape == e.shape
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
-
-
-def raveled(fn, x, *args, **kwargs):
-    """The reference: `fn` as a function of the flat inexact leaves of `x`, and that vector."""
-    params, fixed = eqx.partition(x, eqx.is_inexact_array)
-    flat, unravel = ravel_pytree(params)
-
-    def fn_of_flat(z):
-        return fn(eqx.combine(unravel(z), fixed), *args, **kwargs)
-
-    return fn_of_flat, flat
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 _REFERENCES = {}

@@ -11,13 +11,7 @@ import zodmem as zm
 from zodmem._blocks import plan_blocks, reduce_blocks
 from zodmem._microbatch import aggregate_stacked
 
-
-@pytest.fixture(autouse=True, scope="module")
-def float64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 KINDS = ["sum", "mean", "running_mean", "concat"]

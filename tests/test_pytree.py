@@ -15,13 +15,7 @@ from zodmem._pytree import (
     tree_size,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def float64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 class Holder(eqx.Module):

@@ -12,13 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
 
-
-@pytest.fixture(autouse=True, scope="module")
-def float64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def same(actual, expected):
