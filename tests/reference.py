@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
@@ -25,3 +26,18 @@ def raveled(fn, x, *args, **kwargs):
         return fn(eqx.combine(unravel(z), fixed), *args, **kwargs)
 
     return fn_of_flat, flat
+
+
+def make_mlp(in_size, out_size, width, depth, seed=0):
+    """An `eqx.nn.MLP` in float64 with random weights, built without tracing its init."""
+    shapes = eqx.filter_eval_shape(
+        eqx.nn.MLP, in_size, out_size, width, depth, key=jax.random.key(0), dtype=jnp.float64
+    )
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jnp.asarray(rng.uniform(-1, 1, leaf.shape), leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(fill, shapes)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import zodiax.diffops as zd
 from jax.flatten_util import ravel_pytree
+from reference import make_mlp
 
 import zodmem.compat.zodiax as zc
 
@@ -162,21 +163,6 @@ def test_bad_nbatches_is_refused_plainly():
     # NumPy integers are ints to zodiax, and so to zodmem.
     expected = jax.jit(lambda x: zd.hessian(loss, x, np.int64(2))[0])(x)
     close(zc.hessian(loss, x, np.int64(2))[0], expected)
-
-
-def make_mlp(in_size, out_size, width, depth, seed=0):
-    """An `eqx.nn.MLP` in float64 with random weights, built without tracing its init."""
-    shapes = eqx.filter_eval_shape(
-        eqx.nn.MLP, in_size, out_size, width, depth, key=jax.random.key(0), dtype=jnp.float64
-    )
-    rng = np.random.default_rng(seed)
-
-    def fill(leaf):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            return jnp.asarray(rng.uniform(-1, 1, leaf.shape), leaf.dtype)
-        return leaf
-
-    return jax.tree_util.tree_map(fill, shapes)
 
 
 def test_mlp_works_where_zodiax_fails():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from reference import close, raveled
+from reference import close, make_mlp, raveled
 
 import zodmem as zm
 
@@ -133,21 +133,6 @@ def make_holder():
         index=jnp.asarray([2, 0]),
         label="holder",
     )
-
-
-def make_mlp(in_size, out_size, width, depth, seed=0):
-    """An `eqx.nn.MLP` in float64 with random weights, built without tracing its init."""
-    shapes = eqx.filter_eval_shape(
-        eqx.nn.MLP, in_size, out_size, width, depth, key=jax.random.key(0), dtype=jnp.float64
-    )
-    rng = np.random.default_rng(seed)
-
-    def fill(leaf):
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            return jnp.asarray(rng.uniform(-1, 1, leaf.shape), leaf.dtype)
-        return leaf
-
-    return jax.tree_util.tree_map(fill, shapes)
 
 
 def test_every_block_option_in_every_mode():
