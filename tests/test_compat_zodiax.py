@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zodiax.diffops as zd
 from jax.flatten_util import ravel_pytree
-from reference import make_mlp
+from helpers import make_mlp
 
 import zodmem.compat.zodiax as zc
 

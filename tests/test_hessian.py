@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from reference import close, make_mlp, raveled
+from helpers import close, make_mlp, raveled
 
 import zodmem as zm
 

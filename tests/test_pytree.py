@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from reference import make_mlp
+from helpers import make_mlp
 
 from zodmem._pytree import (
     basis_block,

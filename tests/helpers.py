@@ -1,0 +1,67 @@
+"""What the tests share: one comparison of pytrees, and reference computations."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+from jax.tree_util import keystr
+
+
+def close(actual, expected, rtol=1e-12, atol=1e-12, *, dtypes=True, exact=False):
+    """Assert that two pytrees agree: the same structure, and leaf by leaf the same
+    shapes, dtypes (unless `dtypes=False`) and values, to `rtol`/`atol` or bit for bit
+    with `exact=True`. Leaves that are not arrays are compared with `==`."""
+    actual_leaves, actual_def = jax.tree_util.tree_flatten(actual)
+    expected_leaves, expected_def = jax.tree_util.tree_flatten(expected)
+    assert actual_def == expected_def, f"structures differ: {actual_def} != {expected_def}"
+    for path, a, e in zip(
+        [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]],
+        actual_leaves,
+        expected_leaves,
+        strict=True,
+    ):
+        if not eqx.is_array_like(e) or isinstance(e, (str, bool)) or e is None:
+            assert a == e, f"leaf{path}: {a!r} != {e!r}"
+            continue
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"leaf{path}: shape {a.shape} != {e.shape}"
+        if dtypes:
+            assert a.dtype == e.dtype, f"leaf{path}: dtype {a.dtype} != {e.dtype}"
+        if exact:
+            np.testing.assert_array_equal(a, e, err_msg=f"leaf{path}")
+        else:
+            np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"leaf{path}")
+
+
+def tree_size(tree):
+    """Total number of elements over the array leaves of `tree`."""
+    return sum(math.prod(np.shape(leaf)) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def raveled(fn, x, *args, **kwargs):
+    """The reference: `fn` as a function of the flat inexact leaves of `x`, and that vector."""
+    params, fixed = eqx.partition(x, eqx.is_inexact_array)
+    flat, unravel = ravel_pytree(params)
+
+    def fn_of_flat(z):
+        return fn(eqx.combine(unravel(z), fixed), *args, **kwargs)
+
+    return fn_of_flat, flat
+
+
+def make_mlp(in_size, out_size, width, depth, seed=0):
+    """An `eqx.nn.MLP` in float64 with random weights, built without tracing its init."""
+    shapes = eqx.filter_eval_shape(
+        eqx.nn.MLP, in_size, out_size, width, depth, key=jax.random.key(0), dtype=jnp.float64
+    )
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jnp.asarray(rng.uniform(-1, 1, leaf.shape), leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(fill, shapes)

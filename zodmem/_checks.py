@@ -1,0 +1,140 @@
+"""The checks that every transform and compat function makes on what it is given.
+
+One convention for every message: it starts with the owner (the transform's class
+name, or the compat function's name), names the argument, shows the value and says
+what is allowed. Integer options are read with `operator.index`, so NumPy integers
+are welcome and floats and bools are refused.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "as_index",
+    "check_bool",
+    "check_callable",
+    "check_choice",
+    "check_int",
+    "check_block_options",
+    "common_size",
+]
+
+
+def as_index(value: Any) -> Any:
+    """`value` as a Python int when it is an integer (a NumPy integer included) and not a
+    bool; anything else unchanged, for the checks to refuse with a clear message.
+
+    Used as the converter of integer fields, so that `np.int64(8)` is stored, hashed
+    and serialised as the Python int `8`.
+    """
+    if isinstance(value, bool) or value is None:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    owner: str,
+    minimum: int | None = None,
+    optional: bool = False,
+    allowed: str | None = None,
+) -> int | None:
+    """Refuse anything but an integer (at least `minimum`; or `None` when `optional`).
+
+    Returns the value as a Python int (or `None`). `allowed` words what is allowed in
+    the message (by default derived from `minimum` and `optional`).
+    """
+    if allowed is None:
+        kind = {None: "an int", 0: "a non-negative int", 1: "a positive int"}.get(
+            minimum, f"an int >= {minimum}"
+        )
+        allowed = f"{kind} or None" if optional else kind
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        raise TypeError(
+            f"{owner}: `{name}` must be {allowed}, got {value!r} of type {type(value).__name__}."
+        )
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner}: `{name}` must be {allowed}, got {name}={value}.")
+    return value
+
+
+def check_callable(value: Any, name: str, *, owner: str) -> None:
+    if not callable(value):
+        raise TypeError(
+            f"{owner}: `{name}` must be callable (a function or a module with __call__), "
+            f"got {value!r} of type {type(value).__name__}."
+        )
+
+
+def check_bool(value: Any, name: str, *, owner: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}: `{name}` must be True or False, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+
+
+def check_choice(value: Any, name: str, choices: Iterable[Any], *, owner: str) -> None:
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{owner}: `{name}` must be one of {allowed}; got {value!r}.")
+
+
+def check_block_options(
+    count: Any,
+    size: Any,
+    *,
+    owner: str,
+    count_name: str = "nbatches",
+    size_name: str = "batch_size",
+) -> None:
+    """Validate a pair of ways to say a block size (`nbatches` / `batch_size`): each
+    `None` or a positive int, and not both."""
+    check_int(count, count_name, owner=owner, minimum=1, optional=True)
+    check_int(size, size_name, owner=owner, minimum=1, optional=True)
+    if count is not None and size is not None:
+        raise ValueError(
+            f"{owner}: give at most one of `{count_name}` and `{size_name}`, got "
+            f"{count_name}={count} and {size_name}={size}."
+        )
+
+
+def common_size(sizes: Mapping[str, int], *, owner: str, what: str) -> int | None:
+    """The one size that every input named in `sizes` shares along its mapped axis.
+
+    `sizes` maps a description of each input (`"args[0]['w'] (axis 1)"`) to its size;
+    `what` words the axis in the message (`"mapped axes"`, `"batch axes"`, ...).
+    Returns `None` when `sizes` is empty.
+    """
+    found = set(sizes.values())
+    if not found:
+        return None
+    if len(found) > 1:
+        listed = ", ".join(f"{where}: {size}" for where, size in sizes.items())
+        raise ValueError(
+            f"{owner}: the inputs must all have the same size along their {what}, but the "
+            f"sizes are {listed}."
+        )
+    return found.pop()
