@@ -4,6 +4,7 @@ import dataclasses
 import re
 import textwrap
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +33,30 @@ def test_no_leaves_and_the_value_in_the_structure(value):
     assert jax.tree_util.tree_map(lambda leaf: 1 / 0, static) == static
 
 
-@given(a=hashable_values, b=hashable_values)
-def test_equality_and_hash_by_value(a, b):
+def same_value(a, b):
+    """Equal values of the same types, inside tuples and frozensets too."""
+    if type(a) is not type(b) or a != b:
+        return False
+    if isinstance(a, tuple):
+        return all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, frozenset):
+        return all(any(same_value(x, y) for y in b) for x in a)
+    return True
+
+
+mixed_values = st.one_of(
+    hashable_values,
+    st.floats(allow_nan=False),
+    st.tuples(st.one_of(st.integers(0, 2), st.booleans(), st.floats(0, 2))),
+    st.frozensets(st.one_of(st.integers(0, 2), st.booleans()), max_size=2),
+)
+
+
+@given(a=mixed_values, b=mixed_values)
+def test_equality_and_hash_by_value_and_type(a, b):
     assert zm.Static(a) == zm.Static(a)
     assert hash(zm.Static(a)) == hash(zm.Static(a))
-    assert (zm.Static(a) == zm.Static(b)) == (a == b)
+    assert (zm.Static(a) == zm.Static(b)) == same_value(a, b)
     assert jax.tree_util.tree_structure(zm.Static(a)) == jax.tree_util.tree_structure(zm.Static(a))
 
 
@@ -53,6 +73,34 @@ def test_jit_compiles_once_per_value():
     np.testing.assert_array_equal(scale(x, zm.Static("double")), 2 * x)
     np.testing.assert_array_equal(scale(x, zm.Static("same")), x)
     assert traces == ["double", "same"]
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [(1, True), (1, 1.0), (0, False), ((1, 2), (1.0, 2)), (frozenset({1}), frozenset({True}))],
+)
+def test_values_equal_in_python_but_of_other_types_stay_apart(first, second):
+    assert zm.Static(first) != zm.Static(second)
+    assert jax.tree_util.tree_structure(zm.Static(first)) != jax.tree_util.tree_structure(
+        zm.Static(second)
+    )
+
+
+def test_jit_tells_values_of_other_types_apart():
+    @jax.jit
+    def as_array(how):
+        return jnp.asarray(how.value)
+
+    for value, dtype in [(1, jnp.int32), (True, jnp.bool_), (1.5, jnp.float32), (1.0, jnp.float32)]:
+        result = as_array(zm.Static(value))
+        assert result.dtype == dtype and result == value
+
+    @eqx.filter_jit
+    def scaled(x, how):
+        return x * how.value
+
+    assert scaled(jnp.ones(2, int), zm.Static(2)).dtype == jnp.int32
+    assert scaled(jnp.ones(2, int), zm.Static(2.0)).dtype == jnp.float32
 
 
 def test_through_vmap_chunked_vmap_and_scan():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 
@@ -18,8 +18,10 @@ class Static(eqx.Module, Generic[T]):
     Pass one through `jax.jit`, `jax.vmap`, `zm.ChunkedVmap` or a `lax.scan` carry
     to hand a Python value (a string, a tuple of ints, a flag) to the function
     unchanged: it is never traced, never batched, never differentiated. Two `Static`s
-    are equal, and hash alike, when their values are equal, so `jax.jit` compiles
-    once per distinct value.
+    are equal, and hash alike, when their values are equal *and of the same types*
+    (inside tuples and frozensets too), so `jax.jit` compiles once per distinct
+    value: `Static(1)`, `Static(1.0)` and `Static(True)` are three values, although
+    `1 == 1.0 == True` in Python.
 
     **Arguments:**
 
@@ -53,6 +55,13 @@ class Static(eqx.Module, Generic[T]):
     """
 
     value: T = eqx.field(static=True)
+    # Part of the tree definition beside `value`: JAX compares and hashes both, so
+    # values that Python calls equal but that have other types stay apart.
+    types: Any = eqx.field(static=True, repr=False)
+
+    def __init__(self, value: T):
+        self.value = value
+        self.types = _types_of(value)
 
     def __check_init__(self):
         try:
@@ -63,3 +72,14 @@ class Static(eqx.Module, Generic[T]):
                 f"{type(self.value).__name__} ({error}). Wrap an immutable value instead, "
                 "e.g. a tuple rather than a list, or pass arrays as ordinary arguments."
             ) from None
+
+
+def _types_of(value: Any) -> Any:
+    """The type of `value`, and of its items when it is a tuple or a frozenset, as a
+    hashable signature: equal values with equal signatures are interchangeable."""
+    if isinstance(value, tuple):
+        return (type(value), tuple(_types_of(item) for item in value))
+    if isinstance(value, frozenset):
+        # Pair each item with its signature: a set's items have no order to align them by.
+        return (frozenset, frozenset((item, _types_of(item)) for item in value))
+    return type(value)
