@@ -10,7 +10,7 @@ import os
 import runpy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -95,6 +95,19 @@ class TwoModels(zm.AbstractTransform):
 
     def __call__(self, x):
         return self.fn(x) + self.other(x)
+
+
+class Counted(zm.AbstractTransform):
+    """A transform that records every time it is built."""
+
+    fn: Callable[..., Any]
+    built: ClassVar[list] = []
+
+    def __check_init__(self):
+        Counted.built.append(type(self.fn).__name__)
+
+    def __call__(self, x):
+        return self.fn(x)
 
 
 class Rebuilt(zm.AbstractTransform):
@@ -352,6 +365,16 @@ def test_scan_of_loaded_step_module(tmp_path):
     xs = jnp.stack([jnp.linspace(0.0, 1.0, 10), -jnp.linspace(0.0, 1.0, 10)], axis=1)
     expected = jax.lax.scan(lambda carry, x: step(carry, x), jnp.zeros(2), xs)
     assert bool(eqx.tree_equal(loaded(jnp.zeros(2), xs), expected))
+
+
+def test_load_runs_each_constructor_once(tmp_path):
+    path = tmp_path / "c.zm"
+    stack = Counted(Counted(mlp()))
+    zm.save(path, stack)
+    Counted.built.clear()
+    loaded = zm.load(path, like=mlp_skeleton())
+    assert Counted.built == ["MLP", "Counted"]
+    assert bool(eqx.tree_equal(loaded, stack))
 
 
 def test_static_values_round_trip(tmp_path):
@@ -757,11 +780,11 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch, failure):
     fdopen = os.fdopen
     with monkeypatch.context() as patch:
         if failure == "write":
-            patch.setattr(serialise.os, "fdopen", lambda *a, **k: _FailingFile(fdopen(*a, **k)))
+            patch.setattr(os, "fdopen", lambda *a, **k: _FailingFile(fdopen(*a, **k)))
         elif failure == "fsync":
-            patch.setattr(serialise.os, "fsync", _fail_fsync)
+            patch.setattr(os, "fsync", _fail_fsync)
         else:
-            patch.setattr(serialise.os, "replace", _fail_replace)
+            patch.setattr(os, "replace", _fail_replace)
         with pytest.raises(OSError, match=r"No space left|Input/output error"):
             zm.save(path, zm.ChunkedVmap(zm.BatchedJacobian(mlp()), chunk_size=4))
         with pytest.raises(OSError):

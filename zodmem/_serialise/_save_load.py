@@ -1,0 +1,151 @@
+"""The public `save` and `load`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._transform import AbstractTransform
+from ._error import SerialisationError
+from ._file import corrupt, read_file, write_file
+from ._stack import build, describe, leaf_table, read_arrays, skeleton_of, write_arrays
+
+__all__ = ["load", "save"]
+
+
+def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
+    """Save a transform stack, and the arrays of every model inside it, to one file.
+
+    Each transform's class and static configuration are written as a JSON header, and
+    every array in the stack (the parameters of a model passed as `fn`, at any depth
+    of nesting) after it with `eqx.tree_serialise_leaves`. Checksums of both guard
+    against truncation and corruption. The file is replaced atomically: it is written
+    beside `path` under a temporary name, flushed to disk and renamed, so a crash
+    while saving leaves any previous file at `path` as it was.
+
+    What `fn` may be:
+
+    - a function defined with `def` at the top level of a module (or any other object
+      found again by import, such as `jnp.sin` or a module-level `jax.jit` function):
+      its import path `module:qualname` is written;
+    - another zodmem transform: it is described in turn;
+    - any other Equinox module, e.g. a model such as `eqx.nn.MLP`: its arrays are
+      written, and its skeleton comes from `like` at [`zodmem.load`][].
+
+    Static configuration may hold `None`, `bool`, `int`, `float`, `complex`, `str`,
+    tuples, lists, dicts and named tuples of these, enum members, dtypes, importable
+    functions and classes, `functools.partial` of these, and dataclass instances
+    rebuilt from their fields (such as `eqx.if_array(0)`). Each value is read back
+    while saving, and only values that come back equal are accepted.
+
+    **Arguments:**
+
+    - `path`: the file to write. No suffix is added.
+    - `transform`: a zodmem transform (which may wrap other transforms and models).
+
+    **Returns:**
+
+    Nothing.
+
+    **Raises:**
+
+    `zodmem.SerialisationError` if anything in the stack cannot be written faithfully
+    (a lambda or locally defined function, an array in static configuration, an object
+    with no import path); the message names the field and the value, and no file is
+    touched. `OSError` if the file cannot be written; any previous file is kept.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        model = eqx.nn.MLP(2, 3, 8, 2, key=jax.random.key(0))
+        jacobian = zm.BatchedJacobian(model, nbatches=2)
+        zm.save("jacobian.zm", jacobian)
+
+        # Shapes and dtypes only: the weights come from the file.
+        skeleton = eqx.filter_eval_shape(eqx.nn.MLP, 2, 3, 8, 2, key=jax.random.key(1))
+        loaded = zm.load("jacobian.zm", like=skeleton)
+        loaded(jnp.ones(2))   # the (3, 2) Jacobian, as jacobian(jnp.ones(2))
+        ```
+
+    !!! warning
+
+        Functions are saved by name, not by code: loading imports them again, so a
+        function defined in a script or notebook (module `__main__`) can be loaded
+        only where the main module defines it too. Put functions you want to load
+        elsewhere in an importable module.
+    """
+    if not isinstance(transform, AbstractTransform):
+        raise SerialisationError(
+            "zodmem.save saves zodmem transforms, got "
+            f"{type(transform).__module__}.{type(transform).__qualname__}. To save a bare "
+            "Equinox model use eqx.tree_serialise_leaves."
+        )
+    stack = describe(transform, "transform")
+    contents = {"stack": stack, "leaves": leaf_table(transform)}
+    write_file(os.fspath(path), contents, write_arrays(transform))
+
+
+def load(path: str | os.PathLike, like: Any = None) -> AbstractTransform:
+    """Load a transform stack written by [`zodmem.save`][].
+
+    The stack is rebuilt through each transform's constructor, so its configuration
+    is validated exactly as when it was first built, and every array is restored from
+    the file. Functions and classes are imported by the paths the file names.
+
+    **Arguments:**
+
+    - `path`: the file to read.
+    - `like`: the skeletons of the Equinox modules held in the stack (models passed as
+      `fn`), which the file cannot rebuild alone. Their arrays are replaced by the
+      file's; only their structure, shapes and dtypes matter, so a skeleton from
+      `eqx.filter_eval_shape` costs no memory. Three forms:
+
+        - `None` (the default): the stack holds no such module.
+        - A single Equinox module (not a transform), when the stack holds exactly
+          one: e.g. the skeleton `eqx.nn.MLP` of `zm.BatchedJacobian(model)`.
+        - A transform stack of the same shape as the saved one: the same transform
+          classes at every level, with skeletons wherever the saved stack holds a
+          module. Its configuration and functions are ignored; the file's are used.
+
+    **Returns:**
+
+    The transform, equal to the one saved.
+
+    **Raises:**
+
+    `zodmem.SerialisationError`, with the reason, if the file is truncated or corrupted
+    (a checksum covers the header and another the arrays, so a flipped byte anywhere is
+    found), was written by an unknown format version, names a class or function that
+    cannot be imported, or holds configuration its class rejects, or if `like` is
+    missing or disagrees with the file (other classes, shapes or dtypes). Nothing is
+    returned in these cases, never a partly built transform. `OSError` if the file
+    cannot be read.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+        from mypackage.losses import loss   # importable: defined with `def` in a module
+
+        zm.save("hessian.zm", zm.BatchedHessian(loss, nbatches=4))
+        hessian = zm.load("hessian.zm")
+        hessian.nbatches     # 4
+        ```
+
+    !!! warning
+
+        Like `pickle`, loading imports the modules a file names and calls the
+        constructors of the classes it names. Load only files you trust.
+    """
+    header, payload = read_file(os.fspath(path))
+    stack, table = header.get("stack"), header.get("leaves")
+    if not isinstance(stack, dict) or not isinstance(table, list):
+        raise corrupt("the header has no description of the stack")
+    skeleton = skeleton_of(stack, like)
+    return build(read_arrays(skeleton, payload, table))

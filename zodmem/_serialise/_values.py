@@ -1,0 +1,229 @@
+"""Static configuration values as JSON, each tagged with its type so that it reads back
+as the same value of the same type (`1`, `1.0` and `True` stay apart).
+
+Any static field is described the same way, whatever its name: a new option of a
+transform needs nothing here as long as its values are among the kinds below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._error import SerialisationError
+from ._import_path import import_path, resolve, resolve_class
+
+__all__ = ["decode", "encode_faithfully"]
+
+
+class _Refusal(Exception):
+    """A value that cannot be described; `where` locates it inside the field."""
+
+    def __init__(self, value: Any, where: str, reason: str):
+        super().__init__(reason)
+        self.value = value
+        self.where = where
+        self.reason = reason
+
+
+def encode_faithfully(value: Any, name: str, where: str) -> dict:
+    """Encode `value`, checking that reading it back gives the same value; `name` is how
+    the encoding refers to the value's root, `where` how messages refer to the field."""
+    try:
+        encoded = _encode(value, name)
+    except _Refusal as refusal:
+        inner = "" if refusal.where == name else f" (at `{refusal.where}`)"
+        raise SerialisationError(
+            f"zodmem.save cannot save {where}: its value {refusal.value!r}{inner} cannot be "
+            f"written, because {refusal.reason}."
+        ) from None
+    try:
+        decoded = decode(json.loads(json.dumps(encoded)), name)
+    except SerialisationError as error:
+        raise SerialisationError(
+            f"zodmem.save cannot save {where}: its value {value!r} cannot be rebuilt from "
+            f"its description ({error})"
+        ) from error
+    if not _same(decoded, value):
+        raise SerialisationError(
+            f"zodmem.save cannot save {where}: its value {value!r} is not described "
+            f"faithfully (rebuilding it gives {decoded!r})."
+        )
+    return encoded
+
+
+def decode(data: Any, where: str) -> Any:
+    """The value that `data` (from `encode_faithfully`) describes; `where` names it in messages."""
+    try:
+        return _decode(data, where)
+    except SerialisationError:
+        raise
+    except Exception as error:
+        raise SerialisationError(
+            f"The file's value for `{where}` cannot be rebuilt ({type(error).__name__}: {error})."
+        ) from error
+
+
+def _encode(value: Any, where: str) -> dict:
+    if value is None:
+        return {"type": "none"}
+    if isinstance(value, enum.Enum):
+        path, why = import_path(type(value))
+        if path is None:
+            raise _Refusal(value, where, f"its enum class cannot be imported: {why}")
+        return {"type": "enum", "class": path, "name": value.name}
+    kind = type(value)
+    if kind is bool:
+        return {"type": "bool", "value": value}
+    if kind is int:
+        return {"type": "int", "value": str(value)}
+    if kind is float:
+        return {"type": "float", "value": value.hex()}
+    if kind is complex:
+        return {"type": "complex", "real": value.real.hex(), "imag": value.imag.hex()}
+    if kind is str:
+        return {"type": "str", "value": value}
+    if kind is tuple or kind is list:
+        return {
+            "type": kind.__name__,
+            "items": [_encode(item, f"{where}[{i}]") for i, item in enumerate(value)],
+        }
+    if kind is dict:
+        return {
+            "type": "dict",
+            "items": [
+                [_encode(key, f"{where} (key {key!r})"), _encode(item, f"{where}[{key!r}]")]
+                for key, item in value.items()
+            ],
+        }
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        path, why = import_path(kind)
+        if path is None:
+            raise _Refusal(value, where, f"its named-tuple class cannot be imported: {why}")
+        return {
+            "type": "namedtuple",
+            "class": path,
+            "items": [
+                _encode(item, f"{where}.{name}")
+                for name, item in zip(kind._fields, value, strict=True)
+            ],
+        }
+    if kind is functools.partial:
+        return {
+            "type": "partial",
+            "func": _encode(value.func, f"{where}.func"),
+            "args": [_encode(arg, f"{where}.args[{i}]") for i, arg in enumerate(value.args)],
+            "keywords": [
+                [name, _encode(arg, f"{where}.keywords[{name!r}]")]
+                for name, arg in value.keywords.items()
+            ],
+        }
+    if isinstance(value, np.dtype):
+        return {"type": "dtype", "name": value.name}
+    if isinstance(value, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+        raise _Refusal(
+            value,
+            where,
+            "it is an array; static configuration holds Python values only, and arrays "
+            "belong in a model passed as `fn`",
+        )
+    path, why = import_path(value)
+    if path is not None:
+        return {"type": "import", "path": path}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Described by its class and constructor arguments, e.g. `eqx.if_array(0)`.
+        class_path, class_why = import_path(kind)
+        if class_path is None:
+            raise _Refusal(value, where, f"its dataclass cannot be imported: {class_why}")
+        return {
+            "type": "dataclass",
+            "class": class_path,
+            "fields": [
+                [field.name, _encode(getattr(value, field.name), f"{where}.{field.name}")]
+                for field in dataclasses.fields(value)
+                if field.init
+            ],
+        }
+    raise _Refusal(value, where, why)
+
+
+def _decode(data: Any, where: str) -> Any:
+    tag = data["type"]
+    if tag == "none":
+        return None
+    if tag == "bool":
+        if not isinstance(data["value"], bool):
+            raise TypeError(f"expected a JSON boolean, got {data['value']!r}")
+        return data["value"]
+    if tag == "int":
+        return int(data["value"])
+    if tag == "float":
+        return float.fromhex(data["value"])
+    if tag == "complex":
+        return complex(float.fromhex(data["real"]), float.fromhex(data["imag"]))
+    if tag == "str":
+        if not isinstance(data["value"], str):
+            raise TypeError(f"expected a JSON string, got {data['value']!r}")
+        return data["value"]
+    if tag in ("tuple", "list"):
+        items = [_decode(item, where) for item in data["items"]]
+        return tuple(items) if tag == "tuple" else items
+    if tag == "dict":
+        return {_decode(key, where): _decode(item, where) for key, item in data["items"]}
+    if tag == "namedtuple":
+        cls = resolve_class(data["class"], tuple, f"the named tuple at `{where}`")
+        return cls(*[_decode(item, where) for item in data["items"]])
+    if tag == "enum":
+        cls = resolve_class(data["class"], enum.Enum, f"the enum at `{where}`")
+        return cls[data["name"]]
+    if tag == "partial":
+        return functools.partial(
+            _decode(data["func"], where),
+            *[_decode(arg, where) for arg in data["args"]],
+            **{name: _decode(arg, where) for name, arg in data["keywords"]},
+        )
+    if tag == "dtype":
+        return jnp.dtype(data["name"])
+    if tag == "import":
+        return resolve(data["path"], f"the value of `{where}`")
+    if tag == "dataclass":
+        cls = resolve_class(data["class"], object, f"the dataclass at `{where}`")
+        if not dataclasses.is_dataclass(cls):
+            raise SerialisationError(
+                f"The file names `{data['class']}` as the dataclass at `{where}`, but it is "
+                "not a dataclass."
+            )
+        return cls(**{name: _decode(item, where) for name, item in data["fields"]})
+    raise SerialisationError(f"The file's value for `{where}` has unknown type tag {tag!r}.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a decoded value is the value that was encoded (NaN equals NaN here)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, complex):
+        return _same(a.real, b.real) and _same(a.imag, b.imag)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, functools.partial):
+        return (
+            _same(a.func, b.func)
+            and _same(a.args, b.args)
+            and _same(dict(a.keywords), dict(b.keywords))
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
