@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 import json
 import math
 from typing import Any
@@ -147,12 +148,26 @@ def _encode(value: Any, where: str) -> dict:
             "type": "dataclass",
             "class": class_path,
             "fields": [
-                [field.name, _encode(getattr(value, field.name), f"{where}.{field.name}")]
-                for field in dataclasses.fields(value)
-                if field.init
+                [name, _encode(getattr(value, name), f"{where}.{name}")]
+                for name in _constructor_fields(value)
             ],
         }
     raise _Refusal(value, where, why)
+
+
+def _constructor_fields(value: Any) -> list[str]:
+    """The fields of a dataclass instance that its constructor takes back by name: a field
+    that a custom `__init__` derives (as `zm.Static` derives `types`) is left out."""
+    names = [field.name for field in dataclasses.fields(value) if field.init]
+    try:
+        parameters = inspect.signature(type(value)).parameters.values()
+    except (TypeError, ValueError):
+        return names
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return names
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {parameter.name for parameter in parameters if parameter.kind in by_name}
+    return [name for name in names if name in accepted]
 
 
 def _decode(data: Any, where: str) -> Any:
