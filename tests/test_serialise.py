@@ -2,6 +2,7 @@
 
 import dataclasses
 import enum
+import errno
 import functools
 import hashlib
 import inspect
@@ -792,6 +793,38 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch, failure):
     assert path.read_bytes() == before
     assert zm.load(path).nbatches == 2
     assert leftovers(tmp_path) == [] and not (tmp_path / "new.zm").exists()
+
+
+def test_failed_save_names_the_users_path(tmp_path, monkeypatch):
+    path = tmp_path / "no_such_directory" / "t.zm"
+    with pytest.raises(FileNotFoundError) as missing:
+        zm.save(path, zm.BatchedHessian(quadratic))
+    assert missing.value.filename == str(path) and ".tmp" not in str(missing.value)
+
+    def refuse_replace(source, destination):
+        raise PermissionError(errno.EACCES, "Permission denied", source, None, destination)
+
+    path = tmp_path / "t.zm"
+    monkeypatch.setattr(os, "replace", refuse_replace)
+    with pytest.raises(PermissionError) as refused:
+        zm.save(path, zm.BatchedHessian(quadratic))
+    assert str(refused.value) == f"[Errno {errno.EACCES}] Permission denied: {str(path)!r}"
+    assert leftovers(tmp_path) == [] and not path.exists()
+
+
+@pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() == 0, reason="root may write into read-only directories"
+)
+def test_save_into_a_read_only_directory_names_the_users_path(tmp_path):
+    directory = tmp_path / "read_only"
+    directory.mkdir()
+    directory.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError) as refused:
+            zm.save(directory / "t.zm", zm.BatchedHessian(quadratic))
+    finally:
+        directory.chmod(0o700)
+    assert refused.value.filename == str(directory / "t.zm")
 
 
 # --------------------------------------------------------------------------------------

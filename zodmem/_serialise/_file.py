@@ -128,6 +128,27 @@ def _write_atomically(path: str, chunks: Iterable[bytes]) -> None:
     to disk and renamed over `path`, so a crash leaves the previous file as it was."""
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    try:
+        _write_and_rename(temporary, path, chunks)
+    except OSError as error:
+        # The temporary name is ours: the caller asked for `path`, so the error names it.
+        if temporary not in (error.filename, error.filename2):
+            raise
+        renamed = type(error)(error.errno, error.strerror, path)
+        raise renamed.with_traceback(error.__traceback__) from None
+    try:  # make the rename itself durable
+        directory_descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory_descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(directory_descriptor)
+
+
+def _write_and_rename(temporary: str, path: str, chunks: Iterable[bytes]) -> None:
     # 0o666 lets the umask decide the permissions, as for any new file.
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -145,16 +166,6 @@ def _write_atomically(path: str, chunks: Iterable[bytes]) -> None:
         except FileNotFoundError:
             pass
         raise
-    try:  # make the rename itself durable
-        directory_descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory_descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(directory_descriptor)
 
 
 def _zodmem_version() -> str:

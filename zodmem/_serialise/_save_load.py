@@ -52,7 +52,8 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
     `zodmem.SerialisationError` if anything in the stack cannot be written faithfully
     (a lambda or locally defined function, an array in static configuration, an object
     with no import path); the message names the field and the value, and no file is
-    touched. `OSError` if the file cannot be written; any previous file is kept.
+    touched. `OSError`, naming `path`, if the file cannot be written; any previous file
+    is kept.
 
     !!! example
 
