@@ -9,6 +9,8 @@ import inspect
 import json
 import os
 import runpy
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -18,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import serialise_functions
+import serialise_wrapped
+from helpers import close
 from hypothesis import given, strategies as st
 
 import zodmem as zm
@@ -61,6 +66,8 @@ def identity(x):
 
 jitted_scale = jax.jit(scale)
 filter_jitted_scale = eqx.filter_jit(scale)
+# A wrapper whose `__module__` names the module of the function it wraps, not this one.
+grad_of_other = jax.grad(serialise_functions.loss)
 
 
 class Colour(enum.Enum):
@@ -382,6 +389,48 @@ def test_static_values_round_trip(tmp_path):
     for value in (zm.Static("double"), zm.Static((1, 2)), (zm.Static(None), zm.Static(3.5))):
         loaded = round_trip(Probe(scale, option=value), tmp_path / "p.zm")
         assert loaded.option == value
+
+
+# --------------------------------------------------------------------------------------
+# Wrappers found where their name is bound
+
+
+@pytest.mark.parametrize("name", ["grad_loss", "jitted_loss"])
+def test_wrapper_bound_in_another_module(tmp_path, name):
+    wrapper = getattr(serialise_wrapped, name)
+    path = tmp_path / "w.zm"
+    loaded = round_trip(zm.ChunkedVmap(wrapper, chunk_size=4), path)
+    assert loaded.fn is wrapper
+    assert split_file(path.read_bytes())[1]["stack"]["children"]["fn"] == {
+        "kind": "value",
+        "value": {"type": "import", "path": f"serialise_wrapped:{name}"},
+    }
+    x = jnp.linspace(-1.0, 1.0, 6)
+    close(loaded(x), jax.vmap(wrapper)(x), rtol=1e-6, atol=1e-6)
+
+
+def test_wrapper_bound_in_the_calling_module(tmp_path):
+    path = tmp_path / "w.zm"
+    loaded = round_trip(zm.BatchedJacobian(grad_of_other, nbatches=2), path)
+    assert loaded.fn is grad_of_other
+    fn = split_file(path.read_bytes())[1]["stack"]["children"]["fn"]
+    assert fn["value"]["path"] == f"{__name__}:grad_of_other"
+    x = jnp.linspace(-1.0, 1.0, 4)
+    close(loaded(x), jax.jacrev(grad_of_other)(x), rtol=1e-6, atol=1e-6)
+
+
+def test_wrapper_loads_in_a_fresh_process(tmp_path):
+    path = tmp_path / "w.zm"
+    zm.save(path, zm.ChunkedVmap(serialise_wrapped.grad_loss, chunk_size=4))
+    tests = Path(__file__).resolve().parent
+    code = (
+        f"import sys; sys.path.insert(0, {str(tests)!r}); import serialise_wrapped, zodmem; "
+        f"print(zodmem.load({str(path)!r}).fn is serialise_wrapped.grad_loss)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tests.parent, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "True", result.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------------------

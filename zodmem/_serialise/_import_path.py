@@ -5,21 +5,35 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import types
 from typing import Any
 
 from ._error import SerialisationError
 
 __all__ = ["import_path", "resolve", "resolve_class"]
 
+_MODULE_NAMESPACE = types.ModuleType.__dict__["__dict__"]
+
 
 def import_path(obj: Any) -> tuple[str | None, str]:
     """`("module:qualname", "")` if `obj` can be found again by import, else `(None, why)`.
 
-    The path is `obj.__module__` (its shortest package prefix that gives `obj` back,
-    so `zodmem:BatchedHessian` rather than `zodmem._hessian:BatchedHessian`) and
-    `obj.__qualname__`; failing that, a top-level name of the module `obj.__module__`
-    that is bound to this very object (a wrapper such as `jitted = jax.jit(f)` keeps
-    the name `f`, but is found as `jitted`).
+    The path is the first of:
+
+    1. `obj.__module__` and `obj.__qualname__`, when looking them up gives `obj` back,
+       with the shortest package prefix that does (`zodmem:BatchedHessian` rather than
+       `zodmem._hessian:BatchedHessian`, which survives moves between private files);
+    2. a top-level name bound to this very object, in the module `obj.__module__`
+       names, else in any other loaded module: the shortest module name first (fewest
+       dots, then alphabetically), `__main__` last, and in a module its first such name.
+
+    The second finds what the first cannot: a wrapper keeps the name and module of
+    the function it wraps (`grad_loss = jax.grad(loss)` claims to be `loss`, of the
+    module that defines `loss`), and a lambda has no name of its own. It is sound
+    because a name bound at the top level of a module is bound again by importing
+    that module, wherever the file is loaded; names bound in `__main__` only where the
+    same script runs, hence last. A method bound to an instance is refused whatever
+    its name, since the instance's arrays would not be saved with it.
     """
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
@@ -28,23 +42,14 @@ def import_path(obj: Any) -> tuple[str | None, str]:
             f"it is an instance of {type(obj).__module__}.{type(obj).__qualname__}, which "
             "is neither a plain value zodmem can describe nor something with an import path"
         )
-    if "<lambda>" in qualname:
-        return None, (
-            "it is a lambda, which cannot be found by import when the file is loaded; "
-            "define it with `def` at the top level of a module instead"
-        )
-    if "<locals>" in qualname:
-        return None, (
-            "it is defined inside a function (a closure or local definition), so it cannot "
-            "be found by import when the file is loaded; define it at the top level of a "
-            "module instead"
-        )
-    if inspect.ismethod(obj) and not isinstance(obj.__self__, type):
-        return None, (
-            f"it is a method bound to an instance of {type(obj.__self__).__qualname__}; "
-            "pass the instance itself (an Equinox module is callable), so that its arrays "
-            "are saved with it"
-        )
+    if not (inspect.ismethod(obj) and not isinstance(obj.__self__, type)):
+        path = _qualified_path(obj, module, qualname) or _bound_name(obj, module)
+        if path is not None:
+            return path, ""
+    return None, _why_not_found(obj, module, qualname)
+
+
+def _qualified_path(obj: Any, module: str, qualname: str) -> str | None:
     parts = module.split(".")
     for end in range(1, len(parts) + 1):
         candidate = ".".join(parts[:end])
@@ -56,16 +61,52 @@ def import_path(obj: Any) -> tuple[str | None, str]:
         except AttributeError:
             continue
         if _same_object(found, obj):
-            return f"{candidate}:{qualname}", ""
-    home = sys.modules.get(module)
-    for name, value in list(vars(home).items()) if home is not None else []:
-        if value is obj:
-            return f"{module}:{name}", ""
-    return None, (
-        f"looking up `{module}:{qualname}` does not give this object back, so it cannot "
-        "be found by import when the file is loaded (it may be a wrapper such as "
-        "`jax.grad(f)` made inside a function call, or the name was redefined); assign it "
-        "to a name at the top level of a module, e.g. `grad_loss = jax.grad(loss)`"
+            return f"{candidate}:{qualname}"
+    return None
+
+
+def _bound_name(obj: Any, home: str) -> str | None:
+    def preference(name: str) -> tuple:
+        return (name != home, name == "__main__", name.count("."), name)
+
+    loaded = [
+        (name, module)
+        for name, module in list(sys.modules.items())
+        if isinstance(name, str) and isinstance(module, types.ModuleType)
+    ]
+    for name, module in sorted(loaded, key=lambda item: preference(item[0])):
+        # Read through ModuleType itself: a lazily loaded module imports on attribute access.
+        namespace = _MODULE_NAMESPACE.__get__(module)
+        for attribute, value in list(namespace.items()):
+            if value is obj:
+                return f"{name}:{attribute}"
+    return None
+
+
+def _why_not_found(obj: Any, module: str, qualname: str) -> str:
+    if "<lambda>" in qualname:
+        return (
+            "it is a lambda, which cannot be found by import when the file is loaded; "
+            "define it with `def` at the top level of a module instead"
+        )
+    if "<locals>" in qualname:
+        return (
+            "it is defined inside a function (a closure or local definition), so it cannot "
+            "be found by import when the file is loaded; define it at the top level of a "
+            "module instead"
+        )
+    if inspect.ismethod(obj) and not isinstance(obj.__self__, type):
+        return (
+            f"it is a method bound to an instance of {type(obj.__self__).__qualname__}; "
+            "pass the instance itself (an Equinox module is callable), so that its arrays "
+            "are saved with it"
+        )
+    return (
+        f"looking up `{module}:{qualname}` does not give this object back, and no loaded "
+        "module binds it to a top-level name, so it cannot be found by import when the "
+        "file is loaded (it may be a wrapper such as `jax.grad(f)` made inside a function "
+        "call, or the name was redefined); assign it to a name at the top level of a "
+        "module, e.g. `grad_loss = jax.grad(loss)`"
     )
 
 

@@ -25,9 +25,12 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
 
     What `fn` may be:
 
-    - a function defined with `def` at the top level of a module (or any other object
-      found again by import, such as `jnp.sin` or a module-level `jax.jit` function):
-      its import path `module:qualname` is written;
+    - a function defined with `def` at the top level of a module, or any other object
+      found again by import, such as `jnp.sin`: its import path `module:qualname` is
+      written;
+    - a wrapper such as `jax.jit(f)` or `jax.grad(f)` assigned to a name at the top
+      level of a module, whichever module defines `f`: the path of that name is
+      written (`losses:grad_loss` for `grad_loss = jax.grad(loss)` in `losses.py`);
     - another zodmem transform: it is described in turn;
     - any other Equinox module, e.g. a model such as `eqx.nn.MLP`: its arrays are
       written, and its skeleton comes from `like` at [`zodmem.load`][].
