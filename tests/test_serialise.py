@@ -583,6 +583,57 @@ def test_refuses_transform_that_cannot_be_rebuilt(tmp_path):
         zm.save(tmp_path / "x.zm", Rebuilt(scale, 3))
 
 
+def test_module_fn_of_a_local_class(tmp_path):
+    class Scale(eqx.Module):
+        weight: jax.Array
+
+        def __call__(self, x):
+            return self.weight * x
+
+    path = tmp_path / "local.zm"
+    transform = zm.ChunkedVmap(Scale(jnp.arange(3.0)), chunk_size=2)
+    zm.save(path, transform)
+    with pytest.raises(
+        zm.SerialisationError, match=r"`transform\.fn` \(.*<locals>\.Scale\).*`like`"
+    ):
+        zm.load(path)
+    with pytest.raises(zm.SerialisationError, match=r"disagrees with the file at `transform\.fn`"):
+        zm.load(path, like=mlp_skeleton())
+    loaded = zm.load(path, like=Scale(jnp.zeros(3)))
+    close(loaded, transform, exact=True)
+    xs = jnp.linspace(-1.0, 1.0, 15).reshape(5, 3)
+    close(loaded(xs), transform(xs), exact=True)
+
+
+SCRIPT = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import zodmem as zm
+
+
+class Model(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return self.weight * x
+
+
+zm.save(PATH, zm.ChunkedVmap(Model(jnp.arange(3.0)), chunk_size=2))
+"""
+
+
+def test_module_fn_of_a_class_from_a_script(tmp_path):
+    script, path = tmp_path / "script.py", tmp_path / "script.zm"
+    script.write_text(SCRIPT)
+    namespace = runpy.run_path(str(script), init_globals={"PATH": path}, run_name="__main__")
+    with pytest.raises(zm.SerialisationError, match=r"`transform\.fn` \(__main__:Model\).*`like`"):
+        zm.load(path)
+    loaded = zm.load(path, like=namespace["Model"](jnp.zeros(3)))
+    assert type(loaded.fn) is namespace["Model"]
+    close(loaded.fn.weight, jnp.arange(3.0), exact=True)
+
+
 def test_refuses_non_transform(tmp_path):
     # The annotation is checked first when the package runs under beartype.
     with pytest.raises(Exception, match=r"saves zodmem transforms|AbstractTransform"):

@@ -10,7 +10,7 @@ from typing import Any
 
 from ._error import SerialisationError
 
-__all__ = ["import_path", "resolve", "resolve_class"]
+__all__ = ["class_name", "import_path", "resolve", "resolve_class"]
 
 _MODULE_NAMESPACE = types.ModuleType.__dict__["__dict__"]
 
@@ -108,6 +108,13 @@ def _why_not_found(obj: Any, module: str, qualname: str) -> str:
         "call, or the name was redefined); assign it to a name at the top level of a "
         "module, e.g. `grad_loss = jax.grad(loss)`"
     )
+
+
+def class_name(cls: type) -> str:
+    """The import path of `cls`, or `module:qualname` when it has none (a class defined
+    inside a function): how the file names the class of a module held in a stack."""
+    path, _ = import_path(cls)
+    return path if path is not None else f"{cls.__module__}:{cls.__qualname__}"
 
 
 def resolve(path: Any, what: str) -> Any:

@@ -28,7 +28,7 @@ import numpy as np
 from .._transform import AbstractTransform
 from ._error import SerialisationError
 from ._file import corrupt
-from ._import_path import import_path, resolve_class
+from ._import_path import class_name, import_path, resolve_class
 from ._values import decode, encode_faithfully
 
 __all__ = ["build", "describe", "leaf_table", "read_arrays", "skeleton_of", "write_arrays"]
@@ -56,13 +56,8 @@ def describe(value: Any, location: str) -> dict:
         path, _ = import_path(value)
         if path is not None:  # e.g. a module-level `eqx.filter_jit` function
             return {"kind": "value", "value": {"type": "import", "path": path}}
-        class_path, why = import_path(type(value))
-        if class_path is None:
-            raise SerialisationError(
-                f"zodmem.save cannot save `{location}`: it is an instance of "
-                f"{type(value).__qualname__}, whose class cannot be found by import ({why})."
-            )
-        return {"kind": "module", "class": class_path}
+        # `like` rebuilds it, so its class need not be importable: the name checks `like`.
+        return {"kind": "module", "class": class_name(type(value))}
     return {"kind": "value", "value": encode_faithfully(value, location, f"`{location}`")}
 
 
@@ -177,7 +172,9 @@ def skeleton_of(stack: dict, like: Any) -> _Unbuilt:
             raise SerialisationError(
                 f"The file holds Equinox modules at {listed}, whose skeletons must be passed "
                 "as `like`: the module itself when there is one, or a transform stack of "
-                "the same shape."
+                "the same shape. A skeleton is an instance of the same class whose arrays "
+                "have the saved shapes and dtypes; `eqx.filter_eval_shape` builds one "
+                "without allocating them."
             )
     elif isinstance(like, AbstractTransform):
         pass
@@ -284,16 +281,7 @@ def _skeleton(node: Any, location: str, like: Any, single: Any) -> Any:
         ) from error
 
     if kind == "module":
-        cls = resolve_class(class_path, eqx.Module, f"the model class at `{location}`")
-        model = single if single is not None else like
-        if model is None:
-            raise SerialisationError(f"`like` gives no skeleton for `{location}`.")
-        if type(model) is not cls:
-            raise SerialisationError(
-                f"`like` disagrees with the file at `{location}`: the file holds a "
-                f"{class_path}, `like` a {_describe_like(model)}."
-            )
-        return model
+        return _module_skeleton(class_path, single if single is not None else like, location)
 
     cls = resolve_class(class_path, AbstractTransform, f"the transform class at `{location}`")
     if single is None and like is not None and type(like) is not cls:
@@ -318,6 +306,27 @@ def _skeleton(node: Any, location: str, like: Any, single: Any) -> Any:
             child_like = getattr(like, name)
         fields[name] = _skeleton(child, f"{location}.{name}", child_like, single)
     return _Unbuilt(recipe, fields)
+
+
+def _module_skeleton(class_path: Any, model: Any, location: str) -> Any:
+    """`model`, the skeleton `like` gives at `location`, once its class is checked to be
+    the file's. A class defined inside a function or in a script (`__main__`) cannot be
+    imported where the file is loaded, so there `model`'s class must have its name."""
+    try:
+        cls = resolve_class(class_path, eqx.Module, f"the model class at `{location}`")
+    except SerialisationError:
+        unimportable = "<locals>" in class_path or class_path.startswith("__main__:")
+        if model is None or not unimportable:
+            raise
+        cls = None
+    if model is None:
+        raise SerialisationError(f"`like` gives no skeleton for `{location}`.")
+    if type(model) is not cls and (cls is not None or class_name(type(model)) != class_path):
+        raise SerialisationError(
+            f"`like` disagrees with the file at `{location}`: the file holds a "
+            f"{class_path}, `like` a {_describe_like(model)}."
+        )
+    return model
 
 
 def _check_leaves(saved: list, expected: list) -> None:
