@@ -5,26 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
+from zodmem._accumulate import aggregate_stacked
 from zodmem._blocks import plan_blocks, reduce_blocks
-from zodmem._microbatch import aggregate_stacked
 
 pytestmark = pytest.mark.usefixtures("float64")
 
 
 KINDS = ["sum", "mean", "running_mean", "concat"]
-
-
-def assert_trees_close(actual, expected, rtol=1e-10, atol=1e-10):
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(
-        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
-    ):
-        assert jnp.asarray(a).dtype == jnp.asarray(e).dtype
-        assert jnp.shape(a) == jnp.shape(e)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
 def data(batch, seed=0):
@@ -109,7 +100,7 @@ def test_every_accumulator_matches_unbatched(batch, size):
     got = zm.Microbatcher(fn, microbatch_size=size, argnums=(1, 2), accumulator=accumulator)(
         w, x, y
     )
-    assert_trees_close(got, every_kind(np)[0](w, x, y))
+    close(got, every_kind(np)[0](w, x, y))
 
 
 @settings(max_examples=12)
@@ -132,7 +123,7 @@ def test_nested_pytree_of_accumulators(batch, size):
     transform = zm.Microbatcher(
         fn, microbatch_size=size, argnums=1, argnames="y", accumulator=accumulator
     )
-    assert_trees_close(transform(w, x, y=y), fn(w, x, y, np))
+    close(transform(w, x, y=y), fn(w, x, y, np))
 
 
 @settings(max_examples=12)
@@ -172,7 +163,7 @@ def test_argnums_argnames_and_in_axes(batch, size, axes, keyword):
             accumulator=accumulator,
         )
         got = transform(xt, w, y=y)
-    assert_trees_close(got, every_kind(np)[0](w, x, y))
+    close(got, every_kind(np)[0](w, x, y))
 
 
 def grouped(xp=jnp):
@@ -198,7 +189,7 @@ def test_non_decomposable_function_matches_python_loop(batch, size):
     got = zm.Microbatcher(grouped(), microbatch_size=size, argnums=(1, 2), accumulator=accumulator)(
         w, x, y
     )
-    assert_trees_close(got, python_loop(grouped(np), w, x, y, size, accumulator, concat_like=like))
+    close(got, python_loop(grouped(np), w, x, y, size, accumulator, concat_like=like))
 
 
 def test_pytree_batch_arguments_and_static_leaves():
@@ -216,7 +207,7 @@ def test_pytree_batch_arguments_and_static_leaves():
 def test_scalar_concat_gives_one_entry_per_microbatch():
     x = jnp.arange(10.0)
     got = zm.Microbatcher(jnp.sum, microbatch_size=4, accumulator="concat")(x)
-    assert_trees_close(got, jnp.array([6.0, 22.0, 17.0]))
+    close(got, jnp.array([6.0, 22.0, 17.0]))
 
 
 def test_concat_with_several_rows_per_example():
@@ -224,14 +215,14 @@ def test_concat_with_several_rows_per_example():
     fn = lambda x: jnp.concatenate([x, -x])  # noqa: E731
     got = zm.Microbatcher(fn, microbatch_size=3, accumulator="concat")(x)
     expected = np.array([0, 1, 2, -0, -1, -2, 3, 4, 5, -3, -4, -5, 6, -6.0])
-    assert_trees_close(got, expected)
+    close(got, expected)
 
 
 def test_microbatch_size_above_batch_is_one_microbatch():
     w, x, y = data(5)
     fn, accumulator = every_kind()
     got = zm.Microbatcher(fn, microbatch_size=64, argnums=(1, 2), accumulator=accumulator)(w, x, y)
-    assert_trees_close(got, every_kind(np)[0](w, x, y))
+    close(got, every_kind(np)[0](w, x, y))
 
 
 @pytest.mark.parametrize(
@@ -253,7 +244,7 @@ def test_dtypes_are_kept(dtype, kind):
     got = zm.Microbatcher(fn, microbatch_size=4, accumulator=kind)(x)
     assert got.dtype == jnp.dtype(dtype)
     if kind == "concat":
-        assert_trees_close(got, x)
+        close(got, x)
 
 
 # ----------------------------------------------------------------------------------
@@ -277,7 +268,7 @@ def test_user_accumulator(batch, size):
     transform = zm.Microbatcher(
         fn, microbatch_size=size, argnums=(1, 2), accumulator={"max": largest(), "sum": "sum"}
     )
-    assert_trees_close(transform(w, x, y), fn(w, x, y))
+    close(transform(w, x, y), fn(w, x, y))
 
 
 def test_user_accumulator_sees_indices_in_order():
@@ -288,17 +279,15 @@ def test_user_accumulator_sees_indices_in_order():
         finalize=lambda carry: carry,
     )
     got = zm.Microbatcher(jnp.sum, microbatch_size=4, accumulator=record)(jnp.ones(10))
-    assert_trees_close(got, jnp.array([4.0, 14.0, 22.0]))
+    close(got, jnp.array([4.0, 14.0, 22.0]))
 
 
 def test_aggregate_stacked():
     values = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.arange(3.0), "c": jnp.ones(3)}
     accumulator = {"a": "sum", "b": largest(), "c": zm.AccumulationType.MEAN}
     got = aggregate_stacked(accumulator, values)
-    assert_trees_close(
-        got, {"a": jnp.array([6.0, 9.0]), "b": jnp.asarray(2.0), "c": jnp.asarray(1.0)}
-    )
-    assert_trees_close(aggregate_stacked("concat", values), values)
+    close(got, {"a": jnp.array([6.0, 9.0]), "b": jnp.asarray(2.0), "c": jnp.asarray(1.0)})
+    close(aggregate_stacked("concat", values), values)
     no_aggregate = zm.Accumulator(lambda s: s, lambda c, v, i: c, lambda c: c)
     with pytest.raises(ValueError, match="no `aggregate`"):
         aggregate_stacked(no_aggregate, values)
@@ -328,7 +317,7 @@ def test_num_real_microbatches_traced_and_concrete(batch, size, data_):
 
     for count in range(num_blocks + 1):  # one compilation serves every count
         expected = python_loop(every_kind(np)[0], w, x, y, size, accumulator, count)
-        assert_trees_close(run(w, x, y, count), expected)
+        close(run(w, x, y, count), expected)
     count = data_.draw(st.integers(0, num_blocks))
     concrete = zm.Microbatcher(
         fn,
@@ -338,7 +327,7 @@ def test_num_real_microbatches_traced_and_concrete(batch, size, data_):
         num_real_microbatches=count,
     )
     expected = python_loop(every_kind(np)[0], w, x, y, size, accumulator, count)
-    assert_trees_close(concrete(w, x, y), expected)
+    close(concrete(w, x, y), expected)
 
 
 def test_skipped_microbatches_are_not_evaluated():
@@ -359,7 +348,7 @@ def test_num_real_microbatches_counts_the_last_smaller_microbatch():
     run = jax.vmap(
         lambda n: zm.Microbatcher(jnp.sum, microbatch_size=4, num_real_microbatches=n)(x)
     )
-    assert_trees_close(run(counts), jnp.array([0.0, 10.0, 36.0, 55.0]))
+    close(run(counts), jnp.array([0.0, 10.0, 36.0, 55.0]))
 
 
 def test_reduce_blocks_runs_past_the_count_as_all_blocks():
@@ -399,7 +388,7 @@ def test_microbatched_gradient_equals_full_batch_gradient(batch, size):
         accumulator=("mean", "running_mean"),
     )
     expected = mean_loss_grad(w, x, y)
-    assert_trees_close(both(w, x, y), (expected, expected))
+    close(both(w, x, y), (expected, expected))
 
 
 @settings(max_examples=6)
@@ -408,7 +397,7 @@ def test_grad_and_jit_through_microbatcher(batch, size):
     w, x, y = data(batch, seed=8)
     loss = zm.Microbatcher(mean_loss, microbatch_size=size, argnums=(1, 2), accumulator="mean")
     expected = mean_loss_grad(w, x, y)
-    assert_trees_close(jax.jit(jax.grad(loss))(w, x, y), expected)
+    close(jax.jit(jax.grad(loss))(w, x, y), expected)
     # Reverse mode also goes through a traced num_real_microbatches.
     count = -(-batch // size)
 
@@ -421,7 +410,7 @@ def test_grad_and_jit_through_microbatcher(batch, size):
             num_real_microbatches=n,
         )(w, x, y)
 
-    assert_trees_close(jax.jit(jax.grad(counted))(w, count), expected)
+    close(jax.jit(jax.grad(counted))(w, count), expected)
     jvp = jax.jit(lambda w: jax.jvp(lambda w: loss(w, x, y), (w,), (jnp.ones(3),))[1])(w)
     np.testing.assert_allclose(jvp, np.sum(expected), rtol=1e-10)
 
@@ -431,7 +420,7 @@ def test_vmap_over_a_microbatcher():
     ws = jnp.stack([w, 2 * w, -w])
     loss = zm.Microbatcher(mean_loss, microbatch_size=4, argnums=(1, 2), accumulator="mean")
     expected = jax.vmap(mean_loss, in_axes=(0, None, None))(ws, x, y)
-    assert_trees_close(jax.vmap(loss, in_axes=(0, None, None))(ws, x, y), expected)
+    close(jax.vmap(loss, in_axes=(0, None, None))(ws, x, y), expected)
 
 
 def test_filter_grad_of_an_mlp():
@@ -446,10 +435,10 @@ def test_filter_grad_of_an_mlp():
     )
     got = grad(model, x, y)
     expected = eqx.filter_grad(loss)(model, x, y)
-    assert_trees_close(eqx.filter(got, eqx.is_array), eqx.filter(expected, eqx.is_array))
+    close(eqx.filter(got, eqx.is_array), eqx.filter(expected, eqx.is_array))
     # And the module's arrays are leaves of a transform that wraps a model.
     forward = zm.Microbatcher(eqx.filter_vmap(model), microbatch_size=4, accumulator="concat")
-    assert_trees_close(forward(x), jax.vmap(model)(x))
+    close(forward(x), jax.vmap(model)(x))
     wrapped = zm.Microbatcher(model, microbatch_size=4)
     assert len(jax.tree_util.tree_leaves(wrapped)) == len(jax.tree_util.tree_leaves(model))
 
@@ -477,6 +466,44 @@ def test_configuration():
     assert zm.AccumulationType("running_mean") is zm.AccumulationType.RUNNING_MEAN
 
 
+def test_numpy_integer_options_are_read_as_ints():
+    w, x, y = data(10, seed=12)
+    transform = zm.Microbatcher(
+        mean_loss,
+        microbatch_size=np.int64(4),
+        argnums=(np.int64(1), np.int32(2)),
+        in_axes=np.int64(0),
+        accumulator="mean",
+        num_real_microbatches=np.int64(3),
+    )
+    assert transform.config == {
+        "microbatch_size": 4,
+        "argnums": (1, 2),
+        "argnames": (),
+        "in_axes": 0,
+        "accumulator": "mean",
+    }
+    stored = [transform.microbatch_size, *transform.argnums, transform.in_axes]
+    assert all(type(value) is int for value in stored)
+    assert type(transform.num_real_microbatches) is int
+    close(transform(w, x, y), np.asarray(mean_loss(w, x, y)), rtol=1e-12)
+    mixed = zm.Microbatcher(
+        mean_loss,
+        microbatch_size=np.int32(3),
+        argnums=np.int64(1),
+        argnames="y",
+        in_axes=[np.int64(0), np.int8(-1)],
+        accumulator="mean",
+    )
+    assert mixed.argnums == 1 and mixed.in_axes == (0, -1)
+    assert type(mixed.argnums) is int and all(type(a) is int for a in mixed.in_axes)
+    close(mixed(w, x, y=y), np.asarray(mean_loss(w, x, y)), rtol=1e-12)
+    # A NumPy integer count is an int: one above the number of microbatches is refused.
+    too_many = zm.Microbatcher(jnp.sum, microbatch_size=4, num_real_microbatches=np.int64(4))
+    with pytest.raises(ValueError, match="num_real_microbatches=4 is more than the 3"):
+        too_many(jnp.ones(10))
+
+
 # ----------------------------------------------------------------------------------
 # Errors at construction
 
@@ -500,6 +527,11 @@ def f(x):
             "`microbatch_size` must be a positive int, got True",
         ),
         (dict(microbatch_size=2.5), TypeError, "microbatch_size"),
+        (dict(microbatch_size=np.float64(2.0)), TypeError, "`microbatch_size` must be a positive"),
+        (dict(microbatch_size=np.True_), TypeError, "`microbatch_size` must be a positive"),
+        (dict(microbatch_size=np.int64(0)), ValueError, "got microbatch_size=0"),
+        (dict(microbatch_size=2, argnums=(0, np.float32(1))), TypeError, "`argnums` must be"),
+        (dict(microbatch_size=2, in_axes=np.True_), TypeError, "`in_axes` must be"),
         (
             dict(microbatch_size=2, argnums=(0, True)),
             TypeError,
@@ -532,6 +564,8 @@ def f(x):
         (dict(microbatch_size=2, accumulator={}), ValueError, "holds none"),
         (dict(microbatch_size=2, num_real_microbatches=-1), ValueError, "non-negative"),
         (dict(microbatch_size=2, num_real_microbatches=1.5), TypeError, "num_real_microbatches"),
+        (dict(microbatch_size=2, num_real_microbatches=True), TypeError, "num_real_microbatches"),
+        (dict(microbatch_size=2, num_real_microbatches=np.int64(-1)), ValueError, "non-negative"),
         (
             dict(microbatch_size=2, num_real_microbatches=jnp.ones(())),
             TypeError,
@@ -544,6 +578,7 @@ def f(x):
         ),
     ],
 )
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")
 def test_construction_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         zm.Microbatcher(f, **kwargs)
@@ -583,7 +618,8 @@ def test_call_errors():
             zm.Microbatcher(g, microbatch_size=2, argnums=0, argnames="b"),
             (x,),
             {"b": jnp.ones(4)},
-            "same batch size .* positional argument 0: 6 along axis 0; keyword argument 'b': 4",
+            "same size along their batch axes .* positional argument 0 \\(axis 0\\): 6, "
+            "keyword argument 'b' \\(axis 0\\): 4",
         ),
         (
             zm.Microbatcher(g, microbatch_size=2, argnums=0, in_axes=1),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,95 +11,20 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
+from ._accumulate import (
+    AccumulationType,
+    Accumulator,
+    accumulator_for,
+    check_accumulator,
+    is_accumulator_leaf,
+)
 from ._blocks import plan_blocks, reduce_blocks
-from ._transform import AbstractTransform, check_callable
+from ._checks import as_index, check_callable, check_int, common_size
+from ._transform import AbstractTransform
 
-__all__ = ["Microbatcher", "Accumulator", "AccumulationType", "aggregate_stacked"]
+__all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
 
 _OWNER = "Microbatcher"
-
-
-class AccumulationType(enum.Enum):
-    """The built-in ways for `Microbatcher` to combine the results of its microbatches.
-
-    Each member has a string form (its value) that `Microbatcher` accepts as well:
-
-    - `SUM` (`"sum"`): add the results up.
-    - `MEAN` (`"mean"`): the mean over the whole batch of per-microbatch means,
-      each microbatch weighted by its number of examples.
-    - `RUNNING_MEAN` (`"running_mean"`): like `MEAN`, but over the microbatches that
-      were evaluated only (they differ when `num_real_microbatches` stops early).
-    - `CONCAT` (`"concat"`): concatenate the results along their axis 0.
-    """
-
-    SUM = "sum"
-    MEAN = "mean"
-    RUNNING_MEAN = "running_mean"
-    CONCAT = "concat"
-
-
-class Accumulator(eqx.Module):
-    """A user-defined way to combine the results of microbatches.
-
-    Given the results `r_0, ..., r_{k-1}` of the microbatches evaluated, in order, it
-    stands for
-
-    ```python
-    carry = init(shapes_of_one_result)
-    for i in range(k):
-        carry = update(carry, r_i, i)
-    result = finalize(carry)
-    ```
-
-    **Arguments:**
-
-    - `init`: `init(shapes)`, the starting carry, from a pytree of
-      `jax.ShapeDtypeStruct` describing the result of one full microbatch.
-    - `update`: `update(carry, value, index)`, the carry after the microbatch
-      `index` (a traced int) gave `value`. It must return arrays of the carry's
-      shapes and dtypes.
-    - `finalize`: `finalize(carry)`, the combined result.
-    - `aggregate`: `aggregate(values)`, the same combination done in one go on
-      values stacked along axis 0 (used by `zodmem.compat.optax.micro_vmap` inside a
-      microbatch). Optional for `Microbatcher`.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        import zodmem as zm
-
-        largest = zm.Accumulator(
-            init=lambda s: jnp.full(s.shape, -jnp.inf, s.dtype),
-            update=lambda carry, value, index: jnp.maximum(carry, value),
-            finalize=lambda carry: carry,
-            aggregate=lambda values: jnp.max(values, axis=0),
-        )
-        worst = zm.Microbatcher(jnp.max, microbatch_size=4, accumulator=largest)
-        worst(jnp.arange(10.0))  # 9.0
-        ```
-
-    !!! warning
-
-        When the microbatch size does not divide the batch size, `update` also
-        receives the result of the last, smaller microbatch, whose shape may differ
-        from the shapes given to `init` if `fn` returns per-example values.
-    """
-
-    init: Callable[[Any], Any]
-    update: Callable[[Any, Any, Any], Any]
-    finalize: Callable[[Any], Any]
-    aggregate: Callable[[Any], Any] | None = None
-
-    def __check_init__(self):
-        for name in ("init", "update", "finalize"):
-            check_callable(getattr(self, name), name, owner="Accumulator")
-        if self.aggregate is not None:
-            check_callable(self.aggregate, "aggregate", owner="Accumulator")
-
-
-def _is_accumulator_leaf(node: Any) -> bool:
-    return node is None or isinstance(node, (str, AccumulationType, Accumulator))
 
 
 def _as_tuple(value: Any) -> Any:
@@ -110,8 +34,16 @@ def _as_tuple(value: Any) -> Any:
     return value
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _as_indices(value: Any) -> Any:
+    """An integer, or each entry of a sequence of them, as Python ints (in a tuple)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(as_index(item) for item in value)
+    return as_index(value)
+
+
+def _as_count(value: Any) -> Any:
+    """An integer as a Python int; a JAX array (maybe traced) stays an array."""
+    return value if isinstance(value, jax.Array) else as_index(value)
 
 
 class Microbatcher(AbstractTransform):
@@ -129,7 +61,8 @@ class Microbatcher(AbstractTransform):
       of the batch arguments. It returns a pytree of arrays. It may be an Equinox
       module (or another zodmem transform).
     - `microbatch_size`: the number of examples per microbatch, a positive int. A
-      size above the batch size means one microbatch.
+      size above the batch size means one microbatch. (Here and in `argnums`,
+      `in_axes` and `num_real_microbatches`, NumPy integers count as ints.)
     - `argnums`: the positional arguments that carry a batch axis, an int or a
       sequence of ints.
     - `argnames`: the keyword arguments that carry a batch axis, a string or a
@@ -196,22 +129,24 @@ class Microbatcher(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    microbatch_size: int = eqx.field(static=True, kw_only=True)
+    microbatch_size: int = eqx.field(static=True, kw_only=True, converter=as_index)
     argnums: int | Sequence[int] = eqx.field(
-        default=0, static=True, kw_only=True, converter=_as_tuple
+        default=0, static=True, kw_only=True, converter=_as_indices
     )
     argnames: str | Sequence[str] = eqx.field(
         default=(), static=True, kw_only=True, converter=_as_tuple
     )
     in_axes: int | Sequence[int] = eqx.field(
-        default=0, static=True, kw_only=True, converter=_as_tuple
+        default=0, static=True, kw_only=True, converter=_as_indices
     )
     accumulator: Any = eqx.field(default="sum", static=True, kw_only=True)
-    num_real_microbatches: Int[ArrayLike, ""] | None = eqx.field(default=None, kw_only=True)
+    num_real_microbatches: Int[ArrayLike, ""] | None = eqx.field(
+        default=None, kw_only=True, converter=_as_count
+    )
 
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
-        _check_microbatch_size(self.microbatch_size)
+        check_int(self.microbatch_size, "microbatch_size", owner=_OWNER, minimum=1)
         _check_argnums(self.argnums)
         _check_argnames(self.argnames)
         if not self.batch_argnums and not self.batch_argnames:
@@ -220,13 +155,13 @@ class Microbatcher(AbstractTransform):
                 f"{self.argnums!r} and argnames={self.argnames!r} are both empty."
             )
         _check_in_axes(self.in_axes, len(self.batch_argnums) + len(self.batch_argnames))
-        _check_accumulator(self.accumulator)
+        check_accumulator(self.accumulator)
         _check_num_real_microbatches(self.num_real_microbatches)
 
     @property
     def batch_argnums(self) -> tuple[int, ...]:
         """`argnums` as a tuple."""
-        return (self.argnums,) if _is_int(self.argnums) else tuple(self.argnums)
+        return self.argnums if isinstance(self.argnums, tuple) else (self.argnums,)
 
     @property
     def batch_argnames(self) -> tuple[str, ...]:
@@ -237,7 +172,7 @@ class Microbatcher(AbstractTransform):
     def batch_in_axes(self) -> tuple[int, ...]:
         """`in_axes` as a tuple, one per batch argument (`argnums`, then `argnames`)."""
         count = len(self.batch_argnums) + len(self.batch_argnames)
-        return (self.in_axes,) * count if _is_int(self.in_axes) else tuple(self.in_axes)
+        return self.in_axes if isinstance(self.in_axes, tuple) else (self.in_axes,) * count
 
     @jaxtyped(typechecker=beartype)
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
@@ -245,28 +180,21 @@ class Microbatcher(AbstractTransform):
 
 
 # ----------------------------------------------------------------------------------
-# Validation at construction
+# Validation at construction (integers were read by `as_index` already)
 
 
-def _check_microbatch_size(value: Any) -> None:
-    if not _is_int(value):
-        raise TypeError(
-            f"{_OWNER}: `microbatch_size` must be a positive int, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
-    if value <= 0:
-        raise ValueError(
-            f"{_OWNER}: `microbatch_size` must be a positive int, got microbatch_size={value}."
-        )
+def _check_ints(value: Any, name: str, allowed: str) -> tuple[int, ...]:
+    """Refuse anything but an int or a tuple of ints; return the ints as a tuple."""
+    items = value if isinstance(value, tuple) else (value,)
+    for item in items:
+        check_int(item, name, owner=_OWNER, allowed=allowed)
+    return items
 
 
 def _check_argnums(value: Any) -> None:
-    items = (value,) if _is_int(value) else value
-    if not isinstance(items, tuple) or not all(_is_int(i) for i in items):
-        raise TypeError(
-            f"{_OWNER}: `argnums` must be an int or a sequence of ints (positional "
-            f"argument indices), got {value!r}."
-        )
+    items = _check_ints(
+        value, "argnums", "an int or a sequence of ints (positional argument indices)"
+    )
     if any(i < 0 for i in items):
         raise ValueError(
             f"{_OWNER}: `argnums` must hold non-negative indices, got argnums={value!r}."
@@ -287,232 +215,30 @@ def _check_argnames(value: Any) -> None:
 
 
 def _check_in_axes(value: Any, count: int) -> None:
-    if _is_int(value):
-        return
-    if not isinstance(value, tuple) or not all(_is_int(a) for a in value):
-        raise TypeError(f"{_OWNER}: `in_axes` must be an int or a sequence of ints, got {value!r}.")
-    if len(value) != count:
+    _check_ints(value, "in_axes", "an int or a sequence of ints (one per batch argument)")
+    if isinstance(value, tuple) and len(value) != count:
         raise ValueError(
             f"{_OWNER}: `in_axes` must have one entry per batch argument (argnums, then "
             f"argnames): {count} expected, got in_axes={value!r}."
         )
 
 
-_KNOWN = ", ".join(repr(a.value) for a in AccumulationType)
-
-
-def _check_accumulator(tree: Any) -> None:
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_accumulator_leaf)
-    if not leaves:
-        raise ValueError(
-            f"{_OWNER}: `accumulator` must be one of {_KNOWN}, an AccumulationType, an "
-            f"Accumulator, or a pytree of these; got {tree!r}, which holds none."
-        )
-    for leaf in leaves:
-        _resolve(leaf)
-
-
-def _resolve(leaf: Any) -> AccumulationType | Accumulator:
-    """The accumulator a leaf of the `accumulator` tree names (refuse unknown ones)."""
-    if isinstance(leaf, (AccumulationType, Accumulator)):
-        return leaf
-    if isinstance(leaf, str):
-        try:
-            return AccumulationType(leaf)
-        except ValueError:
-            pass
-    raise ValueError(
-        f"{_OWNER}: unknown accumulator {leaf!r}. An accumulator is one of {_KNOWN}, an "
-        "AccumulationType member or an Accumulator (or a pytree of these)."
-    )
-
-
 def _check_num_real_microbatches(value: Any) -> None:
-    if value is None:
+    if not hasattr(value, "dtype"):
+        check_int(
+            value,
+            "num_real_microbatches",
+            owner=_OWNER,
+            minimum=0,
+            optional=True,
+            allowed="None, a non-negative int or an integer scalar array",
+        )
         return
-    if _is_int(value):
-        if value < 0:
-            raise ValueError(
-                f"{_OWNER}: `num_real_microbatches` must be non-negative, got "
-                f"num_real_microbatches={value}."
-            )
-        return
-    dtype = getattr(value, "dtype", None)
-    shape = getattr(value, "shape", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or shape != ():
+    if not jnp.issubdtype(value.dtype, jnp.integer) or getattr(value, "shape", None) != ():
         raise TypeError(
             f"{_OWNER}: `num_real_microbatches` must be None, an int or an integer scalar "
             f"array, got {value!r}."
         )
-
-
-# ----------------------------------------------------------------------------------
-# Built-in accumulators. Each works on the part of the output that one leaf of the
-# `accumulator` tree covers: `init(full, last)` from the shapes of a full microbatch's
-# result and of the last, smaller one's (None when there is none),
-# `update(carry, value, index, size)`, `finalize(carry)`.
-
-
-class _Sum:
-    name = "sum"
-
-    def __init__(self, plan):
-        self.plan = plan
-
-    def check(self, full, last):
-        if last is None:
-            return
-        for f, s in zip(
-            jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(last), strict=True
-        ):
-            if f.shape != s.shape:
-                raise ValueError(
-                    f"{_OWNER}: accumulator {self.name!r} needs results of one shape from "
-                    f"every microbatch, but an output leaf has shape {f.shape} for a "
-                    f"microbatch of {self.plan.block_size} examples and {s.shape} for the "
-                    f"last microbatch of {self.plan.remainder}. Use 'concat' for results "
-                    "with one entry per example, or a microbatch_size that divides the "
-                    f"batch size {self.plan.total}."
-                )
-
-    def init(self, full, last):
-        self.check(full, last)
-        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), full)
-
-    def update(self, carry, value, index, size):
-        return jax.tree_util.tree_map(lambda c, v: (c + v).astype(c.dtype), carry, value)
-
-    def finalize(self, carry):
-        return carry
-
-
-class _Mean(_Sum):
-    name = "mean"
-
-    def check(self, full, last):
-        for leaf in jax.tree_util.tree_leaves(full):
-            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                raise ValueError(
-                    f"{_OWNER}: accumulator {self.name!r} needs floating-point (or complex) "
-                    f"results, but an output leaf has dtype {leaf.dtype} and shape "
-                    f"{leaf.shape}. Use 'sum' for integer results, or return floats."
-                )
-        super().check(full, last)
-
-    def update(self, carry, value, index, size):
-        if size == self.plan.block_size:
-            return super().update(carry, value, index, size)
-        weight = size / self.plan.block_size
-        return jax.tree_util.tree_map(lambda c, v: (c + v * weight).astype(c.dtype), carry, value)
-
-    def finalize(self, carry):
-        plan = self.plan
-        # Divide by an int when every microbatch is full: the plain mean of the results.
-        count = plan.num_blocks if plan.remainder == 0 else plan.total / plan.block_size
-        return jax.tree_util.tree_map(lambda c: c / count, carry)
-
-
-class _RunningMean(_Mean):
-    name = "running_mean"
-
-    def update(self, carry, value, index, size):
-        seen = index * self.plan.block_size
-
-        def mix(c, v):
-            real = jnp.finfo(c.dtype).dtype
-            keep = (seen / (seen + size)).astype(real)
-            return (c * keep + v * (1 - keep)).astype(c.dtype)
-
-        return jax.tree_util.tree_map(mix, carry, value)
-
-    def finalize(self, carry):
-        return carry
-
-
-class _Concat:
-    def __init__(self, plan):
-        self.plan = plan
-
-    def _rows(self, full, last):
-        """Rows each full microbatch writes, checking that the last one fits."""
-        if full.ndim == 0:
-            if last is not None and last.ndim != 0:
-                raise ValueError(
-                    f"{_OWNER}: accumulator 'concat' got a scalar result from a full "
-                    f"microbatch and shape {last.shape} from the last one."
-                )
-            return 1
-        if last is not None and (last.ndim == 0 or last.shape[1:] != full.shape[1:]):
-            raise ValueError(
-                f"{_OWNER}: accumulator 'concat' joins results along axis 0, so they must "
-                f"agree on the other axes, but an output leaf has shape {full.shape} for a "
-                f"microbatch of {self.plan.block_size} examples and {last.shape} for the "
-                f"last microbatch of {self.plan.remainder}."
-            )
-        return full.shape[0]
-
-    def init(self, full, last):
-        lasts = (
-            jax.tree_util.tree_leaves(last)
-            if last is not None
-            else [None] * len(jax.tree_util.tree_leaves(full))
-        )
-        self.rows = [
-            self._rows(f, s) for f, s in zip(jax.tree_util.tree_leaves(full), lasts, strict=True)
-        ]
-
-        def buffer(f, s, rows):
-            total = rows * self.plan.num_full_blocks
-            if s is not None:
-                total += s.shape[0] if s.ndim else 1
-            return jnp.zeros((total, *f.shape[1:]), f.dtype)
-
-        leaves, treedef = jax.tree_util.tree_flatten(full)
-        return jax.tree_util.tree_unflatten(
-            treedef, [buffer(f, s, r) for f, s, r in zip(leaves, lasts, self.rows, strict=True)]
-        )
-
-    def update(self, carry, value, index, size):
-        carries, treedef = jax.tree_util.tree_flatten(carry)
-        values = treedef.flatten_up_to(value)
-        written = []
-        for buf, piece, rows in zip(carries, values, self.rows, strict=True):
-            piece = jnp.reshape(piece, (-1, *buf.shape[1:])).astype(buf.dtype)
-            start = (index * rows).astype(jnp.int32)
-            written.append(jax.lax.dynamic_update_slice_in_dim(buf, piece, start, axis=0))
-        return jax.tree_util.tree_unflatten(treedef, written)
-
-    def finalize(self, carry):
-        return carry
-
-
-class _Custom:
-    def __init__(self, accumulator: Accumulator):
-        self.accumulator = accumulator
-
-    def init(self, full, last):
-        return self.accumulator.init(full)
-
-    def update(self, carry, value, index, size):
-        return self.accumulator.update(carry, value, index)
-
-    def finalize(self, carry):
-        return self.accumulator.finalize(carry)
-
-
-_BUILT_IN = {
-    AccumulationType.SUM: _Sum,
-    AccumulationType.MEAN: _Mean,
-    AccumulationType.RUNNING_MEAN: _RunningMean,
-    AccumulationType.CONCAT: _Concat,
-}
-
-
-def _combiner(leaf: Any, plan) -> Any:
-    kind = _resolve(leaf)
-    if isinstance(kind, Accumulator):
-        return _Custom(kind)
-    return _BUILT_IN[kind](plan)
 
 
 # ----------------------------------------------------------------------------------
@@ -546,30 +272,21 @@ def _batch_axes(value: Any, axis: int, where: str) -> Any:
 
 
 def _batch_size(batch: list[tuple[str, Any, Any]]) -> int:
+    """The one batch size that every leaf of every batch argument has."""
     sizes = {}
     for where, value, axes in batch:
-        for leaf, axis in zip(
-            jax.tree_util.tree_leaves(value), jax.tree_util.tree_leaves(axes), strict=True
-        ):
-            sizes.setdefault(where, set()).add((axis, leaf.shape[axis]))
-    found = sorted({size for pairs in sizes.values() for _, size in pairs})
-    if not found:
+        leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+        for (path, leaf), axis in zip(leaves, jax.tree_util.tree_leaves(axes), strict=True):
+            sizes[f"{where}{jax.tree_util.keystr(path)} (axis {axis})"] = leaf.shape[axis]
+    size = common_size(sizes, owner=_OWNER, what="batch axes (from in_axes)")
+    if size is None:
         raise ValueError(
             f"{_OWNER}: the batch arguments ({', '.join(w for w, _, _ in batch)}) hold no "
             "arrays, so there is no batch to cut into microbatches."
         )
-    if len(found) > 1:
-        listing = "; ".join(
-            f"{where}: " + ", ".join(f"{size} along axis {axis}" for axis, size in sorted(p))
-            for where, p in sizes.items()
-        )
-        raise ValueError(
-            f"{_OWNER}: the batch arguments must all have the same batch size along their "
-            f"in_axes, but found {listing}."
-        )
-    if found[0] == 0:
+    if size == 0:
         raise ValueError(f"{_OWNER}: the batch is empty (batch size 0); there is nothing to do.")
-    return found[0]
+    return size
 
 
 def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
@@ -594,7 +311,7 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
         _batch_size(batch), batch_size=t.microbatch_size, batch_size_name="microbatch_size"
     )
     num_blocks = t.num_real_microbatches
-    if _is_int(num_blocks) and num_blocks > plan.num_blocks:
+    if isinstance(num_blocks, int) and num_blocks > plan.num_blocks:
         raise ValueError(
             f"{_OWNER}: num_real_microbatches={num_blocks} is more than the "
             f"{plan.num_blocks} microbatch(es) of a batch of {plan.total} in microbatches "
@@ -624,53 +341,26 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
 
     full = shapes(plan.block_size)
     last = shapes(plan.remainder) if plan.remainder else None
-
-    kinds, acc_def = jax.tree_util.tree_flatten(t.accumulator, is_leaf=_is_accumulator_leaf)
+    acc_def = jax.tree_util.tree_structure(t.accumulator, is_leaf=is_accumulator_leaf)
     try:
-        full_parts = acc_def.flatten_up_to(full)
-        last_parts = acc_def.flatten_up_to(last) if last is not None else [None] * len(kinds)
+        acc_def.flatten_up_to(full)
+        if last is not None:
+            acc_def.flatten_up_to(last)
     except (ValueError, TypeError) as error:
         raise ValueError(
             f"{_OWNER}: `accumulator` must be a pytree prefix of the output of `fn`, but "
             f"the accumulator has structure {acc_def} and the output has structure "
             f"{jax.tree_util.tree_structure(full)}."
         ) from error
-    combiners = [_combiner(kind, plan) for kind in kinds]
-    init = [c.init(f, s) for c, f, s in zip(combiners, full_parts, last_parts, strict=True)]
+
+    accumulator = accumulator_for(t.accumulator, plan, last)
 
     def update(carry, result, index, size):
-        parts = acc_def.flatten_up_to(result)
-        return [
-            c.update(acc, part, index, size)
-            for c, acc, part in zip(combiners, carry, parts, strict=True)
-        ]
+        return accumulator.update(carry, result, index)
 
+    init = accumulator.init(full)
     carry = reduce_blocks(block_fn, plan, init, update, num_blocks=num_blocks, read=read)
-    return acc_def.unflatten([c.finalize(acc) for c, acc in zip(combiners, carry, strict=True)])
+    return accumulator.finalize(carry)
 
 
 _microbatch_jit = eqx.filter_jit(_microbatch)
-
-
-def aggregate_stacked(accumulator: Any, values: Any) -> Any:
-    """Combine results stacked along axis 0 in one go, the way `accumulator` combines
-    the results of microbatches: `"sum"` sums axis 0, `"mean"` and `"running_mean"`
-    average it, `"concat"` keeps it, an `Accumulator` applies its `aggregate`."""
-    kinds, acc_def = jax.tree_util.tree_flatten(accumulator, is_leaf=_is_accumulator_leaf)
-    combined = []
-    for kind, part in zip(kinds, acc_def.flatten_up_to(values), strict=True):
-        kind = _resolve(kind)
-        if isinstance(kind, Accumulator):
-            if kind.aggregate is None:
-                raise ValueError(
-                    f"{_OWNER}: this Accumulator has no `aggregate`, which combining "
-                    "stacked results needs; give one when building it."
-                )
-            combined.append(kind.aggregate(part))
-        elif kind is AccumulationType.SUM:
-            combined.append(jax.tree_util.tree_map(lambda v: jnp.sum(v, axis=0), part))
-        elif kind is AccumulationType.CONCAT:
-            combined.append(part)
-        else:
-            combined.append(jax.tree_util.tree_map(lambda v: jnp.mean(v, axis=0), part))
-    return acc_def.unflatten(combined)

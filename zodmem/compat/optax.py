@@ -38,7 +38,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._microbatch import AccumulationType, Accumulator, Microbatcher, aggregate_stacked
+from .._accumulate import aggregate_stacked
+from .._microbatch import AccumulationType, Accumulator, Microbatcher
 
 __all__ = [
     "microbatch",
