@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import powerpax
 import pytest
+from helpers import close
 from hypothesis import given, settings
 
 from zodmem.compat import powerpax as compat
@@ -45,16 +46,6 @@ def make_xs(length):
     i = jnp.asarray((np.arange(length) * 5) % 11, jnp.int32)
     f = jnp.linspace(-1.0, 2.0, 2 * length, dtype=jnp.float32).reshape(length, 2)
     return {"i": i, "f": f}
-
-
-def assert_same(got, want):
-    got_leaves, got_def = jax.tree_util.tree_flatten(got)
-    want_leaves, want_def = jax.tree_util.tree_flatten(want)
-    assert got_def == want_def
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        assert g.shape == w.shape
-        assert g.dtype == w.dtype
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_signatures_match_powerpax():
@@ -108,9 +99,9 @@ def test_sliced_scan_matches_powerpax(length, start, stop, step_, reverse, unrol
     got = compat.sliced_scan(*args, **slicing)
     carry, ys = jax.lax.scan(fn, init, xs, length=length, reverse=reverse)
     index = slice(start, stop, step_)
-    assert_same(got, (carry, jax.tree_util.tree_map(lambda a: a[index], ys)))
+    close(got, (carry, jax.tree_util.tree_map(lambda a: a[index], ys)), exact=True)
     if not (xs is not None and powerpax_mishandles(length, start, stop, step_, reverse)):
-        assert_same(got, powerpax.sliced_scan(*args, **slicing))
+        close(got, powerpax.sliced_scan(*args, **slicing), exact=True)
 
 
 @settings(max_examples=15)
@@ -131,8 +122,8 @@ def test_checkpoint_chunked_scan_matches_powerpax(
     given_length = None if inputs == "xs" else length
     args = (fn, init, xs, given_length, reverse, unroll)
     got = compat.checkpoint_chunked_scan(*args, chunk_size=chunk_size)
-    assert_same(got, powerpax.checkpoint_chunked_scan(*args, chunk_size=chunk_size))
-    assert_same(got, jax.lax.scan(fn, init, xs, length=length, reverse=reverse))
+    close(got, powerpax.checkpoint_chunked_scan(*args, chunk_size=chunk_size), exact=True)
+    close(got, jax.lax.scan(fn, init, xs, length=length, reverse=reverse), exact=True)
 
 
 @pytest.mark.parametrize("start,stop,step_,reverse", [(1, None, 3, False), (1, 8, 3, True)])
@@ -142,17 +133,17 @@ def test_where_powerpax_is_wrong_the_answer_is_lax_scans(start, stop, step_, rev
     slicing = {"start": start, "stop": stop, "step": step_}
     got = compat.sliced_scan(step, init, xs, reverse=reverse, **slicing)
     carry, ys = jax.lax.scan(step, init, xs, reverse=reverse)
-    assert_same(got, (carry, jax.tree_util.tree_map(lambda a: a[start:stop:step_], ys)))
+    close(got, (carry, jax.tree_util.tree_map(lambda a: a[start:stop:step_], ys)), exact=True)
     with pytest.raises((AssertionError, TypeError, ValueError)):
-        assert_same(got, powerpax.sliced_scan(step, init, xs, reverse=reverse, **slicing))
+        close(got, powerpax.sliced_scan(step, init, xs, reverse=reverse, **slicing), exact=True)
 
 
 def test_index_like_arguments():
     init, xs = make_init(), make_xs(9)
     got = compat.sliced_scan(step, init, xs, np.int64(9), start=np.int32(2), step=np.int8(3))
-    assert_same(got, powerpax.sliced_scan(step, init, xs, 9, start=2, step=3))
+    close(got, powerpax.sliced_scan(step, init, xs, 9, start=2, step=3), exact=True)
     got = compat.checkpoint_chunked_scan(step, init, xs, unroll=True, chunk_size=np.int16(4))
-    assert_same(got, powerpax.checkpoint_chunked_scan(step, init, xs, chunk_size=4))
+    close(got, powerpax.checkpoint_chunked_scan(step, init, xs, chunk_size=4), exact=True)
 
 
 def test_gradients_match_powerpax(x64):
@@ -174,10 +165,7 @@ def test_gradients_match_powerpax(x64):
         ("sliced_scan", {"start": 3, "step": 4}),
         ("checkpoint_chunked_scan", {"chunk_size": 4}),
     ]:
-        got = loss(getattr(compat, name), **kwargs)
-        want = loss(getattr(powerpax, name), **kwargs)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
+        close(loss(getattr(compat, name), **kwargs), loss(getattr(powerpax, name), **kwargs))
 
 
 def bad_calls():
@@ -226,7 +214,46 @@ def test_error_messages_name_the_problem():
         compat.sliced_scan(step, init, xs, 5)
     with pytest.raises(ValueError, match=r"checkpoint_chunked_scan: .* got length=-1"):
         compat.checkpoint_chunked_scan(step, init, None, -1)
-    with pytest.raises(ValueError, match=r"`chunk_size` must be a positive int, got chunk_size=0"):
+    positive = (
+        r"checkpoint_chunked_scan: `chunk_size` must be a positive int or None, got chunk_size=0"
+    )
+    with pytest.raises(ValueError, match=positive):
         compat.checkpoint_chunked_scan(step, init, xs, chunk_size=0)
     with pytest.raises(ValueError, match=r"step cannot be zero"):
         compat.sliced_scan(step, init, xs, step=0)
+
+
+@pytest.mark.parametrize(
+    "name,args,kwargs,error,message",
+    [
+        ("sliced_scan", (None, 2.5), {}, TypeError, r"^sliced_scan: `length` must be a non-"),
+        ("sliced_scan", (None, True), {}, TypeError, r"`length` must be .*, got True"),
+        ("sliced_scan", (None, 4), {"start": 0.5}, TypeError, r"^sliced_scan: `start` must be"),
+        ("sliced_scan", (None, 4), {"stop": "2"}, TypeError, r"^sliced_scan: `stop` must be"),
+        ("sliced_scan", (None, 4), {"step": 0}, ValueError, r"^sliced_scan: step cannot be zero"),
+        ("checkpoint_chunked_scan", (None, -1), {}, ValueError, r"^checkpoint_chunked_scan: `l"),
+        ("checkpoint_chunked_scan", (None, 4), {"chunk_size": 2.0}, TypeError, r"_scan: `chunk"),
+        ("checkpoint_chunked_scan", (None, 4), {"chunk_size": True}, TypeError, r"got True"),
+    ],
+    ids=[
+        "float length",
+        "bool length",
+        "float start",
+        "string stop",
+        "zero step",
+        "negative length",
+        "float chunk_size",
+        "bool chunk_size",
+    ],
+)
+def test_bad_options_name_the_function_and_argument(name, args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        getattr(compat, name)(step, make_init(), *args, **kwargs)
+
+
+def test_numpy_integers_are_ints():
+    init = make_init()
+    got = compat.sliced_scan(step, init, None, np.uint16(9), start=np.int8(-7), stop=np.int64(8))
+    close(got, powerpax.sliced_scan(step, init, None, 9, start=-7, stop=8), exact=True)
+    got = compat.checkpoint_chunked_scan(step, init, None, np.int32(9), chunk_size=np.uint8(2))
+    close(got, jax.lax.scan(step, init, None, length=9), exact=True)

@@ -7,27 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import powerpax
 import pytest
+from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
 from zodmem.compat import powerpax as compat
 
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def same(actual, expected, rtol=1e-12):
-    """Same structure, and leaves of the same type, shape, dtype and values."""
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(
-        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
-    ):
-        assert type(a) is type(e)
-        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
-        if jnp.issubdtype(e.dtype, jnp.inexact):
-            rtol = max(rtol, 1e-5) if jnp.finfo(e.dtype).bits <= 32 else rtol
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol)
-        else:
-            np.testing.assert_array_equal(a, e)
 
 
 def values(shape, dtype, seed=0):
@@ -59,10 +45,11 @@ def test_same_results_as_powerpax_and_vmap(batch, chunk, dtype, how):
     args, kwargs = (tree, scale), {"offset": offset}
     ours = compat.chunked_vmap(mixed, chunk)(*args, **kwargs, how=compat.Static(how))
     theirs = powerpax.chunked_vmap(mixed, chunk)(*args, **kwargs, how=powerpax.Static(how))
-    same(ours, theirs)
-    plain = jax.vmap(functools.partial(mixed, how=zm.Static(how)))(*args, **kwargs)
     # Summation order differs between compiled and eager float32 sums.
-    same(ours, plain, rtol=1e-5 if dtype == jnp.float32 else 1e-12)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-12
+    close(ours, theirs, tol, tol)
+    plain = jax.vmap(functools.partial(mixed, how=zm.Static(how)))(*args, **kwargs)
+    close(ours, plain, tol, tol)
 
 
 @pytest.mark.parametrize("batch,chunk", [(7, 3), (8, 4), (3, 5)])
@@ -72,7 +59,7 @@ def test_gradients_as_powerpax(batch, chunk):
     def loss(chunked_vmap, x):
         return jnp.sum(chunked_vmap(lambda r: jnp.sin(r) * r[0], chunk)(x))
 
-    same(
+    close(
         jax.grad(loss, argnums=1)(compat.chunked_vmap, x),
         jax.grad(loss, argnums=1)(powerpax.chunked_vmap, x),
     )
@@ -84,7 +71,7 @@ def test_under_jit_and_vmap():
     def fn(r):
         return jnp.outer(r, r)
 
-    same(
+    close(
         jax.jit(jax.vmap(compat.chunked_vmap(fn, 3)))(x),
         jax.jit(jax.vmap(powerpax.chunked_vmap(fn, 3)))(x),
     )
@@ -98,8 +85,11 @@ def test_wrapper_and_chunk_size_conversions():
     wrapped = compat.chunked_vmap(fn, 2)
     assert wrapped.__wrapped__ is fn and wrapped.__name__ == "fn" and wrapped.__doc__ == "Square."
     x = jnp.arange(5.0)
-    for chunk_size in (True, np.int64(2), np.int32(3)):
-        same(compat.chunked_vmap(fn, chunk_size)(x), powerpax.chunked_vmap(fn, chunk_size)(x))
+    for chunk_size in (np.int64(2), np.int32(3), np.uint8(4)):
+        close(compat.chunked_vmap(fn, chunk_size)(x), powerpax.chunked_vmap(fn, chunk_size)(x))
+    # powerpax reads True as 1; a bool where a count is meant is refused, as across zodmem.
+    with pytest.raises(TypeError, match=r"chunked_vmap: `chunk_size` must be an int, got True"):
+        compat.chunked_vmap(fn, True)
 
 
 def outcome(call):
@@ -108,6 +98,20 @@ def outcome(call):
         return call()
     except Exception as error:  # noqa: BLE001
         return type(error)
+
+
+@pytest.mark.parametrize("chunk_size", [-1, 0])
+def test_non_positive_chunk_size_message_as_powerpax(chunk_size):
+    """powerpax's own test matches this wording."""
+    with pytest.raises(ValueError, match="chunk_size must be positive") as theirs:
+        powerpax.chunked_vmap(jnp.sin, chunk_size=chunk_size)
+    assert str(chunk_size) in str(theirs.value)
+    with pytest.raises(
+        ValueError,
+        match=rf"^chunked_vmap: chunk_size must be positive, got "
+        rf"chunk_size={chunk_size}\.$",
+    ):
+        compat.chunked_vmap(jnp.sin, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -2, 2.5, None, "2"])
@@ -144,24 +148,51 @@ def test_bad_calls_raise_as_powerpax(fun, args, kwargs):
 
 
 def test_inconsistent_sizes_are_listed():
-    with pytest.raises(ValueError, match="3, 4"):
+    listed = r"chunked_vmap: .* leading axes, but the sizes are args\[0\]: 3, args\[1\]: 4\."
+    with pytest.raises(ValueError, match=listed):
         compat.chunked_vmap(first, 2)(jnp.ones(3), jnp.ones(4))
+    with pytest.raises(ValueError, match=r"sizes are args\[0\]\['u'\]: 5, kwargs\['k'\]: 2\."):
+        compat.chunked_vmap(first, 2)({"u": jnp.ones(5)}, k=jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"kwargs\['k'\] is zero-dimensional"):
+        compat.chunked_vmap(first, 2)(jnp.ones(3), k=jnp.ones(()))
+
+
+def test_uncallable_fun_is_refused_when_wrapped():
+    with pytest.raises(
+        TypeError, match=r"chunked_vmap: `fun` must be callable .*got 3 of type int"
+    ):
+        compat.chunked_vmap(3, 2)
 
 
 def test_static_as_powerpax():
-    for value in (3, "a", (1, 2), None):
+    for value in (3, "a", (1, 2), None, 1.5):
         ours, theirs = compat.Static(value), powerpax.Static(value)
         assert jax.tree_util.tree_leaves(ours) == jax.tree_util.tree_leaves(theirs) == []
         assert ours.value == theirs.value and repr(ours) == repr(theirs)
         assert ours == compat.Static(value) and hash(ours) == hash(compat.Static(value))
+        flat, treedef = jax.tree_util.tree_flatten(ours)
+        rebuilt = jax.tree_util.tree_unflatten(treedef, flat)
+        assert rebuilt == ours and hash(rebuilt) == hash(ours)
     assert compat.Static(1) != compat.Static(2)
     assert compat.Static(value=1) == compat.Static(1) and compat.Static[int](1).value == 1
-    # As in powerpax, an unhashable value is accepted, and only hashing it fails.
-    ours, theirs = compat.Static([1, 2]), powerpax.Static([1, 2])
-    assert ours == compat.Static([1, 2]) and repr(ours) == repr(theirs)
-    assert outcome(lambda: hash(ours)) is outcome(lambda: hash(theirs)) is TypeError
     x = jnp.arange(7.0)
-    same(
-        compat.chunked_vmap(lambda x, s: x * len(s.value), 3)(x, ours),
-        powerpax.chunked_vmap(lambda x, s: x * len(s.value), 3)(x, theirs),
+    close(
+        compat.chunked_vmap(lambda x, s: x * len(s.value), 3)(x, compat.Static((1, 2))),
+        powerpax.chunked_vmap(lambda x, s: x * len(s.value), 3)(x, powerpax.Static((1, 2))),
     )
+
+
+def test_static_is_zodmems():
+    """One class: a compat Static and a zm.Static are interchangeable."""
+    assert compat.Static is zm.Static
+    assert isinstance(compat.Static(1), zm.Static) and compat.Static(1) == zm.Static(1)
+    assert hash(compat.Static("a")) == hash(zm.Static("a"))
+
+
+def test_unhashable_static_value_is_refused_when_built():
+    """powerpax documents that the value must be hashable, and fails only when it is
+    hashed; here the mistake is reported where the Static is built."""
+    theirs = powerpax.Static([1, 2])
+    assert outcome(lambda: hash(theirs)) is TypeError
+    with pytest.raises(TypeError, match=r"Static: `value` must be hashable, got \[1, 2\]"):
+        compat.Static([1, 2])

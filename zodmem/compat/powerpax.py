@@ -14,7 +14,9 @@ into the preallocated results, with no stacking or concatenation of chunks.
 
 `sliced_scan` and `checkpoint_chunked_scan` are thin layers over `zm.SlicedScan`
 and `zm.CheckpointedScan`; both write each chunk's outputs straight into the
-preallocated `ys` as well.
+preallocated `ys` as well. `Static` is `zm.Static` itself, so the two mix freely; as
+powerpax documents, its value must be hashable, and here that is checked when the
+`Static` is built.
 """
 
 from __future__ import annotations
@@ -22,42 +24,38 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import Any, Generic, SupportsIndex, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_callable, check_int, common_size
 from .._scan import CheckpointedScan, SlicedScan, scan_length
+from .._static import Static
 from .._vmap import ChunkedVmap
 
 __all__ = ["chunked_vmap", "sliced_scan", "checkpoint_chunked_scan", "Static"]
 
 C = TypeVar("C", bound=Callable[..., Any])
-T = TypeVar("T")
 
 
 def _check_leading_axes(args: tuple, kwargs: dict) -> None:
-    """Every leaf is mapped over its leading axis: check that they agree."""
-    sizes = []
-    for leaf in jax.tree_util.tree_leaves((args, list(kwargs.values()))):
+    """Every leaf is mapped over its leading axis: check that there is one, and that
+    their sizes agree."""
+    sizes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
         if jnp.ndim(leaf) < 1:
             raise ValueError(
-                "chunked_vmap maps every argument over its leading axis, but one of them is "
+                f"chunked_vmap: every argument is mapped over its leading axis, but {where} is "
                 f"zero-dimensional: {leaf!r}. Pass it through functools.partial or a "
                 "closure instead, or wrap it in Static."
             )
-        sizes.append(jnp.shape(leaf)[0])
-    if not sizes:
+        sizes[where] = jnp.shape(leaf)[0]
+    if common_size(sizes, owner="chunked_vmap", what="leading axes") is None:
         raise ValueError(
-            "chunked_vmap needs at least one array argument to map over, but the arguments "
-            "hold no arrays."
-        )
-    if len(set(sizes)) > 1:
-        listed = ", ".join(str(size) for size in dict.fromkeys(sizes))
-        raise ValueError(
-            f"chunked_vmap maps every argument over its leading axis, so their leading "
-            f"sizes must agree, but they are {listed}."
+            "chunked_vmap: there must be at least one array argument to map over, but the "
+            "arguments hold no arrays."
         )
 
 
@@ -86,9 +84,11 @@ def chunked_vmap(fun: C, chunk_size: SupportsIndex) -> C:
         chunked_vmap(jnp.sin, chunk_size=4)(jnp.arange(10.0))  # shape (10,)
         ```
     """
-    chunk_size = operator.index(chunk_size)
+    check_callable(fun, "fun", owner="chunked_vmap")
+    chunk_size = check_int(chunk_size, "chunk_size", owner="chunked_vmap")
     if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got chunk_size={chunk_size}.")
+        # powerpax's own tests match this wording.
+        raise ValueError(f"chunked_vmap: chunk_size must be positive, got chunk_size={chunk_size}.")
 
     @functools.wraps(fun)
     def vectorised(*args: Any, **kwargs: Any) -> Any:
@@ -104,10 +104,7 @@ def _scan_steps(xs: Any, length: SupportsIndex | None, owner: str) -> int:
     of `xs` first, then `length`, then whether the two agree."""
     if jax.tree_util.tree_leaves(xs):
         scan_length(xs, None, owner=owner)
-    if length is not None:
-        length = operator.index(length)
-        if length < 0:
-            raise ValueError(f"{owner}: `length` may not be negative, got length={length}.")
+    length = check_int(length, "length", owner=owner, minimum=0, optional=True)
     return scan_length(xs, length, owner=owner)
 
 
@@ -167,8 +164,14 @@ def sliced_scan(
     """
     steps = _scan_steps(xs, length, "sliced_scan")
     unroll = _clip_unroll(unroll, steps)
-    slice(start, stop, step).indices(steps)  # Python's own checks of the bounds
-    start, stop, step = (None if v is None else operator.index(v) for v in (start, stop, step))
+    start, stop, step = (
+        check_int(value, name, owner="sliced_scan", optional=True)
+        for name, value in (("start", start), ("stop", stop), ("step", step))
+    )
+    if step == 0:
+        raise ValueError(
+            "sliced_scan: step cannot be zero, got step=0; use 1 or None to keep every step."
+        )
     transform = SlicedScan(
         f,
         start=start,
@@ -228,39 +231,12 @@ def checkpoint_chunked_scan(
     """
     steps = _scan_steps(xs, length, "checkpoint_chunked_scan")
     unroll = _clip_unroll(unroll, steps)
-    chunk_size = max(1, steps) if chunk_size is None else operator.index(chunk_size)
-    if chunk_size <= 0:
-        raise ValueError(
-            f"checkpoint_chunked_scan: `chunk_size` must be a positive int, got "
-            f"chunk_size={chunk_size}."
-        )
+    chunk_size = check_int(
+        chunk_size, "chunk_size", owner="checkpoint_chunked_scan", minimum=1, optional=True
+    )
+    # powerpax's None is one chunk of every step.
+    chunk_size = max(1, steps) if chunk_size is None else chunk_size
     transform = CheckpointedScan(
         f, chunk_size=chunk_size, length=steps, reverse=bool(reverse), unroll=unroll
     )
     return transform(init, xs)
-
-
-class Static(eqx.Module, Generic[T]):
-    """A value held as part of a pytree's structure: a pytree with no leaves.
-
-    As in powerpax, any value is accepted; it must be hashable for the `Static` to
-    be hashed. `zm.Static` is the same, but refuses an unhashable value when built.
-
-    **Arguments:**
-
-    - `value`: the value to carry, read back as `.value`.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        from zodmem.compat.powerpax import Static, chunked_vmap
-
-        def scale(x, how):
-            return 2 * x if how.value == "double" else x
-
-        chunked_vmap(scale, 4)(jnp.arange(10.0), Static("double"))
-        ```
-    """
-
-    value: T = eqx.field(static=True)
