@@ -6,23 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zodiax.diffops as zd
+from helpers import close, make_mlp
 from jax.flatten_util import ravel_pytree
-from helpers import make_mlp
 
 import zodmem.compat.zodiax as zc
 
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def close(actual, expected, rtol=1e-12, atol=1e-12):
-    """Compare pytrees leaf by leaf: same structure, shapes, dtypes and values."""
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(
-        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
-    ):
-        assert a.shape == e.shape
-        assert a.dtype == e.dtype
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
 # Built lazily: float64 is enabled only while the tests run.
@@ -150,11 +139,14 @@ def test_bad_nbatches_is_refused_plainly():
     """zodiax divides by zero or fails deep inside; zodmem says what is wrong."""
     x = TREES["dict"]()
     for fn in (zc.jacobian, zc.hessian):
-        with pytest.raises(ValueError, match="nbatches must be a positive int, got nbatches=0"):
+        owner = fn.__name__
+        with pytest.raises(ValueError, match=rf"{owner}: `nbatches` must be a positive int, got "):
             fn(loss, x, 0)
         with pytest.raises(ValueError, match="got nbatches=-2"):
             fn(loss, x, -2)
-        with pytest.raises(TypeError, match="nbatches must be a positive int, got 2.5"):
+        with pytest.raises(
+            TypeError, match=rf"{owner}: `nbatches` must be a positive int, got 2.5"
+        ):
             fn(loss, x, 2.5)
         with pytest.raises(TypeError, match="got True"):
             fn(loss, x, True)
@@ -163,6 +155,30 @@ def test_bad_nbatches_is_refused_plainly():
     # NumPy integers are ints to zodiax, and so to zodmem.
     expected = jax.jit(lambda x: zd.hessian(loss, x, np.int64(2))[0])(x)
     close(zc.hessian(loss, x, np.int64(2))[0], expected)
+
+
+@pytest.mark.parametrize("nbatches", [1, 2])
+def test_python_floats_are_variables_as_in_zodiax(nbatches):
+    """zodiax ravels a Python float into its variables, as jax.grad takes one."""
+
+    def cubic(x):
+        return x["s"] ** 3 * jnp.sum(x["v"] ** 2)
+
+    cases = [
+        (cubic, {"s": 2.0, "v": jnp.asarray([0.5, -1.0], jnp.float32)}),
+        (lambda s: s**3, 2.0),
+        (lambda s: s[0] * s[1] ** 2, (2.0, 3.0)),
+    ]
+    for f, x in cases:
+        k = min(nbatches, ravel_pytree(x)[0].size)
+        H, unflatten = zc.hessian(f, x, k)
+        H_zodiax, unflatten_zodiax = zd.hessian(f, x, k)
+        close(H, H_zodiax)
+        flat = jnp.ones(H.shape[0])
+        close(unflatten(flat), unflatten_zodiax(flat))
+        close(zc.jacobian(f, x, k)[0], zd.jacobian(f, x, k)[0])
+        # zodiax's hessian_to_pytree reads leaf shapes, so it needs x's floats as arrays.
+        close(zc.hessian_to_pytree(H, x), zd.hessian_to_pytree(H, jax.tree.map(jnp.asarray, x)))
 
 
 def test_mlp_works_where_zodiax_fails():

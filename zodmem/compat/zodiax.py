@@ -1,46 +1,58 @@
 """`zodiax.diffops` 0.5, on zodmem's block engine.
 
 `jacobian`, `hessian` and `hessian_to_pytree` take the same arguments and return
-the same results as `zodiax.diffops` for pytrees of floating-point arrays, so a
-zodiax user changes only the import::
+the same results as `zodiax.diffops` for pytrees of floating-point arrays and Python
+floats, so a zodiax user changes only the import::
 
     from zodmem.compat.zodiax import hessian   # was: from zodiax.diffops import hessian
 
-What differs, deliberately: only the inexact-array leaves of `x` are variables
-(zodiax ravels every leaf, so it fails on an `eqx.nn.MLP` and differentiates ints);
-the blocks are written into one preallocated result instead of being stacked,
-transposed and sliced, so peak memory is about one Hessian smaller; and a bad
-`nbatches` (zero, negative, not an int) is a `ValueError`/`TypeError` here.
-"""
+What differs, deliberately: only the inexact leaves of `x` (floating-point arrays and
+Python floats) are variables (zodiax ravels every leaf, so it fails on an
+`eqx.nn.MLP` and differentiates ints); the blocks are written into one preallocated
+result instead of being stacked, transposed and sliced, so peak memory is about one
+Hessian smaller; and a bad `nbatches` (zero, negative, a bool, not an int) is a
+`ValueError`/`TypeError` here."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 
-from .._hessian import BatchedHessian, hessian_to_pytree
-from .._jacobian import BatchedJacobian
+from .. import BatchedHessian, BatchedJacobian, hessian_to_pytree as _hessian_to_pytree
+from .._checks import check_int
 from .._pytree import split_variables
 
 __all__ = ["jacobian", "hessian", "hessian_to_pytree"]
 
 
-def _check_nbatches(nbatches: Any, n: int) -> int:
-    """`nbatches` as a Python int, refused unless it is a whole number from 1 to `n`."""
-    if isinstance(nbatches, bool) or not isinstance(nbatches, numbers.Integral):
-        raise TypeError(f"nbatches must be a positive int, got {nbatches!r}.")
-    nbatches = int(nbatches)
-    if nbatches <= 0:
-        raise ValueError(f"nbatches must be a positive int, got nbatches={nbatches}.")
-    if nbatches > n:
+def _is_python_scalar(leaf: Any) -> bool:
+    # zodiax ravels every leaf, so a Python float is a variable there, as for jax.grad.
+    return isinstance(leaf, (float, complex)) and not eqx.is_array(leaf)
+
+
+def _scalars_as_arrays(x: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda leaf: jnp.asarray(leaf) if _is_python_scalar(leaf) else leaf, x
+    )
+
+
+def _variables(x: Any, nbatches: Any, owner: str) -> tuple[Any, Any, int]:
+    """`x` with its Python float and complex scalars as arrays, its variables, and
+    `nbatches` checked against their number."""
+    nbatches = check_int(nbatches, "nbatches", owner=owner, minimum=1)
+    x = _scalars_as_arrays(x)
+    _, variables = split_variables(x)
+    if nbatches > variables.size:
+        # zodiax's own wording, which its tests match.
         raise ValueError(
-            f"nbatches={nbatches} is too large for n={n} parameters. "
-            f"Choose nbatches <= n, or set nbatches=1 for no batching."
+            f"{owner}: nbatches={nbatches} is too large for n={variables.size} parameters. "
+            "Choose nbatches <= n, or set nbatches=1 for no batching."
         )
-    return nbatches
+    return x, variables, nbatches
 
 
 def jacobian(
@@ -56,8 +68,7 @@ def jacobian(
     when `f` returns a pytree) and `unflatten` maps a flat vector of the `n`
     variables back to the structure of `x`.
     """
-    _, variables = split_variables(x)
-    nbatches = _check_nbatches(nbatches, variables.size)
+    x, variables, nbatches = _variables(x, nbatches, "jacobian")
     # One block is `jax.jacobian` (reverse mode) in zodiax, blocks of columns are JVPs.
     mode = "rev" if nbatches == 1 else "fwd"
     transform = BatchedJacobian(f, mode=mode, nbatches=nbatches, jit=jit, checkpoint=checkpoint)
@@ -72,7 +83,18 @@ def hessian(
     checkpoint: bool = False,
 ) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     """The `(n, n)` Hessian of the scalar `f` at `x` in `nbatches` blocks, and `unflatten`."""
-    _, variables = split_variables(x)
-    nbatches = _check_nbatches(nbatches, variables.size)
+    x, variables, nbatches = _variables(x, nbatches, "hessian")
     transform = BatchedHessian(f, nbatches=nbatches, jit=jit, checkpoint=checkpoint)
     return transform(x), variables.unravel
+
+
+def hessian_to_pytree(H: Any, x: Any) -> Any:
+    """The flat `(n, n)` Hessian `H` as blocks: `x`'s structure twice, block `[i][j]` of
+    shape `leaf_i.shape + leaf_j.shape` and, as in zodiax, of `H`'s dtype."""
+    H = jnp.asarray(H)
+    x = _scalars_as_arrays(x)
+    # zodiax slices H, so every block keeps H's dtype even where x mixes precisions.
+    like_H = jax.tree_util.tree_map(
+        lambda leaf: leaf.astype(H.dtype) if eqx.is_inexact_array(leaf) else leaf, x
+    )
+    return _hessian_to_pytree(H, like_H)
