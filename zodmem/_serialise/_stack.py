@@ -310,18 +310,20 @@ def _skeleton(node: Any, location: str, like: Any, single: Any) -> Any:
 
 def _module_skeleton(class_path: Any, model: Any, location: str) -> Any:
     """`model`, the skeleton `like` gives at `location`, once its class is checked to be
-    the file's. A class defined inside a function or in a script (`__main__`) cannot be
-    imported where the file is loaded, so there `model`'s class must have its name."""
+    the file's. A class defined inside a function or in a script (`__main__`) may not be
+    importable where the file is loaded: then `model`'s class must have its name."""
     try:
         cls = resolve_class(class_path, eqx.Module, f"the model class at `{location}`")
     except SerialisationError:
-        unimportable = "<locals>" in class_path or class_path.startswith("__main__:")
-        if model is None or not unimportable:
+        if model is not None and class_name(type(model)) == class_path:
+            return model
+        # A class that was never importable is best explained by `like`'s other class.
+        if model is None or not ("<locals>" in class_path or class_path.startswith("__main__:")):
             raise
         cls = None
     if model is None:
         raise SerialisationError(f"`like` gives no skeleton for `{location}`.")
-    if type(model) is not cls and (cls is not None or class_name(type(model)) != class_path):
+    if type(model) is not cls:
         raise SerialisationError(
             f"`like` disagrees with the file at `{location}`: the file holds a "
             f"{class_path}, `like` a {_describe_like(model)}."
