@@ -33,7 +33,9 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
       written (`losses:grad_loss` for `grad_loss = jax.grad(loss)` in `losses.py`);
     - another zodmem transform: it is described in turn;
     - any other Equinox module, e.g. a model such as `eqx.nn.MLP`: its arrays are
-      written, and its skeleton comes from `like` at [`zodmem.load`][].
+      written, and its skeleton comes from `like` at [`zodmem.load`][]. Its class need
+      not be importable: one defined inside a function or in a script is named by its
+      `module:qualname`, and `like` must then hold an instance of a class so named.
 
     Static configuration may hold `None`, `bool`, `int`, `float`, `complex`, `str`,
     tuples, lists, dicts and named tuples of these, enum members, dtypes, importable
@@ -61,19 +63,23 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
     !!! example
 
         ```python
+        import pathlib
+        import tempfile
+
         import equinox as eqx
         import jax
         import jax.numpy as jnp
         import zodmem as zm
 
+        path = pathlib.Path(tempfile.mkdtemp()) / "jacobian.zm"
         model = eqx.nn.MLP(2, 3, 8, 2, key=jax.random.key(0))
         jacobian = zm.BatchedJacobian(model, nbatches=2)
-        zm.save("jacobian.zm", jacobian)
+        zm.save(path, jacobian)
 
         # Shapes and dtypes only: the weights come from the file.
         skeleton = eqx.filter_eval_shape(eqx.nn.MLP, 2, 3, 8, 2, key=jax.random.key(1))
-        loaded = zm.load("jacobian.zm", like=skeleton)
-        loaded(jnp.ones(2))   # the (3, 2) Jacobian, as jacobian(jnp.ones(2))
+        loaded = zm.load(path, like=skeleton)
+        loaded(jnp.ones(2)).shape  # (3, 2), equal to jacobian(jnp.ones(2))
         ```
 
     !!! warning
@@ -81,7 +87,8 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
         Functions are saved by name, not by code: loading imports them again, so a
         function defined in a script or notebook (module `__main__`) can be loaded
         only where the main module defines it too. Put functions you want to load
-        elsewhere in an importable module.
+        elsewhere in an importable module. A module passed as `fn` is saved by its
+        arrays instead, so its class may live anywhere: `like` rebuilds it.
     """
     if not isinstance(transform, AbstractTransform):
         raise SerialisationError(
@@ -97,9 +104,9 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
 def load(path: str | os.PathLike, like: Any = None) -> AbstractTransform:
     """Load a transform stack written by [`zodmem.save`][].
 
-    The stack is rebuilt through each transform's constructor, so its configuration
-    is validated exactly as when it was first built, and every array is restored from
-    the file. Functions and classes are imported by the paths the file names.
+    The stack is rebuilt through each transform's constructor, called once with the
+    file's configuration and arrays, so it is validated exactly as when it was first
+    built. Functions and classes are imported by the paths the file names.
 
     **Arguments:**
 
@@ -115,6 +122,10 @@ def load(path: str | os.PathLike, like: Any = None) -> AbstractTransform:
         - A transform stack of the same shape as the saved one: the same transform
           classes at every level, with skeletons wherever the saved stack holds a
           module. Its configuration and functions are ignored; the file's are used.
+
+      A skeleton's class is the one the file names; when that class cannot be
+      imported (it was defined inside a function, or in a script), a class of the
+      same `module:qualname` is accepted.
 
     **Returns:**
 
@@ -133,13 +144,19 @@ def load(path: str | os.PathLike, like: Any = None) -> AbstractTransform:
     !!! example
 
         ```python
+        import pathlib
+        import tempfile
+
+        import jax
         import jax.numpy as jnp
         import zodmem as zm
-        from mypackage.losses import loss   # importable: defined with `def` in a module
 
-        zm.save("hessian.zm", zm.BatchedHessian(loss, nbatches=4))
-        hessian = zm.load("hessian.zm")
-        hessian.nbatches     # 4
+        # An importable function is saved by its import path, so no `like` is needed.
+        path = pathlib.Path(tempfile.mkdtemp()) / "hessian.zm"
+        zm.save(path, zm.BatchedHessian(jax.nn.logsumexp, nbatches=4))
+        hessian = zm.load(path)
+        hessian.nbatches  # 4
+        hessian(jnp.arange(8.0)).shape  # (8, 8)
         ```
 
     !!! warning
