@@ -23,6 +23,11 @@ What differs, deliberately:
   skipping microbatches, so the result stays reverse-mode differentiable;
 - `reshape_batch_axis` takes a negative `axis` counted from the end, and leaves
   the placement of sharded arrays to XLA.
+- integer arguments (`argnums`, `in_axes`, `batch_argnums`, `microbatch_size`) may
+  be NumPy integers.
+
+`micro_grad`'s per-example outputs are optax's own namedtuple when optax is
+installed, so its results and optax's have one pytree structure.
 
 Batch sizes that `microbatch_size` does not divide raise a `ValueError`, as in
 optax; `zm.Microbatcher` is the transform that takes them.
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from .._accumulate import aggregate_stacked
+from .._checks import as_index
 from .._microbatch import AccumulationType, Accumulator, Microbatcher
 
 __all__ = [
@@ -50,8 +56,25 @@ __all__ = [
     "AccumulationType",
 ]
 
-# What `micro_grad` returns beside the gradient, one entry per example.
-IndividualOutputs = collections.namedtuple("Aux", ["values", "metrics", "aux"])
+# What `micro_grad` returns beside the gradient, one entry per example. optax's own
+# class where it is installed: pytrees of two namedtuple classes never map together.
+try:
+    from optax.microbatching._microbatching import IndividualOutputs
+except ImportError:
+    IndividualOutputs = collections.namedtuple("Aux", ["values", "metrics", "aux"])
+
+
+def _as_tuple(value: Any) -> tuple:
+    """An integer (a NumPy integer included) as a 1-tuple, a sequence as a tuple; the
+    integers in it as Python ints."""
+    if _is_int(value):
+        return (as_index(value),)
+    return tuple(as_index(item) for item in value)
+
+
+def _is_int(value: Any) -> bool:
+    index = as_index(value)
+    return isinstance(index, int) and not isinstance(index, bool)
 
 
 def reshape_batch_axis(tree: Any, microbatch_size: int, axis: int = 0) -> Any:
@@ -137,10 +160,11 @@ def microbatch(
     """
     if microbatch_size is None:
         return fun
-    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    microbatch_size = as_index(microbatch_size)
+    argnums = _as_tuple(argnums)
     argnames = (argnames,) if isinstance(argnames, str) else tuple(argnames)
     count = len(argnums) + len(argnames)
-    in_axes = (in_axes,) * count if isinstance(in_axes, int) else tuple(in_axes)
+    in_axes = _as_tuple(in_axes) * count if _is_int(in_axes) else _as_tuple(in_axes)
 
     def microbatched(*args, **kwargs):
         batch = [args[i] for i in argnums] + [kwargs[name] for name in argnames]
@@ -213,7 +237,7 @@ def micro_vmap(
         raise NotImplementedError(
             f"micro_vmap supports out_axes=0 only, got out_axes={out_axes!r}."
         )
-    in_axes = (in_axes,) if isinstance(in_axes, int) else in_axes
+    in_axes = _as_tuple(in_axes)
 
     def mapped_and_reduced(*args, kwargs):
         outputs = vmap_fn(fun, in_axes, out_axes)(*args, **kwargs)
@@ -255,9 +279,25 @@ def micro_grad(
     the second part with one entry per example. `batch_argnums` are the arguments
     with a batch axis (axis 0); with `keep_batch_dim`, `fun` sees each example as a
     batch of one.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        from zodmem.compat.optax import AccumulationType, micro_grad
+
+        def loss(w, x, y):
+            return 0.5 * jnp.mean((x @ w - y) ** 2)
+
+        w, x, y = jnp.zeros(1), jnp.ones((4, 1)), jnp.array([0.0, 2.0, 4.0, 6.0])
+        grad_fn = micro_grad(
+            loss, batch_argnums=(1, 2), microbatch_size=2, accumulator=AccumulationType.MEAN
+        )
+        grad, per_example = grad_fn(w, x, y)
+        grad, per_example.values  # [-3.] and [0., 2., 8., 18.]
+        ```
     """
-    if isinstance(batch_argnums, int):
-        batch_argnums = (batch_argnums,)
+    batch_argnums = _as_tuple(batch_argnums)
     with_aux = fun if has_aux else (lambda *args, **kwargs: (fun(*args, **kwargs), None))
     value_and_grad = jax.value_and_grad(with_aux, argnums, has_aux=True)
 
