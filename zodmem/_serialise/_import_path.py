@@ -72,7 +72,7 @@ def _bound_name(obj: Any, home: str) -> str | None:
     loaded = [
         (name, module)
         for name, module in list(sys.modules.items())
-        if isinstance(name, str) and isinstance(module, types.ModuleType)
+        if isinstance(module, types.ModuleType)
     ]
     for name, module in sorted(loaded, key=lambda item: preference(item[0])):
         # Read through ModuleType itself: a lazily loaded module imports on attribute access.

@@ -66,7 +66,7 @@ def _describe_transform(transform: AbstractTransform, location: str) -> dict:
     class_path, why = import_path(cls)
     if class_path is None:
         raise SerialisationError(
-            f"zodmem.save cannot save `{location}`: its class {cls.__name__} cannot be "
+            f"zodmem.save cannot save `{location}`: its class {cls.__qualname__} cannot be "
             f"found by import ({why})."
         )
     # The constructor's arguments: the configuration, and the fields that hold `fn` and arrays.
@@ -159,6 +159,8 @@ class _Unbuilt:
 def skeleton_of(stack: dict, like: Any) -> _Unbuilt:
     """The stack described by `stack` with every class resolved and every configuration
     value decoded, but no constructor run; `like` gives the skeletons of its modules."""
+    if stack.get("kind") != "transform":
+        raise SerialisationError("The file is malformed: its stack is not a transform.")
     try:
         slots = _module_slots(stack, "transform")
     except (KeyError, TypeError, AttributeError) as error:
