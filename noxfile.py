@@ -1,5 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s examples`, `nox -s lint`, `nox -s docs`,
-`nox -s benchmarks`."""
+"""Developer sessions: `nox -s tests`, `nox -s examples`, `nox -s peers`, `nox -s lint`,
+`nox -s docs`, `nox -s benchmarks`."""
 
 import nox
 
@@ -19,6 +19,15 @@ def examples(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-m", "examples", "tests/test_examples.py", *session.posargs
     )
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """Run powerpax's, optax's and zodiax's own tests against zodmem's compat namespaces
+    (downloads their source distributions from PyPI; name peers as arguments to choose)."""
+    # The test extras hold the peers themselves, for the helpers their tests import.
+    session.install("-e", ".[test]")
+    session.run("python", "tests/peers/run_peers.py", *session.posargs)
 
 
 @nox.session
