@@ -790,6 +790,14 @@ def test_configuration_rejected_by_constructor(tmp_path):
         zm.load(path)
 
 
+def test_stack_that_is_not_a_transform(tmp_path):
+    path = tmp_path / "h.zm"
+    zm.save(path, zm.BatchedHessian(quadratic))
+    rewrite_header(path, lambda h: h.update(stack={"kind": "value", "value": {"type": "none"}}))
+    with pytest.raises(zm.SerialisationError, match=r"malformed: its stack is not a transform"):
+        zm.load(path)
+
+
 # --------------------------------------------------------------------------------------
 # `like` that disagrees with the file
 
