@@ -10,10 +10,12 @@ from jax.flatten_util import ravel_pytree
 from jax.tree_util import keystr
 
 
-def close(actual, expected, rtol=1e-12, atol=1e-12, *, dtypes=True, exact=False):
+def close(actual, expected, rtol=None, atol=None, *, dtypes=True, exact=False):
     """Assert that two pytrees agree: the same structure, and leaf by leaf the same
     shapes, dtypes (unless `dtypes=False`) and values, to `rtol`/`atol` or bit for bit
-    with `exact=True`. Leaves that are not arrays are compared with `==`."""
+    with `exact=True`. Leaves that are not arrays are compared with `==`.
+
+    The tolerances default to 1e-12 for 64-bit leaves and 1e-5 for narrower ones."""
     actual_leaves, actual_def = jax.tree_util.tree_flatten(actual)
     expected_leaves, expected_def = jax.tree_util.tree_flatten(expected)
     assert actual_def == expected_def, f"structures differ: {actual_def} != {expected_def}"
@@ -30,10 +32,18 @@ def close(actual, expected, rtol=1e-12, atol=1e-12, *, dtypes=True, exact=False)
         assert a.shape == e.shape, f"leaf{path}: shape {a.shape} != {e.shape}"
         if dtypes:
             assert a.dtype == e.dtype, f"leaf{path}: dtype {a.dtype} != {e.dtype}"
-        if exact:
+        wide = not jnp.issubdtype(e.dtype, jnp.inexact) or jnp.finfo(e.dtype).bits == 64
+        default = 1e-12 if wide else 1e-5
+        if exact or not jnp.issubdtype(e.dtype, jnp.inexact):
             np.testing.assert_array_equal(a, e, err_msg=f"leaf{path}")
         else:
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"leaf{path}")
+            np.testing.assert_allclose(
+                a,
+                e,
+                rtol=default if rtol is None else rtol,
+                atol=default if atol is None else atol,
+                err_msg=f"leaf{path}",
+            )
 
 
 def tree_size(tree):

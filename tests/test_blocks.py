@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from zodmem._blocks import BlockPlan, check_block_option, map_blocks, plan_blocks
+from zodmem._blocks import BlockPlan, map_blocks, plan_blocks
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -74,23 +74,6 @@ def test_plan_errors_name_the_numbers():
         plan_blocks(3, nbatches=4, nbatches_name="chunks")
     with pytest.raises(ValueError, match=r"at most one of `nbatches` and `batch_size`"):
         plan_blocks(5, nbatches=2, batch_size=2)
-
-
-@pytest.mark.parametrize(
-    "value, error, match",
-    [
-        (0, ValueError, "must be a positive int, got nbatches=0"),
-        (-3, ValueError, "must be a positive int, got nbatches=-3"),
-        (2.0, TypeError, "must be a positive int or None, got 2.0 of type float"),
-        (True, TypeError, "got True of type bool"),
-        ("4", TypeError, "got '4' of type str"),
-    ],
-)
-def test_check_block_option(value, error, match):
-    with pytest.raises(error, match=match):
-        check_block_option(value, "nbatches", owner="Owner")
-    check_block_option(None, "nbatches", owner="Owner")
-    check_block_option(3, "nbatches", owner="Owner")
 
 
 def items_of(start, size, width):

@@ -429,7 +429,7 @@ def test_trace_time_errors(transform):
     with pytest.raises(ValueError, match=rf"{name}: `length`=4 disagrees .* `xs`, 5"):
         transform(tree_step, length=4)(init, make_xs(5))
     uneven = {"i": jnp.zeros(3, jnp.int32), "f": jnp.zeros((4, 2))}
-    with pytest.raises(ValueError, match=r"same leading axis size.*xs\['f'\] has 4"):
+    with pytest.raises(ValueError, match=r"same size along their leading axes.*xs\['f'\]: 4"):
         transform(tree_step)(init, uneven)
     with pytest.raises(ValueError, match=r"needs a leading axis.*xs\['i'\] is a scalar"):
         transform(tree_step)(init, {"i": jnp.asarray(1), "f": jnp.zeros((1, 2))})

@@ -8,29 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def same(actual, expected):
-    """Same structure; array leaves of the same shape, dtype and values; other leaves equal."""
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected)
-    for a, e in zip(
-        jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
-    ):
-        if not eqx.is_array(e):
-            assert not eqx.is_array(a) and a == e
-            continue
-        assert eqx.is_array(a)
-        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
-        if jnp.issubdtype(e.dtype, jnp.inexact):
-            rtol = 1e-5 if jnp.finfo(e.dtype).bits <= 32 else 1e-12
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol)
-        else:
-            np.testing.assert_array_equal(a, e)
 
 
 def reference(fn, in_axes, out_axes, args, kwargs=None):
@@ -79,10 +62,10 @@ def test_every_chunk_size(batch):
         compiler_options={"xla_backend_optimization_level": 0},
     )
     for out in every_chunk_size(x, y, z):
-        same(out, expected)
+        close(out, expected)
     if batch in (7, 20):  # and as they are, for chunk sizes that do and do not divide
         for transform in transforms[1:5]:
-            same(transform(x, y, z=z), expected)
+            close(transform(x, y, z=z), expected)
 
 
 # Pytree inputs and outputs, dtypes, and in_axes / out_axes mixes.
@@ -117,14 +100,14 @@ def test_pytrees_dtypes_and_axes(batch, chunk, dtype, u_axis, scale_mapped, out_
         pytree_fn, chunk_size=min(chunk, batch + 2), in_axes=in_axes, out_axes=out_axes
     )
     out = transform(tree, scale)
-    same(out, reference(pytree_fn, in_axes, out_axes, (tree, scale)))
+    close(out, reference(pytree_fn, in_axes, out_axes, (tree, scale)))
     # Against plain jax.vmap, for the array outputs.
     plain = jax.vmap(
         lambda t, s: {k: v for k, v in pytree_fn(t, s).items() if k != "count"},
         in_axes=in_axes,
         out_axes={"scaled": out_axis, "pair": (0, 1)},
     )(tree, scale)
-    same({k: v for k, v in out.items() if k != "count"}, plain)
+    close({k: v for k, v in out.items() if k != "count"}, plain)
     assert out["count"] == 3
 
 
@@ -143,17 +126,31 @@ def test_keyword_arguments_and_named_in_axes(batch, chunk, unmapped_b):
     expected = jax.vmap(
         lambda a, b, c, d: fn(a, b, c=c, d=d), in_axes=(0, None if unmapped_b else 0, 1, 0)
     )(a, b, c, d)
-    same(transform(a, b, c=c, d=d), expected)
+    close(transform(a, b, c=c, d=d), expected)
     # Keyword arguments follow jax.vmap: mapped over their leading axis.
     default = zm.ChunkedVmap(lambda a, *, d: a * d, chunk_size=chunk)
-    same(default(a, d=d), jax.vmap(lambda a, d: a * d)(a, d))
+    close(default(a, d=d), jax.vmap(lambda a, d: a * d)(a, d))
+
+
+def test_in_axes_as_a_list_as_jax_vmap_takes_it():
+    def scaled(a, b):
+        return a * b
+
+    a, b = jnp.arange(5.0), jnp.ones((3, 5))
+    transform = zm.ChunkedVmap(scaled, chunk_size=2, in_axes=[0, 1])
+    assert transform.in_axes == (0, 1) and isinstance(hash(transform), int)
+    close(transform(a, b), jax.vmap(scaled, in_axes=[0, 1])(a, b))
+    close(
+        zm.ChunkedVmap(scaled, chunk_size=2, in_axes=[np.int64(0), None])(a, b[0]),
+        jax.vmap(scaled, in_axes=(0, None))(a, b[0]),
+    )
 
 
 def test_single_spec_in_axes_applies_to_every_positional_argument():
     x, y = values((4, 5), jnp.float64), values((4, 5), jnp.float64, seed=1)
     for in_axes in (1, -1, eqx.if_array(1)):
         transform = zm.ChunkedVmap(jnp.add, chunk_size=2, in_axes=in_axes)
-        same(transform(x, y), jax.vmap(jnp.add, in_axes=1)(x, y))
+        close(transform(x, y), jax.vmap(jnp.add, in_axes=1)(x, y))
 
 
 def test_non_array_arguments_are_passed_unchanged():
@@ -162,7 +159,7 @@ def test_non_array_arguments_are_passed_unchanged():
         return x**power
 
     x = values((7,), jnp.float64)
-    same(zm.ChunkedVmap(fn, chunk_size=3)(x, 3, "p"), x**3)
+    close(zm.ChunkedVmap(fn, chunk_size=3)(x, 3, "p"), x**3)
 
 
 @pytest.mark.parametrize("batch,chunk", [(0, 1), (0, 5), (5, 2), (5, 9)])
@@ -175,9 +172,9 @@ def test_unmapped_and_non_array_outputs_are_returned_once(batch, chunk):
     out_axes = (0, None, None, None)
     x = values((batch,), jnp.float64)
     transform = zm.ChunkedVmap(fn, chunk_size=chunk, out_axes=out_axes)
-    same(transform(x), reference(fn, eqx.if_array(0), out_axes, (x,)))
+    close(transform(x), reference(fn, eqx.if_array(0), out_axes, (x,)))
     # The default out_axes, eqx.if_array(0), broadcasts arrays and keeps the rest.
-    same(
+    close(
         zm.ChunkedVmap(fn, chunk_size=chunk)(x),
         reference(fn, eqx.if_array(0), eqx.if_array(0), (x,)),
     )
@@ -190,7 +187,7 @@ def test_empty_batch_gives_empty_outputs_of_the_right_shapes_and_dtypes():
     x, n = jnp.zeros((0, 3), jnp.float32), jnp.zeros((0,), jnp.int32)
     for chunk in (1, 4):
         out = zm.ChunkedVmap(fn, chunk_size=chunk)(x, n)
-        same(out, jax.vmap(fn)(x, n))
+        close(out, jax.vmap(fn)(x, n))
         assert out["m"].shape == (0, 3, 3) and out["i"].dtype == jnp.int16
 
 
@@ -200,7 +197,7 @@ def test_no_mapped_input_behaves_as_filter_vmap():
 
     w = jnp.arange(3.0)
     transform = zm.ChunkedVmap(fn, chunk_size=2, in_axes=None, out_axes=None)
-    same(transform(w), eqx.filter_vmap(fn, in_axes=None, out_axes=None)(w))
+    close(transform(w), eqx.filter_vmap(fn, in_axes=None, out_axes=None)(w))
     with pytest.raises(ValueError, match="batch dimension"):
         zm.ChunkedVmap(fn, chunk_size=2, in_axes=None)(w)
 
@@ -211,7 +208,7 @@ def test_dtypes_without_float64():
         f = jnp.arange(7, dtype=jnp.float32)
         out = zm.ChunkedVmap(lambda i, g: (i * 2, g * i, i > 3, 1.5), chunk_size=3)(x, f)
         expected = jax.vmap(lambda i, g: (i * 2, g * i, i > 3, 1.5))(x, f)
-        same(out[:3], expected[:3])
+        close(out[:3], expected[:3])
         assert out[3] == 1.5
 
 
@@ -234,14 +231,14 @@ def test_gradients_equal_the_unbatched_ones(batch, chunk):
     def plain(x, w):
         return jnp.sum(jax.vmap(loss_terms, in_axes=(0, None))(x, w))
 
-    same(jax.grad(chunked, argnums=(0, 1))(x, w), jax.grad(plain, argnums=(0, 1))(x, w))
+    close(jax.grad(chunked, argnums=(0, 1))(x, w), jax.grad(plain, argnums=(0, 1))(x, w))
     # Forward mode, and a gradient through a closed-over value.
-    same(jax.jacfwd(chunked, argnums=1)(x, w), jax.jacfwd(plain, argnums=1)(x, w))
+    close(jax.jacfwd(chunked, argnums=1)(x, w), jax.jacfwd(plain, argnums=1)(x, w))
 
     def closed(w):
         return jnp.sum(zm.ChunkedVmap(lambda x: loss_terms(x, w), chunk_size=chunk)(x))
 
-    same(jax.grad(closed)(w), jax.grad(plain, argnums=1)(x, w))
+    close(jax.grad(closed)(w), jax.grad(plain, argnums=1)(x, w))
 
 
 def test_under_jit_and_as_a_jit_argument():
@@ -249,8 +246,8 @@ def test_under_jit_and_as_a_jit_argument():
     w = values((3,), jnp.float64, seed=1)
     transform = zm.ChunkedVmap(loss_terms, chunk_size=4, in_axes=(0, None))
     expected = jax.vmap(loss_terms, in_axes=(0, None))(x, w)
-    same(jax.jit(transform)(x, w), expected)
-    same(eqx.filter_jit(lambda t, x: t(x, w))(transform, x), expected)
+    close(jax.jit(transform)(x, w), expected)
+    close(eqx.filter_jit(lambda t, x: t(x, w))(transform, x), expected)
 
 
 def test_inside_vmap_and_nested():
@@ -258,11 +255,11 @@ def test_inside_vmap_and_nested():
     w = values((2,), jnp.float64, seed=1)
     inner = zm.ChunkedVmap(loss_terms, chunk_size=3, in_axes=(0, None))
     expected = jax.vmap(jax.vmap(loss_terms, in_axes=(0, None)), in_axes=(0, None))(x, w)
-    same(jax.vmap(inner, in_axes=(0, None))(x, w), expected)
-    same(zm.ChunkedVmap(inner, chunk_size=2, in_axes=(0, None))(x, w), expected)
+    close(jax.vmap(inner, in_axes=(0, None))(x, w), expected)
+    close(zm.ChunkedVmap(inner, chunk_size=2, in_axes=(0, None))(x, w), expected)
     # Mapping the argument the chunked transform leaves unmapped.
     ws = values((4, 2), jnp.float64, seed=2)
-    same(
+    close(
         jax.vmap(inner, in_axes=(None, 0))(x[0], ws),
         jax.vmap(jax.vmap(loss_terms, in_axes=(0, None)), in_axes=(None, 0))(x[0], ws),
     )
@@ -272,7 +269,7 @@ def test_equinox_model_as_fn():
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     x = values((10, 3), jnp.float32)
     transform = zm.ChunkedVmap(model, chunk_size=4)
-    same(transform(x), jax.vmap(model)(x))
+    close(transform(x), jax.vmap(model)(x))
     # The model's arrays are leaves of the transform, and are not mapped.
     leaves = jax.tree_util.tree_leaves(transform)
     assert len(leaves) == len(jax.tree_util.tree_leaves(model))
@@ -286,7 +283,7 @@ def test_equinox_model_as_fn():
     def plain_grads(model):
         return jnp.sum(jax.vmap(model)(x) ** 2)
 
-    same(grads(transform).fn, plain_grads(model))
+    close(grads(transform).fn, plain_grads(model))
 
 
 def test_peak_memory_is_one_chunk():

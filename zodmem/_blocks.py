@@ -37,8 +37,6 @@ __all__ = [
     "scan_blocks",
     "write_once",
     "reduce_blocks",
-    "check_block_option",
-    "check_block_options",
 ]
 
 
@@ -68,30 +66,6 @@ class BlockPlan(eqx.Module):
         return jnp.minimum(index * self.block_size, self.total - self.block_size)
 
 
-def check_block_option(value: Any, name: str, *, owner: str) -> None:
-    """Refuse anything but `None` or a positive int for a block option such as `nbatches`."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{owner}: `{name}` must be a positive int or None, got {value!r} "
-            f"of type {type(value).__name__}."
-        )
-    if value <= 0:
-        raise ValueError(f"{owner}: `{name}` must be a positive int, got {name}={value}.")
-
-
-def check_block_options(nbatches: Any, batch_size: Any, *, owner: str) -> None:
-    """Validate the pair `nbatches` / `batch_size`: each `None` or positive, not both."""
-    check_block_option(nbatches, "nbatches", owner=owner)
-    check_block_option(batch_size, "batch_size", owner=owner)
-    if nbatches is not None and batch_size is not None:
-        raise ValueError(
-            f"{owner}: give at most one of `nbatches` and `batch_size`, got "
-            f"nbatches={nbatches} and batch_size={batch_size}."
-        )
-
-
 def plan_blocks(
     total: int,
     *,
@@ -100,6 +74,8 @@ def plan_blocks(
     what: str = "items",
     nbatches_name: str = "nbatches",
     batch_size_name: str = "batch_size",
+    owner: str = "",
+    context: str = "",
 ) -> BlockPlan:
     """Plan blocks over `total` items from a number of blocks or a block size.
 
@@ -109,11 +85,14 @@ def plan_blocks(
     - `batch_size`: cut into blocks of this many items (a size above `total` means
       a single block).
     - Neither: one block holding everything.
-    - `what`, `nbatches_name`, `batch_size_name`: words for error messages.
+    - `what`, `nbatches_name`, `batch_size_name`: words for error messages;
+      `owner`, the transform's name, starts them, and `context` (a parenthesis)
+      follows the count of items, to say what an item is and why.
     """
+    prefix = f"{owner}: " if owner else ""
     if nbatches is not None and batch_size is not None:
         raise ValueError(
-            f"Give at most one of `{nbatches_name}` and `{batch_size_name}`, "
+            f"{prefix}give at most one of `{nbatches_name}` and `{batch_size_name}`, "
             f"got {nbatches_name}={nbatches} and {batch_size_name}={batch_size}."
         )
     if total == 0:
@@ -121,8 +100,9 @@ def plan_blocks(
     if nbatches is not None:
         if nbatches > total:
             raise ValueError(
-                f"{nbatches_name}={nbatches} is larger than the number of {what}, {total}: "
-                f"there would be empty blocks. Choose {nbatches_name} <= {total}."
+                f"{prefix}{nbatches_name}={nbatches} is larger than the number of {what}, "
+                f"{total}{context}: there would be empty blocks. Choose "
+                f"{nbatches_name} <= {total}."
             )
         return BlockPlan(total=total, block_size=-(-total // nbatches))
     if batch_size is not None:

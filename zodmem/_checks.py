@@ -62,20 +62,20 @@ def check_int(
     Returns the value as a Python int (or `None`). `allowed` words what is allowed in
     the message (by default derived from `minimum` and `optional`).
     """
-    if allowed is None:
-        kind = {None: "an int", 0: "a non-negative int", 1: "a positive int"}.get(
-            minimum, f"an int >= {minimum}"
-        )
-        allowed = f"{kind} or None" if optional else kind
+    kind = {None: "an int", 0: "a non-negative int", 1: "a positive int"}.get(
+        minimum, f"an int >= {minimum}"
+    )
     if value is None and optional:
         return None
     if not _is_int(value):
+        allowed_types = allowed or (f"{kind} or None" if optional else kind)
         raise TypeError(
-            f"{owner}: `{name}` must be {allowed}, got {value!r} of type {type(value).__name__}."
+            f"{owner}: `{name}` must be {allowed_types}, got {value!r} of type "
+            f"{type(value).__name__}."
         )
     value = operator.index(value)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{owner}: `{name}` must be {allowed}, got {name}={value}.")
+        raise ValueError(f"{owner}: `{name}` must be {allowed or kind}, got {name}={value}.")
     return value
 
 
@@ -121,12 +121,14 @@ def check_block_options(
         )
 
 
-def common_size(sizes: Mapping[str, int], *, owner: str, what: str) -> int | None:
+def common_size(
+    sizes: Mapping[str, int], *, owner: str, what: str, subject: str = "the mapped inputs"
+) -> int | None:
     """The one size that every input named in `sizes` shares along its mapped axis.
 
     `sizes` maps a description of each input (`"args[0]['w'] (axis 1)"`) to its size;
-    `what` words the axis in the message (`"mapped axes"`, `"batch axes"`, ...).
-    Returns `None` when `sizes` is empty.
+    `subject` names the inputs and `what` their axes in the message (`"mapped axes"`,
+    `"leading axis (the number of steps)"`). Returns `None` when `sizes` is empty.
     """
     found = set(sizes.values())
     if not found:
@@ -134,7 +136,7 @@ def common_size(sizes: Mapping[str, int], *, owner: str, what: str) -> int | Non
     if len(found) > 1:
         listed = ", ".join(f"{where}: {size}" for where, size in sizes.items())
         raise ValueError(
-            f"{owner}: the inputs must all have the same size along their {what}, but the "
+            f"{owner}: {subject} must all have the same size along their {what}, but the "
             f"sizes are {listed}."
         )
     return found.pop()

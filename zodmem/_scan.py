@@ -14,23 +14,16 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
-from ._blocks import check_block_option, plan_blocks, scan_blocks, write_once
-from ._transform import AbstractTransform, check_bool, check_callable
+from ._blocks import plan_blocks, scan_blocks, write_once
+from ._checks import as_index, check_bool, check_callable, check_int, common_size
+from ._traceback import public
+from ._transform import AbstractTransform
 
 __all__ = ["SlicedScan", "CheckpointedScan", "scan_length", "default_chunk_size"]
 
 
-def _check_int_or_none(value: Any, name: str, *, owner: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TypeError(
-            f"{owner}: `{name}` must be an int or None, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
-
-
 def _check_length(value: Any, *, owner: str) -> None:
-    _check_int_or_none(value, "length", owner=owner)
-    if value is not None and value < 0:
+    if check_int(value, "length", owner=owner, optional=True) is not None and value < 0:
         raise ValueError(
             f"{owner}: `length` is the number of steps and must be a non-negative int or "
             f"None, got length={value}."
@@ -38,20 +31,13 @@ def _check_length(value: Any, *, owner: str) -> None:
 
 
 def _check_unroll(value: Any, *, owner: str) -> None:
-    if isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(
-            f"{owner}: `unroll` must be a positive int or a bool, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
-    if value < 1:
-        raise ValueError(f"{owner}: `unroll` must be a positive int or a bool, got unroll={value}.")
+    if not isinstance(value, bool):
+        check_int(value, "unroll", owner=owner, minimum=1, allowed="a positive int or a bool")
 
 
 def scan_length(xs: Any, length: int | None, *, owner: str) -> int:
     """The number of steps of a scan over `xs`, checked against `length`."""
-    sizes: dict[int, str] = {}
+    sizes: dict[str, int] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
         shape = np.shape(leaf)
         where = "xs" + jax.tree_util.keystr(path)
@@ -60,15 +46,11 @@ def scan_length(xs: Any, length: int | None, *, owner: str) -> int:
                 f"{owner}: every leaf of `xs` needs a leading axis to scan over, but {where} "
                 "is a scalar. Give it a leading axis of one entry per step."
             )
-        sizes.setdefault(shape[0], where)
-    if len(sizes) > 1:
-        found = ", ".join(f"{where} has {size}" for size, where in sizes.items())
-        raise ValueError(
-            f"{owner}: the leaves of `xs` must all have the same leading axis size (the "
-            f"number of steps), but {found}."
-        )
-    if sizes:
-        (steps,) = sizes
+        sizes[where] = shape[0]
+    steps = common_size(
+        sizes, owner=owner, subject="the leaves of `xs`", what="leading axes (the number of steps)"
+    )
+    if steps is not None:
         if length is not None and length != steps:
             raise ValueError(
                 f"{owner}: `length`={length} disagrees with the leading axis size of `xs`, "
@@ -166,18 +148,19 @@ class SlicedScan(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    start: int | None = eqx.field(default=None, static=True, kw_only=True)
-    stop: int | None = eqx.field(default=None, static=True, kw_only=True)
-    step: int | None = eqx.field(default=None, static=True, kw_only=True)
-    length: int | None = eqx.field(default=None, static=True, kw_only=True)
+    start: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    stop: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    step: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     reverse: bool = eqx.field(default=False, static=True, kw_only=True)
-    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True)
+    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
 
+    @public
     def __check_init__(self):
         owner = "SlicedScan"
         check_callable(self.fn, "fn", owner=owner)
         for name in ("start", "stop", "step"):
-            _check_int_or_none(getattr(self, name), name, owner=owner)
+            check_int(getattr(self, name), name, owner=owner, optional=True)
         if self.step == 0:
             raise ValueError(
                 f"{owner}: `step` may not be 0, got step={self.step}; use a non-zero int "
@@ -188,22 +171,23 @@ class SlicedScan(AbstractTransform):
         _check_unroll(self.unroll, owner=owner)
 
     @jaxtyped(typechecker=beartype)
+    @public
     def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
         return _sliced_scan_jit(self, init, xs)
 
 
-def _sliced_scan(t: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
-    length = scan_length(xs, t.length, owner="SlicedScan")
-    kept = range(*slice(t.start, t.stop, t.step).indices(length))
+def _sliced_scan(transform: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
+    length = scan_length(xs, transform.length, owner="SlicedScan")
+    kept = range(*slice(transform.start, transform.stop, transform.step).indices(length))
 
     def fn(carry, x):
         # A plain function: lax.scan hashes its `fn`, and a module holding traced
         # arrays cannot be hashed.
-        return t.fn(carry, x)
+        return transform.fn(carry, x)
 
     # Traced once as `lax.scan` itself, for its checks of `fn` and the shape of `ys`.
     _, ys_shapes = jax.eval_shape(
-        lambda init, xs: jax.lax.scan(fn, init, xs, length=length, reverse=t.reverse),
+        lambda init, xs: jax.lax.scan(fn, init, xs, length=length, reverse=transform.reverse),
         init,
         xs,
     )
@@ -213,18 +197,24 @@ def _sliced_scan(t: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
             init,
             xs,
             length=length,
-            reverse=t.reverse,
-            unroll=_inner_unroll(t.unroll, length),
+            reverse=transform.reverse,
+            unroll=_inner_unroll(transform.unroll, length),
         )
         ys = jax.tree_util.tree_map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), ys_shapes)
         return carry, ys
     if jax.tree_util.tree_leaves(xs):
-        return _scan_keeping(t, fn, init, xs, length, kept, ys_shapes)
-    return _scan_skipping(t, fn, init, xs, length, kept)
+        return _scan_keeping(transform, fn, init, xs, length, kept, ys_shapes)
+    return _scan_skipping(transform, fn, init, xs, length, kept)
 
 
 def _scan_keeping(
-    t: SlicedScan, fn: Callable, init: Any, xs: Any, length: int, kept: range, ys_shapes: Any
+    transform: SlicedScan,
+    fn: Callable,
+    init: Any,
+    xs: Any,
+    length: int,
+    kept: range,
+    ys_shapes: Any,
 ) -> tuple[Any, Any]:
     """One scan over `xs` that writes the output of each kept step into its slot."""
     low, high = min(kept[0], kept[-1]), max(kept[0], kept[-1])
@@ -244,22 +234,22 @@ def _scan_keeping(
             return write_once(out, jnp.asarray(value)[None], slot, is_kept)
 
         outputs = jax.tree_util.tree_map(write, outputs, y)
-        return (carry, index + (-1 if t.reverse else 1), outputs), None
+        return (carry, index + (-1 if transform.reverse else 1), outputs), None
 
-    first = jnp.asarray(length - 1 if t.reverse else 0, jnp.int32)
+    first = jnp.asarray(length - 1 if transform.reverse else 0, jnp.int32)
     (carry, _, outputs), _ = jax.lax.scan(
         step,
         (init, first, outputs),
         xs,
         length=length,
-        reverse=t.reverse,
-        unroll=_inner_unroll(t.unroll, length),
+        reverse=transform.reverse,
+        unroll=_inner_unroll(transform.unroll, length),
     )
     return carry, outputs
 
 
 def _scan_skipping(
-    t: SlicedScan, fn: Callable, init: Any, xs: Any, length: int, kept: range
+    transform: SlicedScan, fn: Callable, init: Any, xs: Any, length: int, kept: range
 ) -> tuple[Any, Any]:
     """Steps without inputs: loops that never compute the outputs of discarded steps."""
 
@@ -271,13 +261,13 @@ def _scan_skipping(
             carry,
             None,
             length=steps,
-            unroll=_inner_unroll(t.unroll, steps),
+            unroll=_inner_unroll(transform.unroll, steps),
         )
         return carry
 
     # Kept steps come every `stride` steps in the order they run, from `first` on.
     stride = abs(kept.step)
-    order = (lambda index: length - 1 - index) if t.reverse else (lambda index: index)
+    order = (lambda index: length - 1 - index) if transform.reverse else (lambda index: index)
     first = min(order(kept[0]), order(kept[-1]))
     # Each block runs a kept step, then the discarded steps before the next kept
     # one; the last block stops at the end of the scan when fewer steps are left.
@@ -292,8 +282,8 @@ def _scan_skipping(
         kept_then_skipped,
         plan_blocks(span, batch_size=stride, what="steps"),
         skip(init, first),
-        reverse=t.reverse,
-        unroll=_outer_unroll(t.unroll, stride),
+        reverse=transform.reverse,
+        unroll=_outer_unroll(transform.unroll, stride),
         reverse_outputs=kept.step < 0,
     )
     return skip(carry, length - first - span), ys
@@ -362,33 +352,37 @@ class CheckpointedScan(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True)
-    length: int | None = eqx.field(default=None, static=True, kw_only=True)
+    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     reverse: bool = eqx.field(default=False, static=True, kw_only=True)
-    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True)
+    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
 
+    @public
     def __check_init__(self):
         owner = "CheckpointedScan"
         check_callable(self.fn, "fn", owner=owner)
-        check_block_option(self.chunk_size, "chunk_size", owner=owner)
+        check_int(self.chunk_size, "chunk_size", owner=owner, minimum=1, optional=True)
         _check_length(self.length, owner=owner)
         check_bool(self.reverse, "reverse", owner=owner)
         _check_unroll(self.unroll, owner=owner)
 
     @jaxtyped(typechecker=beartype)
+    @public
     def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
         return _checkpointed_scan_jit(self, init, xs)
 
 
-def _checkpointed_scan(t: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, Any]:
-    length = scan_length(xs, t.length, owner="CheckpointedScan")
+def _checkpointed_scan(transform: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, Any]:
+    length = scan_length(xs, transform.length, owner="CheckpointedScan")
 
     def fn(carry, x):
-        return t.fn(carry, x)  # a plain function, which lax.scan can hash
+        return transform.fn(carry, x)  # a plain function, which lax.scan can hash
 
     if length == 0:
-        return jax.lax.scan(fn, init, xs, length=0, reverse=t.reverse)
-    chunk_size = default_chunk_size(length) if t.chunk_size is None else t.chunk_size
+        return jax.lax.scan(fn, init, xs, length=0, reverse=transform.reverse)
+    chunk_size = (
+        default_chunk_size(length) if transform.chunk_size is None else transform.chunk_size
+    )
     plan = plan_blocks(length, batch_size=chunk_size, what="steps")
 
     def checkpointed_chunk(carry: Any, start: Any, size: int) -> tuple[Any, Any]:
@@ -398,8 +392,10 @@ def _checkpointed_scan(t: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, An
             part = jax.tree_util.tree_map(
                 lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), xs
             )
-            unroll = _inner_unroll(t.unroll, size)
-            return jax.lax.scan(fn, carry, part, length=size, reverse=t.reverse, unroll=unroll)
+            unroll = _inner_unroll(transform.unroll, size)
+            return jax.lax.scan(
+                fn, carry, part, length=size, reverse=transform.reverse, unroll=unroll
+            )
 
         return jax.checkpoint(chunk)(carry, start)
 
@@ -407,8 +403,8 @@ def _checkpointed_scan(t: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, An
         checkpointed_chunk,
         plan,
         init,
-        reverse=t.reverse,
-        unroll=_outer_unroll(t.unroll, plan.block_size),
+        reverse=transform.reverse,
+        unroll=_outer_unroll(transform.unroll, plan.block_size),
     )
 
 

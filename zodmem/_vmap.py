@@ -13,11 +13,21 @@ from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import map_blocks, plan_blocks
-from ._transform import AbstractTransform, check_callable
+from ._checks import as_index, check_callable, check_int, common_size
+from ._traceback import public
+from ._transform import AbstractTransform
 
 __all__ = ["ChunkedVmap"]
 
 _OWNER = "ChunkedVmap"
+
+
+def _axis_spec(spec: Any) -> Any:
+    """An axis spec as `jax.vmap` reads it: a list at the top is a tuple of per-argument
+    specs, and integer axes (NumPy's too) are Python ints, so that the spec hashes."""
+    if isinstance(spec, list):
+        spec = tuple(spec)
+    return jax.tree_util.tree_map(as_index, spec, is_leaf=_is_none)
 
 
 class ChunkedVmap(AbstractTransform):
@@ -41,7 +51,8 @@ class ChunkedVmap(AbstractTransform):
       leaves of this transform and are not mapped.
     - `chunk_size`: the most elements vectorised at once, a positive int.
     - `in_axes`: which axis of each input is mapped, as in `eqx.filter_vmap`: a
-      pytree prefix of the positional arguments whose leaves are an int (that axis),
+      pytree prefix of the positional arguments (a tuple, or a list as `jax.vmap`
+      takes it) whose leaves are an int (that axis),
       `None` (not mapped: passed whole to every call) or a callable `leaf -> int |
       None` such as `eqx.if_array(0)`; or a dict from argument names to such specs,
       every argument not named taking `eqx.if_array(0)`. Keyword arguments are
@@ -86,21 +97,18 @@ class ChunkedVmap(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    chunk_size: int = eqx.field(static=True, kw_only=True)
-    in_axes: Any = eqx.field(default=eqx.if_array(0), static=True, kw_only=True)
-    out_axes: Any = eqx.field(default=eqx.if_array(0), static=True, kw_only=True)
+    chunk_size: int = eqx.field(static=True, kw_only=True, converter=as_index)
+    in_axes: Any = eqx.field(
+        default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
+    )
+    out_axes: Any = eqx.field(
+        default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
+    )
 
+    @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
-            raise TypeError(
-                f"{_OWNER}: `chunk_size` must be a positive int, got {self.chunk_size!r} "
-                f"of type {type(self.chunk_size).__name__}."
-            )
-        if self.chunk_size <= 0:
-            raise ValueError(
-                f"{_OWNER}: `chunk_size` must be a positive int, got chunk_size={self.chunk_size}."
-            )
+        check_int(self.chunk_size, "chunk_size", owner=_OWNER, minimum=1)
         if isinstance(self.in_axes, dict):
             for name in self.in_axes:
                 if not isinstance(name, str):
@@ -113,6 +121,7 @@ class ChunkedVmap(AbstractTransform):
         _check_axis_spec(self.out_axes, "out_axes")
 
     @jaxtyped(typechecker=beartype)
+    @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         return _chunked_vmap_jit(
             self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs
@@ -143,7 +152,7 @@ _WHAT = {
 }
 
 
-def _resolve(spec: Any, tree: Any, name: str) -> Any:
+def _axes_per_leaf(spec: Any, tree: Any, name: str) -> Any:
     """One axis (an int or None) per leaf of `tree`, from the prefix `spec`."""
 
     def resolve_subtree(leaf_spec, subtree):
@@ -224,16 +233,8 @@ def _batch_size(paths: list, leaves: list, axes: list) -> int | None:
                 f"{_OWNER}: input {name} has shape {jnp.shape(leaf)}, so `in_axes` cannot map "
                 f"its axis {axis}; choose an axis in [{-ndim}, {ndim - 1}]."
             )
-        sizes[name] = (axis, jnp.shape(leaf)[axis])
-    if not sizes:
-        return None
-    if len({size for _, size in sizes.values()}) > 1:
-        listed = ", ".join(f"{name} (axis {a}): {size}" for name, (a, size) in sizes.items())
-        raise ValueError(
-            f"{_OWNER}: the mapped inputs must all have the same size along their mapped "
-            f"axes, but the sizes are {listed}."
-        )
-    return next(iter(sizes.values()))[1]
+        sizes[f"{name} (axis {axis})"] = jnp.shape(leaf)[axis]
+    return common_size(sizes, owner=_OWNER, what="mapped axes")
 
 
 def _check_out_axes(out: Any, resolved: Any) -> None:
@@ -260,7 +261,10 @@ def _chunked_vmap(
 ) -> Any:
     inputs = (args, kwargs)
     arg_spec, kwarg_spec = _split_in_axes(fn, in_axes, args, kwargs)
-    input_axes = (_resolve(arg_spec, args, "in_axes"), _resolve(kwarg_spec, kwargs, "in_axes"))
+    input_axes = (
+        _axes_per_leaf(arg_spec, args, "in_axes"),
+        _axes_per_leaf(kwarg_spec, kwargs, "in_axes"),
+    )
     paths_leaves, input_def = jax.tree_util.tree_flatten_with_path(inputs)
     paths = [path for path, _ in paths_leaves]
     leaves = [leaf for _, leaf in paths_leaves]
@@ -274,7 +278,7 @@ def _chunked_vmap(
     def one_element(inputs):
         element_args, element_kwargs = inputs
         out = fn(*element_args, **element_kwargs)
-        resolved = _resolve(out_axes, out, "out_axes")
+        resolved = _axes_per_leaf(out_axes, out, "out_axes")
         _check_out_axes(out, resolved)
         output_axes.append(resolved)
         return out
