@@ -7,14 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from helpers import make_mlp
+from helpers import make_mlp, tree_size
 
-from zodmem._pytree import (
-    basis_block,
-    flat_function,
-    split_variables,
-    tree_size,
-)
+from zodmem._pytree import basis_block, flat_function, split_variables
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -150,15 +145,15 @@ def test_zero_size_leaf_is_a_variable_of_size_zero():
     np.testing.assert_array_equal(back["b"], jnp.arange(2.0))
 
 
-def test_split_rows_and_fill():
+def test_split_per_leaf_and_fill():
     tree = {"a": jnp.ones((2, 2)), "b": jnp.ones(()), "c": jax.nn.relu}
     _, variables = split_variables(tree)
     matrix = jnp.arange(3 * 5.0).reshape(3, 5)
-    pieces = variables.split_rows(matrix, axis=-1)
+    pieces = variables.split_per_leaf(matrix, axis=-1)
     assert [p.shape for p in pieces] == [(3, 2, 2), (3,)]
     np.testing.assert_array_equal(pieces[0].reshape(3, 4), matrix[:, :4])
     np.testing.assert_array_equal(pieces[1], matrix[:, 4])
-    pieces = variables.split_rows(matrix.T, axis=0)
+    pieces = variables.split_per_leaf(matrix.T, axis=0)
     assert [p.shape for p in pieces] == [(2, 2, 3), (3,)]
     filled = variables.fill(pieces, keep_fixed=False)
     assert filled["c"] is None

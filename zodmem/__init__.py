@@ -1,15 +1,16 @@
 """zodmem: memory-bounded JAX transforms, written as Equinox modules."""
 
-from ._hessian import (
-    BatchedHessian as BatchedHessian,
-    hessian_to_pytree as hessian_to_pytree,
-    jacobian_to_pytree as jacobian_to_pytree,
-)
+from . import _traceback  # noqa: F401  (registers zodmem's files for traceback filtering)
+from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
 from ._microbatch import (
     AccumulationType as AccumulationType,
     Accumulator as Accumulator,
     Microbatcher as Microbatcher,
+)
+from ._pytree import (
+    hessian_to_pytree as hessian_to_pytree,
+    jacobian_to_pytree as jacobian_to_pytree,
 )
 from ._scan import CheckpointedScan as CheckpointedScan, SlicedScan as SlicedScan
 from ._serialise import (

@@ -1,4 +1,4 @@
-"""`BatchedHessian`, and the conversions of flat derivatives back to pytrees."""
+"""`BatchedHessian`: the Hessian of a scalar function of any pytree, computed in blocks."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, ArrayLike, Inexact, PyTree, jaxtyped
+from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import map_blocks, plan_blocks
-from ._pytree import Variables, basis_block, flat_function, split_variables
-from ._transform import AbstractDerivative
+from ._pytree import basis_block, flat_function, split_variables
+from ._traceback import public
+from ._transform import AbstractDerivative, split_aux
 
-__all__ = ["BatchedHessian", "hessian_to_pytree", "jacobian_to_pytree"]
+__all__ = ["BatchedHessian"]
 
 
 class BatchedHessian(AbstractDerivative):
@@ -46,7 +47,11 @@ class BatchedHessian(AbstractDerivative):
       `"rev"` when all variables share one real dtype -- it ran up to 2x faster on
       CPU in `benchmarks/hessian_memory.py`, in no more memory -- and `"fwd"` when
       precisions are mixed, where rounding makes H not exactly symmetric.
-    - `has_aux`: `fn` returns `(value, aux)`; `aux` is returned unchanged.
+    - `holomorphic`: the variables are complex and `fn` (complex-valued) is
+      holomorphic in them, as `jax.hessian(holomorphic=True)`. Without it, complex
+      variables are refused.
+    - `has_aux`: `fn` returns `(value, aux)`; `aux` is returned unchanged (its
+      leaves need not be arrays).
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
@@ -77,6 +82,7 @@ class BatchedHessian(AbstractDerivative):
     """
 
     @jaxtyped(typechecker=beartype)
+    @public
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
@@ -84,14 +90,17 @@ class BatchedHessian(AbstractDerivative):
         return compute(self, x, args, kwargs)
 
 
-def _check_scalar(shapes: Any, has_aux: bool) -> None:
-    if has_aux:
+def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
+    if transform.has_aux:
         if not (isinstance(shapes, tuple) and len(shapes) == 2):
             raise TypeError(
                 "BatchedHessian: with has_aux=True, `fn` must return a pair (value, aux), "
                 f"but it returned {shapes}."
             )
         shapes = shapes[0]
+    if not isinstance(shapes, jax.ShapeDtypeStruct) and eqx.is_array_like(shapes):
+        # A constant Python number, which jax.hessian takes as a scalar array.
+        shapes = jax.ShapeDtypeStruct(jnp.shape(shapes), jnp.result_type(shapes))
     if not isinstance(shapes, jax.ShapeDtypeStruct) or shapes.shape != ():
         described = (
             f"an array of shape {shapes.shape}"
@@ -102,33 +111,51 @@ def _check_scalar(shapes: Any, has_aux: bool) -> None:
             f"BatchedHessian: `fn` must return a scalar (shape ()), but it returned "
             f"{described}. Reduce the output to a scalar, e.g. with jnp.sum or jnp.mean."
         )
-    if not jnp.issubdtype(shapes.dtype, jnp.floating):
+    if transform.holomorphic:
+        if not jnp.issubdtype(shapes.dtype, jnp.complexfloating):
+            raise TypeError(
+                "BatchedHessian: with holomorphic=True `fn` must return a complex scalar, as "
+                f"in jax.hessian(holomorphic=True), but it returned dtype {shapes.dtype}."
+            )
+    elif not jnp.issubdtype(shapes.dtype, jnp.floating):
         raise TypeError(
             "BatchedHessian: `fn` must return a real floating-point scalar, but it returned "
-            f"dtype {shapes.dtype}."
+            f"dtype {shapes.dtype}; jax.hessian refuses it too ('jacrev requires real-valued "
+            "outputs'). For a holomorphic function of complex variables, pass "
+            "holomorphic=True."
         )
 
 
-def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
-    flat, variables = split_variables(x)
-    fn_of_flat = flat_function(t.fn, variables, args, kwargs)
-    if t.checkpoint:
+def _hessian(transform: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
+    flat, variables = split_variables(x, owner="BatchedHessian")
+    transform.check_variables(variables)
+    fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
+    if transform.checkpoint:
         fn_of_flat = jax.checkpoint(fn_of_flat)
-    _check_scalar(jax.eval_shape(fn_of_flat, flat), t.has_aux)
+    _check_scalar(transform, eqx.filter_eval_shape(fn_of_flat, flat))
     n = variables.size
-    plan = plan_blocks(n, nbatches=t.nbatches, batch_size=t.batch_size, what="variables")
+    plan = plan_blocks(
+        n,
+        nbatches=transform.nbatches,
+        batch_size=transform.batch_size,
+        what="variables",
+        owner="BatchedHessian",
+    )
 
     def fn_of_leaves(leaves):
-        return t.fn(variables.fill(leaves), *args, **kwargs)
+        return transform.fn(variables.fill(leaves), *args, **kwargs)
 
-    if t.checkpoint:
+    restore_aux = None
+    if transform.has_aux:
+        fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
+    if transform.checkpoint:
         fn_of_leaves = jax.checkpoint(fn_of_leaves)
     # Differentiated per leaf, not as `fn_of_flat`: a block's products are then gathered
     # by one concatenation instead of padding every leaf's piece to n columns and adding.
-    gradient = jax.grad(fn_of_leaves, has_aux=t.has_aux)
+    gradient = jax.grad(fn_of_leaves, has_aux=transform.has_aux, holomorphic=transform.holomorphic)
 
     def leaves_of(vector):
-        pieces = variables.split_rows(vector)
+        pieces = variables.split_per_leaf(vector)
         return [piece.astype(d) for piece, d in zip(pieces, variables.dtypes, strict=True)]
 
     def gather(products):
@@ -141,15 +168,17 @@ def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
     def basis(start):
         return basis_block(start, plan.block_size, n, flat.dtype)
 
-    mode = t.mode
+    mode = transform.mode
     if mode == "auto":
         one_real_dtype = len(set(variables.dtypes)) == 1 and jnp.issubdtype(
             flat.dtype, jnp.floating
         )
         mode = "rev" if one_real_dtype else "fwd"
     if mode == "rev":
-        # H is symmetric, so row i is the VJP of the gradient with e_i.
-        if t.has_aux:
+        # H is symmetric, so row i is the VJP of the gradient with e_i (for a
+        # holomorphic function too: H is then complex symmetric, and JAX's VJPs
+        # transpose without conjugating).
+        if transform.has_aux:
             _, vjp, aux = jax.vjp(gradient, leaves_of(flat), has_aux=True)
         else:
             (_, vjp), aux = jax.vjp(gradient, leaves_of(flat)), None
@@ -159,7 +188,7 @@ def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
 
         axis = 0
     else:
-        if t.has_aux:
+        if transform.has_aux:
             _, hvp, aux = jax.linearize(lambda z: gradient(leaves_of(z)), flat, has_aux=True)
         else:
             (_, hvp), aux = jax.linearize(lambda z: gradient(leaves_of(z)), flat), None
@@ -176,103 +205,9 @@ def _hessian(t: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
         hessian = jnp.zeros((0, 0), flat.dtype)
     else:
         hessian = map_blocks(block, plan, axis=axis)
-    return (hessian, aux) if t.has_aux else hessian
+    if restore_aux is None:
+        return hessian
+    return hessian, restore_aux(aux)
 
 
 _hessian_jit = eqx.filter_jit(_hessian)
-
-
-def _variables_of(x: Any, argname: str = "x") -> Variables:
-    return split_variables(x, argname=argname)[1]
-
-
-def hessian_to_pytree(H: ArrayLike, x: PyTree) -> PyTree:
-    """Cut a flat `(n, n)` Hessian into blocks, one per pair of variable leaves of `x`.
-
-    The layout is zodiax's: the result has `x`'s structure twice, and block
-    `[i][j]` has shape `leaf_i.shape + leaf_j.shape`. Leaves of `x` that are not
-    variables (not inexact arrays) get `None`.
-
-    **Arguments:**
-
-    - `H`: a Hessian from `BatchedHessian` (or `jax.hessian` of the raveled function).
-    - `x`: the pytree it was taken at (or any pytree of the same structure and shapes).
-
-    **Returns:**
-
-    The nested pytree of blocks.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        import zodmem as zm
-
-        def loss(params, data):
-            return jnp.sum((params["w"] * data + params["b"]) ** 2)
-
-        params = {"b": jnp.zeros(()), "w": jnp.ones(4)}
-        H = zm.BatchedHessian(loss)(params, jnp.arange(4.0))
-        blocks = zm.hessian_to_pytree(H, params)
-        blocks["w"]["b"].shape   # (4,)
-        ```
-    """
-    H = jnp.asarray(H)
-    variables = _variables_of(x)
-    n = variables.size
-    if jnp.ndim(H) != 2 or jnp.shape(H) != (n, n):
-        raise ValueError(
-            f"H has shape {jnp.shape(H)}, but x flattens to {n} elements, so H should have "
-            f"shape ({n}, {n}). Did you pass the same x used to compute H?"
-        )
-    rows = variables.split_rows(H, axis=0)
-    return variables.fill(
-        [variables.fill(variables.split_rows(row, axis=-1), keep_fixed=False) for row in rows],
-        keep_fixed=False,
-    )
-
-
-def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
-    """Reshape a flat Jacobian `(*out_shape, n)` to the structure of `x`.
-
-    Each variable leaf of `x` gets the Jacobian block of shape
-    `(*out_shape, *leaf.shape)`; leaves that are not variables get `None`. When `J`
-    is a pytree (one Jacobian per output leaf of `fn`), the result has the output's
-    structure on the outside and `x`'s on the inside, as `jax.jacrev` returns.
-
-    **Arguments:**
-
-    - `J`: a Jacobian from `BatchedJacobian`.
-    - `x`: the pytree it was taken at.
-
-    **Returns:**
-
-    The Jacobian as a pytree.
-
-    !!! example
-
-        ```python
-        import jax.numpy as jnp
-        import zodmem as zm
-
-        def f(params, t):
-            return params["a"] * jnp.sin(params["w"] * t)
-
-        params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
-        J = zm.BatchedJacobian(f)(params, 0.5)          # (3, 6)
-        zm.jacobian_to_pytree(J, params)["w"].shape     # (3, 3)
-        ```
-    """
-    variables = _variables_of(x)
-    n = variables.size
-
-    def one_output(leaf: ArrayLike) -> Any:
-        leaf = jnp.asarray(leaf)
-        if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[-1] != n:
-            raise ValueError(
-                f"J has a leaf of shape {jnp.shape(leaf)}, but x flattens to {n} elements, so "
-                f"its last axis should have size {n}. Did you pass the same x used to compute J?"
-            )
-        return variables.fill(variables.split_rows(leaf, axis=-1), keep_fixed=False)
-
-    return jax.tree_util.tree_map(one_output, J)

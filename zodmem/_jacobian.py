@@ -14,7 +14,8 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import map_blocks, plan_blocks
 from ._pytree import basis_block, flat_function, split_variables
-from ._transform import AbstractDerivative
+from ._traceback import public
+from ._transform import AbstractDerivative, split_aux
 
 __all__ = ["BatchedJacobian"]
 
@@ -40,11 +41,15 @@ class BatchedJacobian(AbstractDerivative):
     - `nbatches`: cut the products into this many blocks. At most one of `nbatches`
       and `batch_size` may be given; with neither, all products form one block.
     - `batch_size`: the number of products per block.
-    - `mode`: `"fwd"` builds columns from JVPs of one `jax.linearize`, `"rev"` builds
-      rows from VJPs of one `jax.vjp`, `"auto"` picks the mode with fewer products
-      (`"fwd"` when `n` is at most the output size, as for `jax.jacfwd` on tall
-      Jacobians).
-    - `has_aux`: `fn` returns `(output, aux)`; `aux` is returned unchanged.
+    - `mode`: `"fwd"` builds columns from JVPs of one `jax.linearize`, as
+      `jax.jacfwd` does; `"rev"` builds rows from VJPs of one `jax.vjp`, as
+      `jax.jacrev` does; `"auto"` picks the mode with fewer products (`"fwd"` when
+      `n` is at most the output size, as for `jax.jacfwd` on tall Jacobians), and
+      `"fwd"` whenever an output is complex and `holomorphic=False`.
+    - `holomorphic`: the variables are complex and `fn` is holomorphic in them, as
+      `jax.jacfwd(holomorphic=True)`. Without it, complex variables are refused.
+    - `has_aux`: `fn` returns `(output, aux)`; `aux` is returned unchanged (its
+      leaves need not be arrays).
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
@@ -73,24 +78,23 @@ class BatchedJacobian(AbstractDerivative):
 
         `nbatches` and `batch_size` count products: columns with `mode="fwd"`, rows
         (output elements) with `mode="rev"`.
+
+    !!! note
+
+        Values and dtypes are those of `jax.jacfwd` (`mode="fwd"`: the output's dtype)
+        or `jax.jacrev` (`mode="rev"`: the variables' dtype) of `fn` as a function of
+        the raveled variables. A real `x` with complex outputs gets `jax.jacfwd`'s
+        complex Jacobian; `mode="rev"` refuses it, as `jax.jacrev` refuses complex
+        outputs.
     """
 
     @jaxtyped(typechecker=beartype)
+    @public
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
         compute = _jacobian_jit if self.jit else _jacobian
         return compute(self, x, args, kwargs)
-
-
-def _check_outputs(out: Any) -> None:
-    for leaf in jax.tree_util.tree_leaves(out):
-        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            raise TypeError(
-                "BatchedJacobian: `fn` must return floating-point (or complex) arrays to be "
-                f"differentiated, but one output leaf has dtype {leaf.dtype} and shape "
-                f"{leaf.shape}."
-            )
 
 
 def _with_array_outputs(fn_of_flat: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -108,57 +112,102 @@ def _with_array_outputs(fn_of_flat: Callable[..., Any], has_aux: bool) -> Callab
     return wrapped
 
 
-def _jacobian(t: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
-    flat, variables = split_variables(x)
-    fn_of_flat = _with_array_outputs(flat_function(t.fn, variables, args, kwargs), t.has_aux)
-    if t.checkpoint:
+def _choose_mode(transform: BatchedJacobian, n: int, m: int, complex_outputs: bool) -> str:
+    if transform.mode == "auto":
+        if complex_outputs and not transform.holomorphic:
+            return "fwd"  # the only mode that keeps the imaginary part, as jax.jacfwd
+        return "fwd" if n <= m else "rev"
+    if transform.mode == "rev" and complex_outputs and not transform.holomorphic:
+        raise TypeError(
+            "BatchedJacobian: mode='rev' requires real-valued outputs, as jax.jacrev does "
+            '("jacrev requires real-valued outputs"), but `fn` returns complex ones. Use '
+            "mode='fwd' or 'auto' for the complex Jacobian of a real `x` (jax.jacfwd's), or "
+            "holomorphic=True with complex variables."
+        )
+    return transform.mode
+
+
+def _jacobian(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
+    flat, variables = split_variables(x, owner="BatchedJacobian")
+    transform.check_variables(variables)
+    fn_of_flat = _with_array_outputs(
+        flat_function(transform.fn, variables, args, kwargs), transform.has_aux
+    )
+    restore_aux = None
+    if transform.has_aux:
+        fn_of_flat, restore_aux = split_aux(fn_of_flat)
+    if transform.checkpoint:
         fn_of_flat = jax.checkpoint(fn_of_flat)
     n = variables.size
 
     shapes = jax.eval_shape(fn_of_flat, flat)
-    if t.has_aux:
+    if transform.has_aux:
         if not (isinstance(shapes, tuple) and len(shapes) == 2):
             raise TypeError(
                 "BatchedJacobian: with has_aux=True, `fn` must return a pair "
                 f"(output, aux), but it returned {shapes}."
             )
         shapes = shapes[0]
-    _check_outputs(shapes)
-    m = sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+    transform.check_outputs(shapes, "output")
+    out_leaves = jax.tree_util.tree_leaves(shapes)
+    m = sum(math.prod(leaf.shape) for leaf in out_leaves)
+    complex_outputs = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in out_leaves)
 
-    mode = t.mode
-    if mode == "auto":
-        mode = "fwd" if n <= m else "rev"
+    mode = _choose_mode(transform, n, m, complex_outputs)
     if mode == "fwd":
-        jacobian, aux = _forward(t, fn_of_flat, flat, n)
+        jacobian, aux = _forward(transform, fn_of_flat, flat, n)
     else:
-        jacobian, aux = _reverse(t, fn_of_flat, flat, n, m)
-    return (jacobian, aux) if t.has_aux else jacobian
+        jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m)
+    if restore_aux is None:
+        return jacobian
+    return jacobian, restore_aux(aux)
 
 
-def _forward(t: BatchedJacobian, fn_of_flat, flat, n: int):
-    """Columns from JVPs of one linearisation."""
-    plan = plan_blocks(n, nbatches=t.nbatches, batch_size=t.batch_size, what="variables")
-    if t.has_aux:
+def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int):
+    """Columns from JVPs of one linearisation, in the outputs' dtypes (as jax.jacfwd)."""
+    plan = plan_blocks(
+        n,
+        nbatches=transform.nbatches,
+        batch_size=transform.batch_size,
+        what="variables",
+        owner="BatchedJacobian",
+        context=" (mode 'fwd' makes one column per variable)",
+    )
+    if transform.has_aux:
         out, jvp, aux = jax.linearize(fn_of_flat, flat, has_aux=True)
     else:
         (out, jvp), aux = jax.linearize(fn_of_flat, flat), None
-    dtypes = jax.tree_util.tree_map(lambda o: jnp.result_type(o.dtype, flat.dtype), out)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
-        return jax.tree_util.tree_map(lambda o, d: jnp.zeros((*o.shape, 0), d), out, dtypes), aux
+        return jax.tree_util.tree_map(lambda o: jnp.zeros((*o.shape, 0), o.dtype), out), aux
 
     def columns(start):
         tangents = basis_block(start, plan.block_size, n, flat.dtype)
         cols = jax.vmap(jvp)(tangents)
-        return jax.tree_util.tree_map(lambda c, d: jnp.moveaxis(c, 0, -1).astype(d), cols, dtypes)
+        return jax.tree_util.tree_map(lambda c: jnp.moveaxis(c, 0, -1), cols)
 
     return map_blocks(columns, plan, axis=-1), aux
 
 
-def _reverse(t: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
-    """Rows from VJPs of one forward pass, output leaf by output leaf."""
-    plan = plan_blocks(m, nbatches=t.nbatches, batch_size=t.batch_size, what="output elements")
-    if t.has_aux:
+def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
+    """Rows from VJPs of one forward pass, output leaf by output leaf, in the variables'
+    dtype (as jax.jacrev)."""
+    if transform.mode == "auto":
+        why = (
+            f" (mode 'auto' chose reverse mode, which makes one row per output element, "
+            f"since the {m} output elements are fewer than the {n} variables; so `nbatches` "
+            "counts output elements)"
+        )
+    else:
+        why = " (mode 'rev' makes one row per output element)"
+    plan = plan_blocks(
+        m,
+        nbatches=transform.nbatches,
+        batch_size=transform.batch_size,
+        what="output elements",
+        owner="BatchedJacobian",
+        context=why,
+    )
+    if transform.has_aux:
         out, vjp, aux = jax.vjp(fn_of_flat, flat, has_aux=True)
     else:
         (out, vjp), aux = jax.vjp(fn_of_flat, flat), None
@@ -167,13 +216,12 @@ def _reverse(t: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
     jacobians = []
     for k, leaf in enumerate(out_leaves):
         size = math.prod(leaf.shape)
-        dtype = jnp.result_type(leaf.dtype, flat.dtype)
         if size == 0:
-            jacobians.append(jnp.zeros((*leaf.shape, n), dtype))
+            jacobians.append(jnp.zeros((*leaf.shape, n), flat.dtype))
             continue
         leaf_plan = plan_blocks(size, batch_size=plan.block_size)
 
-        def rows(start, k=k, leaf=leaf, block=leaf_plan.block_size, dtype=dtype):
+        def rows(start, k=k, block=leaf_plan.block_size):
             cotangents = [
                 basis_block(start, block, o.size, o.dtype).reshape(block, *o.shape)
                 if j == k
@@ -181,7 +229,7 @@ def _reverse(t: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
                 for j, o in enumerate(out_leaves)
             ]
             (block_rows,) = jax.vmap(vjp)(jax.tree_util.tree_unflatten(out_def, cotangents))
-            return block_rows.astype(dtype)
+            return block_rows
 
         jacobians.append(map_blocks(rows, leaf_plan, axis=0).reshape(*leaf.shape, n))
     return jax.tree_util.tree_unflatten(out_def, jacobians), aux

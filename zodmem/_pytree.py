@@ -4,7 +4,8 @@ The variables of a pytree are its inexact-array leaves (floating or complex
 arrays), taken in `jax.tree_util` leaf order. Every other leaf -- functions,
 Python and integer-array scalars, bools, strings, activation callables held by an
 Equinox model -- is held fixed and put back unchanged when a flat vector is
-turned back into a pytree.
+turned back into a pytree. The flat Jacobians and Hessians that zodmem returns are
+turned back into pytrees here too (`jacobian_to_pytree`, `hessian_to_pytree`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import ArrayLike, PyTree
 
-__all__ = ["Variables", "split_variables"]
+__all__ = [
+    "Variables",
+    "split_variables",
+    "flat_function",
+    "basis_block",
+    "hessian_to_pytree",
+    "jacobian_to_pytree",
+]
 
 
 class Variables(eqx.Module):
@@ -25,6 +34,8 @@ class Variables(eqx.Module):
 
     - `shapes`, `dtypes`: shape and dtype of each variable leaf, in leaf order.
     - `dtype`: the common dtype of the flat vector (`jnp.result_type` of the leaves).
+    - `names`: where each variable leaf sits in the pytree, as `jax.tree_util.keystr`
+      writes it (`"['w']"`, `".layers[0].weight"`), for messages.
     - `treedef`, `is_variable`: the structure of the whole pytree and which of its
       leaves are variables.
     - `fixed`: the leaves that are not variables (`None` in the place of each variable).
@@ -33,6 +44,7 @@ class Variables(eqx.Module):
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     dtypes: tuple[Any, ...] = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    names: tuple[str, ...] = eqx.field(static=True)
     treedef: Any = eqx.field(static=True)
     is_variable: tuple[bool, ...] = eqx.field(static=True)
     fixed: list[Any]
@@ -84,8 +96,9 @@ class Variables(eqx.Module):
         ]
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
-    def split_rows(self, flat_axis_array: jax.Array, axis: int = -1) -> list[jax.Array]:
-        """Cut `flat_axis_array` along `axis` into one piece per variable leaf, shaped like it."""
+    def split_per_leaf(self, flat_axis_array: jax.Array, axis: int = -1) -> list[jax.Array]:
+        """Cut `flat_axis_array` along its `axis` of size `n` into one piece per variable
+        leaf, that axis reshaped to the leaf's shape."""
         axis = axis % flat_axis_array.ndim
         pieces = []
         for offset, size, shape in zip(self.offsets, self.sizes, self.shapes, strict=True):
@@ -95,23 +108,44 @@ class Variables(eqx.Module):
         return pieces
 
 
-def split_variables(tree: Any, *, argname: str = "x") -> tuple[jax.Array, Variables]:
+def _describe(leaf: Any) -> str:
+    """`int32[3]` for an array (traced or not), the type's name for anything else."""
+    if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+        return f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+    if isinstance(leaf, (bool, int, str)):
+        return f"{leaf!r} ({type(leaf).__name__})"
+    return type(leaf).__name__
+
+
+def split_variables(
+    tree: Any, *, argname: str = "x", owner: str = ""
+) -> tuple[jax.Array, Variables]:
     """Return `(flat, variables)` for `tree`: its inexact leaves raveled, and how to undo it.
 
     Raises `ValueError` when `tree` has no inexact-array leaf, since there is then
     nothing to differentiate.
     """
-    all_leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    all_leaves = [leaf for _, leaf in paths_leaves]
     is_variable = tuple(bool(eqx.is_inexact_array(leaf)) for leaf in all_leaves)
     leaves = [leaf for leaf, is_var in zip(all_leaves, is_variable, strict=True) if is_var]
     if not leaves:
-        kinds = sorted({type(leaf).__name__ for leaf in all_leaves})
+        described = ", ".join(
+            f"{argname}{jax.tree_util.keystr(path)}: {_describe(leaf)}"
+            for path, leaf in paths_leaves[:8]
+        ) + (f", ... ({len(paths_leaves) - 8} more)" if len(paths_leaves) > 8 else "")
+        prefix = f"{owner}: " if owner else ""
         raise ValueError(
-            f"`{argname}` has no inexact-array leaves, so there is nothing to differentiate: "
-            f"its leaves are of type {kinds or ['(none)']}. The variables of `{argname}` are "
-            "its floating-point or complex JAX/NumPy arrays; pass them as arrays, e.g. "
-            "`jnp.asarray(value, dtype=float)`."
+            f"{prefix}`{argname}` has no inexact-array leaves, so there is nothing to "
+            f"differentiate: its leaves are {described or '(none)'}. The variables of "
+            f"`{argname}` are its floating-point or complex JAX/NumPy arrays; pass them as "
+            "arrays, e.g. `jnp.asarray(value, dtype=float)`."
         )
+    names = tuple(
+        jax.tree_util.keystr(path)
+        for (path, _), is_var in zip(paths_leaves, is_variable, strict=True)
+        if is_var
+    )
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)
     dtype = jnp.result_type(*dtypes)
@@ -120,16 +154,12 @@ def split_variables(tree: Any, *, argname: str = "x") -> tuple[jax.Array, Variab
         shapes=shapes,
         dtypes=dtypes,
         dtype=dtype,
+        names=names,
         treedef=treedef,
         is_variable=is_variable,
         fixed=fixed,
     )
     return info.ravel(tree), info
-
-
-def tree_size(tree: Any) -> int:
-    """Total number of elements over the array leaves of `tree`."""
-    return sum(math.prod(jnp.shape(leaf)) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def flat_function(
@@ -146,3 +176,100 @@ def flat_function(
 def basis_block(start: jax.Array, block_size: int, n: int, dtype: Any) -> jax.Array:
     """Rows `start, ..., start + block_size - 1` of the `n x n` identity: `(block_size, n)`."""
     return jax.nn.one_hot(start + jnp.arange(block_size), n, dtype=dtype)
+
+
+def hessian_to_pytree(H: ArrayLike, x: PyTree) -> PyTree:
+    """Cut a flat `(n, n)` Hessian into blocks, one per pair of variable leaves of `x`.
+
+    The layout is zodiax's: the result has `x`'s structure twice, and block
+    `[i][j]` has shape `leaf_i.shape + leaf_j.shape` and, as in `jax.hessian` of a
+    pytree, the dtype of `leaf_i` (the derivative of the gradient's leaf `i`), which
+    matters when the leaves mix precisions. Leaves of `x` that are not variables (not
+    inexact arrays) get `None`.
+
+    **Arguments:**
+
+    - `H`: a Hessian from `BatchedHessian` (or `jax.hessian` of the raveled function).
+    - `x`: the pytree it was taken at (or any pytree of the same structure and shapes).
+
+    **Returns:**
+
+    The nested pytree of blocks.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(params, data):
+            return jnp.sum((params["w"] * data + params["b"]) ** 2)
+
+        params = {"b": jnp.zeros(()), "w": jnp.ones(4)}
+        H = zm.BatchedHessian(loss)(params, jnp.arange(4.0))
+        blocks = zm.hessian_to_pytree(H, params)
+        blocks["w"]["b"].shape   # (4,)
+        ```
+    """
+    H = jnp.asarray(H)
+    variables = split_variables(x, owner="hessian_to_pytree")[1]
+    n = variables.size
+    if jnp.ndim(H) != 2 or jnp.shape(H) != (n, n):
+        raise ValueError(
+            f"H has shape {jnp.shape(H)}, but x flattens to {n} elements, so H should have "
+            f"shape ({n}, {n}). Did you pass the same x used to compute H?"
+        )
+    rows = variables.split_per_leaf(H, axis=0)
+    blocks = [
+        [block.astype(dtype) for block in variables.split_per_leaf(row, axis=-1)]
+        for row, dtype in zip(rows, variables.dtypes, strict=True)
+    ]
+    return variables.fill(
+        [variables.fill(row, keep_fixed=False) for row in blocks], keep_fixed=False
+    )
+
+
+def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
+    """Reshape a flat Jacobian `(*out_shape, n)` to the structure of `x`.
+
+    Each variable leaf of `x` gets the Jacobian block of shape
+    `(*out_shape, *leaf.shape)`; leaves that are not variables get `None`. When `J`
+    is a pytree (one Jacobian per output leaf of `fn`), the result has the output's
+    structure on the outside and `x`'s on the inside, as `jax.jacrev` returns.
+
+    **Arguments:**
+
+    - `J`: a Jacobian from `BatchedJacobian`.
+    - `x`: the pytree it was taken at.
+
+    **Returns:**
+
+    The Jacobian as a pytree.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def f(params, t):
+            return params["a"] * jnp.sin(params["w"] * t)
+
+        params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
+        J = zm.BatchedJacobian(f)(params, 0.5)          # (3, 6)
+        zm.jacobian_to_pytree(J, params)["w"].shape     # (3, 3)
+        ```
+    """
+    variables = split_variables(x, owner="jacobian_to_pytree")[1]
+    n = variables.size
+
+    def one_output(leaf: ArrayLike) -> Any:
+        leaf = jnp.asarray(leaf)
+        if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[-1] != n:
+            raise ValueError(
+                f"J has a leaf of shape {jnp.shape(leaf)}, but x flattens to {n} elements, so "
+                f"its last axis should have size {n}. Did you pass the same x used to compute J?"
+            )
+        return variables.fill(variables.split_per_leaf(leaf, axis=-1), keep_fixed=False)
+
+    return jax.tree_util.tree_map(one_output, J)

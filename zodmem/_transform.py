@@ -1,22 +1,21 @@
-"""`AbstractTransform`, the base of every zodmem transform, and its validation helpers."""
+"""`AbstractTransform`, the base of every zodmem transform, and `AbstractDerivative`,
+the configuration and the checks that `BatchedJacobian` and `BatchedHessian` share."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
-from ._blocks import check_block_options
+from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
+from ._pytree import Variables
+from ._traceback import public
 
-__all__ = [
-    "AbstractTransform",
-    "AbstractDerivative",
-    "check_bool",
-    "check_choice",
-    "check_callable",
-]
+__all__ = ["AbstractTransform", "AbstractDerivative", "split_aux"]
 
 
 class AbstractTransform(eqx.Module):
@@ -47,41 +46,82 @@ class AbstractDerivative(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
-    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
+    holomorphic: bool = eqx.field(default=False, static=True, kw_only=True)
     has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
     jit: bool = eqx.field(default=True, static=True, kw_only=True)
     checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
 
+    @public
     def __check_init__(self):
         owner = type(self).__name__
         check_callable(self.fn, "fn", owner=owner)
         check_block_options(self.nbatches, self.batch_size, owner=owner)
         check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
-        check_bool(self.has_aux, "has_aux", owner=owner)
-        check_bool(self.jit, "jit", owner=owner)
-        check_bool(self.checkpoint, "checkpoint", owner=owner)
+        for name in ("holomorphic", "has_aux", "jit", "checkpoint"):
+            check_bool(getattr(self, name), name, owner=owner)
+
+    def check_variables(self, variables: Variables) -> None:
+        """Refuse complex variables unless `holomorphic`, and real ones with it, as
+        `jax.jacfwd`/`jax.jacrev`/`jax.hessian` do."""
+        owner = type(self).__name__
+        for name, dtype in zip(variables.names, variables.dtypes, strict=True):
+            is_complex = jnp.issubdtype(dtype, jnp.complexfloating)
+            if self.holomorphic and not is_complex:
+                raise TypeError(
+                    f"{owner}: with holomorphic=True every variable must be complex, as in "
+                    f"jax.jacfwd(holomorphic=True), but x{name} has dtype {dtype}. Cast it "
+                    "to a complex dtype, or leave holomorphic=False."
+                )
+            if not self.holomorphic and is_complex:
+                raise TypeError(
+                    f"{owner}: x{name} has the complex dtype {dtype}. As in jax.jacfwd and "
+                    "jax.jacrev, complex variables are differentiated only with "
+                    "holomorphic=True (for holomorphic functions); for a function that is "
+                    "not holomorphic, split the variables into real and imaginary parts."
+                )
+
+    def check_outputs(self, outputs: Any, what: str) -> None:
+        """Refuse outputs that cannot be differentiated: integer ones, and real ones with
+        `holomorphic=True` (as `jax.jacfwd(holomorphic=True)` does)."""
+        owner = type(self).__name__
+        paths_leaves = jax.tree_util.tree_flatten_with_path(outputs)[0]
+        for path, leaf in paths_leaves:
+            where = f"{what}{jax.tree_util.keystr(path)}"
+            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                raise TypeError(
+                    f"{owner}: `fn` must return floating-point (or complex) arrays to be "
+                    f"differentiated, but one output leaf has dtype {leaf.dtype} and shape "
+                    f"{leaf.shape} ({where})."
+                )
+            if self.holomorphic and not jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+                raise TypeError(
+                    f"{owner}: with holomorphic=True `fn` must return complex arrays, as in "
+                    f"jax.jacfwd(holomorphic=True), but {where} has dtype {leaf.dtype}."
+                )
 
 
-def check_callable(value: Any, name: str, *, owner: str) -> None:
-    if not callable(value):
-        raise TypeError(
-            f"{owner}: `{name}` must be callable (a function or a module with __call__), "
-            f"got {value!r} of type {type(value).__name__}."
-        )
+def split_aux(fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Callable, Callable]:
+    """`fn` returning `(out, aux)`, as a function whose `aux` holds only arrays, and a
+    function that puts the other leaves of the last `aux` traced back.
 
+    JAX's transforms and loops carry arrays only; a string, an int or `None` in `aux`
+    is kept aside while `fn` is traced and returned unchanged, as `jax.jacrev` does.
+    """
+    kept: list[Any] = []
 
-def check_bool(value: Any, name: str, *, owner: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{owner}: `{name}` must be True or False, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
+    def arrays_only(z):
+        result = fn(z)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            return result  # not a pair: refused by the caller, with what it returned
+        out, aux = result
+        arrays, others = eqx.partition(aux, eqx.is_array)
+        kept.append(others)
+        return out, arrays
 
+    def restore(arrays: Any) -> Any:
+        return eqx.combine(arrays, kept[-1])
 
-def check_choice(value: Any, name: str, choices: Iterable[Any], *, owner: str) -> None:
-    choices = tuple(choices)
-    if not isinstance(value, str) or value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{owner}: `{name}` must be one of {allowed}; got {value!r}.")
+    return arrays_only, restore
