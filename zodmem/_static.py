@@ -6,6 +6,8 @@ from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 
+from ._traceback import public
+
 __all__ = ["Static"]
 
 T = TypeVar("T")
@@ -63,6 +65,7 @@ class Static(eqx.Module, Generic[T]):
         self.value = value
         self.types = _types_of(value)
 
+    @public
     def __check_init__(self):
         try:
             hash(self.value)
