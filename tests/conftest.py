@@ -19,9 +19,10 @@ settings.register_profile(
 settings.load_profile("zodmem")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def float64():
-    """Double precision for the module's tests (tight tolerances), restored afterwards."""
+    """Double precision for a test (tight tolerances), restored afterwards. A module's
+    tests all take it with `pytestmark = pytest.mark.usefixtures("float64")`."""
     previous = jax.config.read("jax_enable_x64")
     jax.config.update("jax_enable_x64", True)
     yield

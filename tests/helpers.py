@@ -1,11 +1,13 @@
 """What the tests share: one comparison of pytrees, and reference computations."""
 
+import dataclasses
 import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import strategies as st
 from jax.flatten_util import ravel_pytree
 from jax.tree_util import keystr
 
@@ -75,3 +77,48 @@ def make_mlp(in_size, out_size, width, depth, seed=0):
         return leaf
 
     return jax.tree_util.tree_map(fill, shapes)
+
+
+# --- what the derivative sweeps draw -----------------------------------------------------
+
+MODES = ("auto", "fwd", "rev")
+
+
+@st.composite
+def leaf_sizes(draw, max_total=20, max_leaves=3):
+    """The sizes of 1 to `max_leaves` variable leaves, `n` = their total in [1, max_total]."""
+    n = draw(st.integers(1, max_total))
+    num_leaves = draw(st.integers(1, min(max_leaves, n)))
+    cuts = draw(
+        st.lists(
+            st.integers(1, max(n - 1, 1)),
+            min_size=num_leaves - 1,
+            max_size=num_leaves - 1,
+            unique=True,
+        )
+    )
+    return np.diff([0, *sorted(cuts), n]).tolist()
+
+
+@st.composite
+def block_options(draw, products):
+    """One way to cut `products` products into blocks, as keyword arguments: none, a
+    count up to `products`, or a size up to a little beyond it."""
+    option = draw(st.sampled_from(["nbatches", "batch_size", None]))
+    if option is None:
+        return {}
+    return {option: draw(st.integers(1, products + (2 if option == "batch_size" else 0)))}
+
+
+def check_init(cls, fn=jnp.sin, **config):
+    """Run the validation of `cls` on `config` as given, skipping `__init__` (its
+    converters and the type checks the tests run under): every `__check_init__` in the
+    class's MRO, as Equinox runs them."""
+    instance = object.__new__(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "fn"}
+    for name, value in {**defaults, "fn": fn, **config}.items():
+        object.__setattr__(instance, name, value)
+    for klass in reversed(cls.__mro__):
+        if "__check_init__" in vars(klass):
+            vars(klass)["__check_init__"](instance)
+    return instance

@@ -15,14 +15,6 @@ from hypothesis import given, settings
 from zodmem.compat import powerpax as compat
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def step(carry, x):
     n, v = carry
     xi, xf = (1, 1.0) if x is None else (x["i"], x["f"])
@@ -146,7 +138,7 @@ def test_index_like_arguments():
     close(got, powerpax.checkpoint_chunked_scan(step, init, xs, chunk_size=4), exact=True)
 
 
-def test_gradients_match_powerpax(x64):
+def test_gradients_match_powerpax(float64):
     def smooth(h, w):
         h = jnp.tanh(h * w)
         return h, jnp.sum(h**2)

@@ -8,15 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import close, raveled
+from helpers import MODES, close, raveled
 from hypothesis import given, strategies as st
 
 import zodmem as zm
 from zodmem.compat import zodiax as zc
 
 pytestmark = pytest.mark.usefixtures("float64")
-
-MODES = ("auto", "fwd", "rev")
 
 
 def block_options(total):

@@ -1,6 +1,5 @@
 """`BatchedHessian` and the `*_to_pytree` layouts against `jax.hessian`."""
 
-import dataclasses
 import re
 
 import equinox as eqx
@@ -8,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MODES, block_options, check_init, close, leaf_sizes, make_mlp, raveled
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from helpers import close, make_mlp, raveled
 
 import zodmem as zm
 
@@ -333,22 +332,13 @@ CONSTRUCTION_ERRORS = [
 ]
 
 
-def unchecked(cls, **config):
-    """An instance with `config` set as given, skipping `__init__` and its type checks."""
-    instance = object.__new__(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "fn"}
-    for name, value in {**defaults, "fn": jnp.sin, **config}.items():
-        object.__setattr__(instance, name, value)
-    return instance
-
-
 @pytest.mark.parametrize("config, error, check_error, message", CONSTRUCTION_ERRORS)
 def test_construction_errors(config, error, check_error, message):
     (name, value), *_ = config.items()
     with pytest.raises(error, match=rf"{name}[\s\S]*{re.escape(repr(value))}"):
         zm.BatchedHessian(loss, **config)
     with pytest.raises(check_error, match=rf"^BatchedHessian: {message}"):
-        unchecked(zm.BatchedHessian, **config).__check_init__()
+        check_init(zm.BatchedHessian, **config)
 
 
 def test_mode_and_fn_must_be_callable():
@@ -360,11 +350,11 @@ def test_mode_and_fn_must_be_callable():
         ValueError,
         match=r"^BatchedHessian: `mode` must be one of 'auto', 'fwd', 'rev'; got 'jacfwd'",
     ):
-        unchecked(zm.BatchedHessian, mode="jacfwd").__check_init__()
+        check_init(zm.BatchedHessian, mode="jacfwd")
     with pytest.raises(TypeError, match=r"fn[\s\S]*'loss'"):
         zm.BatchedHessian("loss")
     with pytest.raises(TypeError, match=r"`fn` must be callable .* got 'loss' of type str"):
-        unchecked(zm.BatchedHessian, fn="loss").__check_init__()
+        check_init(zm.BatchedHessian, fn="loss")
 
 
 def test_trace_time_errors():
@@ -425,30 +415,17 @@ def test_hessian_memory_has_no_second_copy():
 
 @st.composite
 def hessian_cases(draw):
-    n = draw(st.integers(1, 20))
-    num_leaves = draw(st.integers(1, min(3, n)))
-    cuts = draw(
-        st.lists(
-            st.integers(1, max(n - 1, 1)),
-            min_size=num_leaves - 1,
-            max_size=num_leaves - 1,
-            unique=True,
-        )
-    )
-    sizes = np.diff([0, *sorted(cuts), n]).tolist()
-    option = draw(st.sampled_from(["nbatches", "batch_size", None]))
-    value = (
-        None if option is None else draw(st.integers(1, n + (3 if option == "batch_size" else 0)))
-    )
+    sizes = draw(leaf_sizes())
+    options = draw(block_options(sum(sizes)))
     m = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 3))
-    mode = draw(st.sampled_from(["auto", "fwd", "rev"]))
-    return sizes, option, value, m, seed, mode
+    mode = draw(st.sampled_from(MODES))
+    return sizes, options, m, seed, mode
 
 
 @given(hessian_cases())
 def test_sweep_against_the_exact_hessian(case):
-    sizes, option, value, m, seed, mode = case
+    sizes, kwargs, m, seed, mode = case
     n = sum(sizes)
     rng = np.random.default_rng(seed)
     v = rng.uniform(-1, 1, n)
@@ -466,7 +443,6 @@ def test_sweep_against_the_exact_hessian(case):
         return jnp.sum(c * jnp.sin(a @ z)) + 0.5 * z @ s @ z + (w @ z) ** 3 / 6
 
     exact = a.T @ np.diag(-c * np.sin(a @ v)) @ a + s + (w @ v) * np.outer(w, w)
-    kwargs = {} if option is None else {option: value}
     H = zm.BatchedHessian(fn, mode=mode, **kwargs)(x)
     assert H.shape == (n, n) and H.dtype == jnp.float64
     np.testing.assert_allclose(H, exact, rtol=1e-11, atol=1e-11)

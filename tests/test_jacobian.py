@@ -1,6 +1,5 @@
 """`BatchedJacobian` against `jax.jacfwd` / `jax.jacrev` of the raveled function."""
 
-import dataclasses
 import math
 import re
 
@@ -9,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MODES, block_options, check_init, close, leaf_sizes, make_mlp, raveled
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from helpers import close, make_mlp, raveled
 
 import zodmem as zm
 
@@ -435,30 +434,21 @@ CONSTRUCTION_ERRORS = [
 ]
 
 
-def unchecked(cls, **config):
-    """An instance with `config` set as given, skipping `__init__` and its type checks."""
-    instance = object.__new__(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "fn"}
-    for name, value in {**defaults, "fn": jnp.sin, **config}.items():
-        object.__setattr__(instance, name, value)
-    return instance
-
-
 @pytest.mark.parametrize("config, error, check_error, message", CONSTRUCTION_ERRORS)
 def test_construction_errors(config, error, check_error, message):
     (name, value), *_ = config.items()
     with pytest.raises(error, match=rf"{name}[\s\S]*{re.escape(repr(value))}"):
         zm.BatchedJacobian(vector_fn((2,)), **config)
     with pytest.raises(check_error, match=rf"^BatchedJacobian: {message}"):
-        unchecked(zm.BatchedJacobian, **config).__check_init__()
+        check_init(zm.BatchedJacobian, **config)
 
 
 def test_fn_must_be_callable():
     with pytest.raises(TypeError, match=r"fn[\s\S]*3"):
         zm.BatchedJacobian(3)
     with pytest.raises(TypeError, match=r"`fn` must be callable .* got 3 of type int"):
-        unchecked(zm.BatchedJacobian, fn=3).__check_init__()
-    unchecked(zm.BatchedJacobian, fn=jnp.sin).__check_init__()
+        check_init(zm.BatchedJacobian, fn=3)
+    check_init(zm.BatchedJacobian, fn=jnp.sin)
 
 
 def test_trace_time_errors():
@@ -506,43 +496,20 @@ def test_jacobian_memory_has_no_second_copy():
 
 @st.composite
 def jacobian_cases(draw):
-    n = draw(st.integers(1, 20))
-    num_leaves = draw(st.integers(1, min(3, n)))
-    cuts = (
-        sorted(
-            draw(
-                st.lists(
-                    st.integers(1, n - 1),
-                    min_size=num_leaves - 1,
-                    max_size=num_leaves - 1,
-                    unique=True,
-                )
-            )
-        )
-        if n > 1
-        else []
-    )
-    sizes = np.diff([0, *cuts, n]).tolist()
+    sizes = draw(leaf_sizes())
+    n = sum(sizes)
     out_shape = draw(st.sampled_from([(), (1,), (3,), (2, 3), (7,), (4, 5)]))
-    mode = draw(st.sampled_from(["fwd", "rev", "auto"]))
-    products = (
-        n
-        if mode == "fwd" or (mode == "auto" and n <= math.prod(out_shape))
-        else math.prod(out_shape)
-    )
-    option = draw(st.sampled_from(["nbatches", "batch_size", None]))
-    value = (
-        None
-        if option is None
-        else draw(st.integers(1, products + (2 if option == "batch_size" else 0)))
-    )
+    mode = draw(st.sampled_from(MODES))
+    m = math.prod(out_shape)
+    products = n if mode == "fwd" or (mode == "auto" and n <= m) else m
+    options = draw(block_options(products))
     seed = draw(st.integers(0, 3))
-    return sizes, out_shape, mode, option, value, seed
+    return sizes, out_shape, mode, options, seed
 
 
 @given(jacobian_cases())
 def test_sweep_against_the_exact_jacobian(case):
-    sizes, out_shape, mode, option, value, seed = case
+    sizes, out_shape, mode, kwargs, seed = case
     n, m = sum(sizes), math.prod(out_shape)
     rng = np.random.default_rng(seed)
     v = rng.uniform(-1, 1, n)
@@ -559,7 +526,6 @@ def test_sweep_against_the_exact_jacobian(case):
         return (jnp.sin(a @ z) + 0.5 * (b @ z) ** 2).reshape(out_shape)
 
     exact = (np.cos(a @ v)[:, None] * a + (b @ v)[:, None] * b).reshape(*out_shape, n)
-    kwargs = {} if option is None else {option: value}
     J = zm.BatchedJacobian(fn, mode=mode, **kwargs)(x)
     assert J.shape == (*out_shape, n) and J.dtype == jnp.float64
     np.testing.assert_allclose(J, exact, rtol=1e-12, atol=1e-12)

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mlp, tree_size
 from hypothesis import given, strategies as st
 from jax.flatten_util import ravel_pytree
-from helpers import make_mlp, tree_size
 
 from zodmem._pytree import basis_block, flat_function, split_variables
 

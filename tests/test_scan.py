@@ -1,7 +1,6 @@
 """`SlicedScan` and `CheckpointedScan` against `lax.scan` and plain Python loops."""
 
 import contextlib
-import dataclasses
 import io
 import math
 import re
@@ -13,20 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_init
 from hypothesis import given
 from jax.ad_checkpoint import print_saved_residuals
 
 import zodmem as zm
 from zodmem._blocks import plan_blocks, scan_blocks, write_once
 from zodmem._scan import default_chunk_size
-
-
-@pytest.fixture
-def x64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
 
 
 # A step with an int and a float carry and pytree outputs. Its arithmetic is exact
@@ -165,7 +157,7 @@ def loss_of(scan):
         (9, -1, None, -2, False, False),
     ],
 )
-def test_sliced_scan_gradients_match_lax_scan(x64, length, start, stop, step, reverse, with_xs):
+def test_sliced_scan_gradients_match_lax_scan(float64, length, start, stop, step, reverse, with_xs):
     init = (jnp.asarray([0.1, -0.2, 0.3]), jnp.asarray(0.0))
     if with_xs:
         params, given_length = smooth_xs(length), None
@@ -213,7 +205,7 @@ class Cell(eqx.Module):
         return h, h[0]
 
 
-def test_module_fn_is_a_leaf_and_differentiable(x64):
+def test_module_fn_is_a_leaf_and_differentiable(float64):
     cell = Cell(jnp.eye(3) * 0.9 + 0.05, jnp.tanh)
     xs = jnp.linspace(-1.0, 1.0, 30).reshape(10, 3)
     sliced = zm.SlicedScan(cell, start=1, step=4)
@@ -357,15 +349,6 @@ def test_empty_and_length_only_scans():
     assert_same(got, (jnp.asarray(4), jnp.asarray([0, 2])))
 
 
-def unchecked(cls, **config):
-    """An instance with `config` set as given, skipping `__init__` and its type checks."""
-    instance = object.__new__(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name != "fn"}
-    for name, value in {**defaults, "fn": tree_step, **config}.items():
-        object.__setattr__(instance, name, value)
-    return instance
-
-
 def check_construction(cls, kwargs, error, match):
     """Building refuses the value (a type the annotations exclude may be refused by the
     type checker the tests run under, with a message naming the field and value);
@@ -374,7 +357,7 @@ def check_construction(cls, kwargs, error, match):
     with pytest.raises(error, match=rf"{name}[\s\S]*{re.escape(repr(value))}"):
         cls(tree_step, **kwargs)
     with pytest.raises(error, match=rf"^{cls.__name__}: .*{match}"):
-        unchecked(cls, **kwargs).__check_init__()
+        check_init(cls, fn=tree_step, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -419,7 +402,7 @@ def test_fn_must_be_callable(transform):
     with pytest.raises(TypeError, match=r"fn[\s\S]*3"):
         transform(3)
     with pytest.raises(TypeError, match=r"`fn` must be callable.*got 3 of type int"):
-        unchecked(transform, fn=3).__check_init__()
+        check_init(transform, fn=3)
 
 
 @pytest.mark.parametrize("transform", [zm.SlicedScan, zm.CheckpointedScan])
@@ -460,7 +443,7 @@ def test_checkpointed_scan_matches_lax_scan(length, chunk_size, reverse, with_xs
 @pytest.mark.parametrize(
     "length,chunk_size,reverse", [(10, 3, False), (10, 3, True), (7, None, True)]
 )
-def test_checkpointed_scan_gradients_match_lax_scan(x64, length, chunk_size, reverse):
+def test_checkpointed_scan_gradients_match_lax_scan(float64, length, chunk_size, reverse):
     init = (jnp.asarray([0.1, -0.2, 0.3]), jnp.asarray(0.0))
     xs = smooth_xs(length)
     checkpointed = zm.CheckpointedScan(smooth_step, chunk_size=chunk_size, reverse=reverse)
@@ -543,7 +526,7 @@ def test_scan_blocks_places_block_outputs(reverse, reverse_outputs):
         scan_blocks(block, plan_blocks(0), 1)
 
 
-def test_write_once_values_and_derivatives(x64):
+def test_write_once_values_and_derivatives(float64):
     buffer = jnp.zeros((4, 2))
     piece = jnp.asarray([[-0.0, 2.0]])
     written = write_once(buffer, piece, 1)

@@ -175,14 +175,6 @@ def mlp_skeleton(width=8):
 # Fixtures and file utilities
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.read("jax_enable_x64")
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("serialise")
@@ -229,7 +221,7 @@ def test_function_stack_round_trip(tmp_path):
     assert jnp.array_equal(loaded(params, data), hessian(params, data))
 
 
-def test_hessian_of_model_loss_round_trip(tmp_path, x64):
+def test_hessian_of_model_loss_round_trip(tmp_path, float64):
     model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(1))
     model = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64) if eqx.is_array(a) else a, model)
     xs = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ._blocks import BlockPlan
 from ._checks import check_callable
+from ._traceback import public
 
 __all__ = [
     "AccumulationType",
@@ -117,6 +118,7 @@ class Accumulator(eqx.Module):
     finalize: Callable[[Any], Any]
     aggregate: Callable[[Any], Any] | None = None
 
+    @public
     def __check_init__(self):
         for name in ("init", "update", "finalize"):
             check_callable(getattr(self, name), name, owner="Accumulator")

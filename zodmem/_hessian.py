@@ -91,13 +91,6 @@ class BatchedHessian(AbstractDerivative):
 
 
 def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
-    if transform.has_aux:
-        if not (isinstance(shapes, tuple) and len(shapes) == 2):
-            raise TypeError(
-                "BatchedHessian: with has_aux=True, `fn` must return a pair (value, aux), "
-                f"but it returned {shapes}."
-            )
-        shapes = shapes[0]
     if not isinstance(shapes, jax.ShapeDtypeStruct) and eqx.is_array_like(shapes):
         # A constant Python number, which jax.hessian takes as a scalar array.
         shapes = jax.ShapeDtypeStruct(jnp.shape(shapes), jnp.result_type(shapes))
@@ -132,7 +125,7 @@ def _hessian(transform: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> An
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
     if transform.checkpoint:
         fn_of_flat = jax.checkpoint(fn_of_flat)
-    _check_scalar(transform, eqx.filter_eval_shape(fn_of_flat, flat))
+    _check_scalar(transform, transform.output_shapes(fn_of_flat, flat, "value"))
     n = variables.size
     plan = plan_blocks(
         n,

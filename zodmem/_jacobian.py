@@ -140,14 +140,7 @@ def _jacobian(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> 
         fn_of_flat = jax.checkpoint(fn_of_flat)
     n = variables.size
 
-    shapes = jax.eval_shape(fn_of_flat, flat)
-    if transform.has_aux:
-        if not (isinstance(shapes, tuple) and len(shapes) == 2):
-            raise TypeError(
-                "BatchedJacobian: with has_aux=True, `fn` must return a pair "
-                f"(output, aux), but it returned {shapes}."
-            )
-        shapes = shapes[0]
+    shapes = transform.output_shapes(fn_of_flat, flat, "output")
     transform.check_outputs(shapes, "output")
     out_leaves = jax.tree_util.tree_leaves(shapes)
     m = sum(math.prod(leaf.shape) for leaf in out_leaves)

@@ -20,6 +20,7 @@ from ._accumulate import (
 )
 from ._blocks import plan_blocks, reduce_blocks
 from ._checks import as_index, check_callable, check_int, common_size
+from ._traceback import public
 from ._transform import AbstractTransform
 
 __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
@@ -144,6 +145,7 @@ class Microbatcher(AbstractTransform):
         default=None, kw_only=True, converter=_as_count
     )
 
+    @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
         check_int(self.microbatch_size, "microbatch_size", owner=_OWNER, minimum=1)
@@ -175,6 +177,7 @@ class Microbatcher(AbstractTransform):
         return self.in_axes if isinstance(self.in_axes, tuple) else (self.in_axes,) * count
 
     @jaxtyped(typechecker=beartype)
+    @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         return _microbatch_jit(self, args, kwargs)
 
@@ -278,7 +281,9 @@ def _batch_size(batch: list[tuple[str, Any, Any]]) -> int:
         leaves = jax.tree_util.tree_flatten_with_path(value)[0]
         for (path, leaf), axis in zip(leaves, jax.tree_util.tree_leaves(axes), strict=True):
             sizes[f"{where}{jax.tree_util.keystr(path)} (axis {axis})"] = leaf.shape[axis]
-    size = common_size(sizes, owner=_OWNER, what="batch axes (from in_axes)")
+    size = common_size(
+        sizes, owner=_OWNER, subject="the batch arguments", what="batch axes (from in_axes)"
+    )
     if size is None:
         raise ValueError(
             f"{_OWNER}: the batch arguments ({', '.join(w for w, _, _ in batch)}) hold no "

@@ -81,7 +81,26 @@ def _outer_unroll(unroll: int | bool, block_size: int) -> int | bool:
     return unroll if isinstance(unroll, bool) else max(1, unroll // block_size)
 
 
-class SlicedScan(AbstractTransform):
+class AbstractScan(AbstractTransform):
+    """What `SlicedScan` and `CheckpointedScan` share: a step function `fn(carry, x) ->
+    (carry, y)` run as `lax.scan` runs it, `length` steps (or one per entry of `xs`),
+    in reverse with `reverse`, `unroll` steps unrolled at most."""
+
+    fn: Callable[..., Any]
+    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    reverse: bool = eqx.field(default=False, static=True, kw_only=True)
+    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
+
+    @public
+    def __check_init__(self):
+        owner = type(self).__name__
+        check_callable(self.fn, "fn", owner=owner)
+        _check_length(self.length, owner=owner)
+        check_bool(self.reverse, "reverse", owner=owner)
+        _check_unroll(self.unroll, owner=owner)
+
+
+class SlicedScan(AbstractScan):
     """`lax.scan` that keeps only the outputs of the steps in a slice.
 
     Use it when a long scan's stacked outputs `ys` would not fit in memory and only
@@ -147,18 +166,13 @@ class SlicedScan(AbstractTransform):
         `zm.CheckpointedScan` when every output is wanted.
     """
 
-    fn: Callable[..., Any]
     start: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     stop: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     step: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    reverse: bool = eqx.field(default=False, static=True, kw_only=True)
-    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
 
     @public
     def __check_init__(self):
         owner = "SlicedScan"
-        check_callable(self.fn, "fn", owner=owner)
         for name in ("start", "stop", "step"):
             check_int(getattr(self, name), name, owner=owner, optional=True)
         if self.step == 0:
@@ -166,9 +180,6 @@ class SlicedScan(AbstractTransform):
                 f"{owner}: `step` may not be 0, got step={self.step}; use a non-zero int "
                 "(negative to keep the outputs last step first) or None."
             )
-        _check_length(self.length, owner=owner)
-        check_bool(self.reverse, "reverse", owner=owner)
-        _check_unroll(self.unroll, owner=owner)
 
     @jaxtyped(typechecker=beartype)
     @public
@@ -292,7 +303,7 @@ def _scan_skipping(
 _sliced_scan_jit = eqx.filter_jit(_sliced_scan)
 
 
-class CheckpointedScan(AbstractTransform):
+class CheckpointedScan(AbstractScan):
     """`lax.scan` whose gradient stores one carry per chunk of steps.
 
     Reverse-mode differentiation of `lax.scan` stores the residuals of every step,
@@ -351,20 +362,11 @@ class CheckpointedScan(AbstractTransform):
         state is smallest for chunk sizes near the default.
     """
 
-    fn: Callable[..., Any]
     chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    reverse: bool = eqx.field(default=False, static=True, kw_only=True)
-    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
 
     @public
     def __check_init__(self):
-        owner = "CheckpointedScan"
-        check_callable(self.fn, "fn", owner=owner)
-        check_int(self.chunk_size, "chunk_size", owner=owner, minimum=1, optional=True)
-        _check_length(self.length, owner=owner)
-        check_bool(self.reverse, "reverse", owner=owner)
-        _check_unroll(self.unroll, owner=owner)
+        check_int(self.chunk_size, "chunk_size", owner="CheckpointedScan", minimum=1, optional=True)
 
     @jaxtyped(typechecker=beartype)
     @public

@@ -83,6 +83,19 @@ class AbstractDerivative(AbstractTransform):
                     "not holomorphic, split the variables into real and imaginary parts."
                 )
 
+    def output_shapes(self, fn_of_flat: Callable[[Any], Any], flat: Any, what: str) -> Any:
+        """The shapes of what `fn` returns (without `aux`), checking that it returns a pair
+        `(what, aux)` when `has_aux`. Leaves that are not arrays are kept as they are."""
+        shapes = eqx.filter_eval_shape(fn_of_flat, flat)
+        if self.has_aux:
+            if not (isinstance(shapes, tuple) and len(shapes) == 2):
+                raise TypeError(
+                    f"{type(self).__name__}: with has_aux=True, `fn` must return a pair "
+                    f"({what}, aux), but it returned {shapes}."
+                )
+            shapes = shapes[0]
+        return shapes
+
     def check_outputs(self, outputs: Any, what: str) -> None:
         """Refuse outputs that cannot be differentiated: integer ones, and real ones with
         `holomorphic=True` (as `jax.jacfwd(holomorphic=True)` does)."""

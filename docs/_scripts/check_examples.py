@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 import traceback
+import types
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent
@@ -24,17 +25,23 @@ _BLOCK = re.compile(r"^(?P<indent> *)```python\n(?P<code>.*?)^(?P=indent)```", r
 
 def run_page(page: Path) -> bool:
     text = page.read_text()
-    namespace: dict = {"__name__": "__docs__"}
+    # The blocks run in a module of their own, as a script's would: the functions they
+    # define can be found by import (`zm.save` records them as `__docs__:name`).
+    module = types.ModuleType("__docs__")
+    sys.modules["__docs__"] = module
     start = time.perf_counter()
     blocks = [textwrap.dedent(m.group("code")) for m in _BLOCK.finditer(text)]
-    for number, code in enumerate(blocks, 1):
-        if "# docs: skip" in code:
-            continue
-        try:
-            exec(compile(code, f"{page}[block {number}]", "exec"), namespace)
-        except Exception:
-            print(f"FAILED: {page}, block {number}:\n{code}\n{traceback.format_exc()}")
-            return False
+    try:
+        for number, code in enumerate(blocks, 1):
+            if "# docs: skip" in code:
+                continue
+            try:
+                exec(compile(code, f"{page}[block {number}]", "exec"), module.__dict__)
+            except Exception:
+                print(f"FAILED: {page}, block {number}:\n{code}\n{traceback.format_exc()}")
+                return False
+    finally:
+        del sys.modules["__docs__"]
     print(
         f"ok: {page.relative_to(DOCS.parent)} ({len(blocks)} blocks, "
         f"{time.perf_counter() - start:.1f} s)"
