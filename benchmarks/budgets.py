@@ -1,0 +1,444 @@
+"""Memory budgets: does `max_memory` hold, and is its plan as fast as the best hand-picked knob?
+
+Two problems, each case in its own process (see `_harness.py`), each with a `floor`
+case that holds the same imports and inputs and computes nothing big:
+
+- `hessian`: the reference Hessian, an `eqx.nn.MLP(32, 1, 96, 2)` mean-squared loss
+  over 256 points (n = 12,577, H = 633 MB float32):
+  `zm.BatchedHessian(loss, max_memory=B)` at B = 0.7, 0.8, 1.0, 1.5 GB and `"auto"`,
+  beside the hand-picked `zm.BatchedHessian(loss, nbatches=k)` for k = 1 ... 512.
+- `map`: `f(x) = sum(tanh(outer(x, x)) @ x)` over 64 vectors of 3,000 float32 (36 MB
+  intermediate per element): `zm.ChunkedVmap(f, max_memory=B)` at B = 100, 250 and
+  500 MB, beside the hand-picked `chunk_size` = 1, 2, 3, 4, 6, 8, 13.
+
+A budgeted case plans first (`transform.plan(...)`, timed: on a fresh process this is
+the planning every first call pays) and then calls the transform, which reuses the
+cached plan; its first-call time holds both. The `xla` case of each problem compiles
+every hand-picked knob without running it and records XLA's predicted peak
+(`plan().peak_bytes`, from `memory_analysis()`), to compare with what each knob
+measures. Every case that runs reports the time of its first call (compilation and
+planning included) and the fastest of `--steady-calls` further calls.
+
+The verdicts, per budgeted case:
+
+- (a) measured peak above the floor <= the budget;
+- (b) steady time <= 1.15 x the steady time of the fastest hand-picked knob whose
+  measured peak above the floor fits the same budget (first-call ratios, planning
+  included, are reported beside it);
+- (c) the plan's predicted peak within 15% of the measured peak above the floor.
+
+    python benchmarks/budgets.py                   # every case, ~15 minutes on 2 cores
+    python benchmarks/budgets.py --repeat 2        # each case twice: max peak, median times
+    python benchmarks/budgets.py --cases map/floor,map/budget-100MB,map/chunk-2
+    python benchmarks/budgets.py --quick           # small sizes (budgets scaled alike), ~2 minutes
+
+Results go to `benchmarks/results/budgets.json` (`budgets_quick.json` with `--quick`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _harness  # noqa: E402
+import hessian_memory  # noqa: E402
+import loops  # noqa: E402
+
+_MB = 1e6
+_GB = 1e9
+
+HESSIAN_BUDGETS = {"0.7GB": 0.7e9, "0.8GB": 0.8e9, "1.0GB": 1.0e9, "1.5GB": 1.5e9, "auto": None}
+HESSIAN_NBATCHES = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+MAP_BUDGETS = {"100MB": 100e6, "250MB": 250e6, "500MB": 500e6}
+MAP_CHUNKS = (1, 2, 3, 4, 6, 8, 13)
+
+# Full-size outputs and intermediates, to scale the budgets of the --quick sizes alike.
+_FULL_HESSIAN_BYTES = 12_577**2 * 4
+_FULL_MAP_INTERMEDIATE_BYTES = 3000**2 * 4
+
+# Targets: (a) the budget holds; (b) the planned block is about as fast as the best knob
+# that fits; (c) the plan predicts the peak.
+TIME_VS_BEST_KNOB = 1.15
+PREDICTION_TOLERANCE = 0.15
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory figure of this process from `/proc/self/status` (`VmHWM`, `VmRSS`)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _budget(label: str, budgets: dict[str, float | None], scale: float) -> int | str:
+    value = budgets[label]
+    return "auto" if value is None else int(value * scale)
+
+
+def _plan_info(plan: Any) -> dict[str, Any]:
+    return {
+        "block_size": plan.block_size,
+        "num_blocks": plan.num_blocks,
+        "predicted_peak_bytes": plan.peak_bytes,
+        "predicted_output_bytes": plan.output_bytes,
+        "budget_bytes": plan.budget_bytes,
+        "strategy": plan.strategy,
+        "plan": repr(plan),
+    }
+
+
+def _budgeted_case(transform: Any, call_args: tuple, info: dict[str, Any], args: Any):
+    """A case whose first call plans (timed on its own) and then runs on the cached plan."""
+    planned = []
+
+    def compute():
+        if not planned:
+            start = time.perf_counter()
+            plan = transform.plan(*call_args)
+            info["plan_s"] = time.perf_counter() - start
+            # What planning alone left: its compiles' heap, before the call allocates.
+            info["peak_after_plan_bytes"] = _status_bytes("VmHWM")
+            info["rss_after_plan_bytes"] = _status_bytes("VmRSS")
+            info.update(_plan_info(plan))
+            planned.append(plan)
+        return transform(*call_args)
+
+    return _harness.Case(compute, info, repeats=args.steady_calls)
+
+
+def _xla_case(transforms: dict[int, Any], call_args: tuple, info: dict[str, Any]):
+    """No run: XLA's predicted peak of every hand-picked knob, from its plan."""
+    info["predicted_peak_bytes"] = {
+        str(knob): transform.plan(*call_args).peak_bytes for knob, transform in transforms.items()
+    }
+    return _harness.Case(None, {**info, "tool": "xla"})
+
+
+# ----------------------------------------------------------------------------------
+# hessian
+
+
+def _hessian_problem(args: argparse.Namespace) -> dict[str, Any]:
+    import zodmem  # noqa: F401  (imported by every case, so the floor holds it too)
+
+    p = hessian_memory._problem(args)
+    p["info"] = {**p["info"], "group": "hessian"}
+    p["scale"] = p["info"]["hessian_bytes"] / _FULL_HESSIAN_BYTES
+    return p
+
+
+def hessian_floor(args: argparse.Namespace) -> _harness.Case:
+    return _harness.Case(None, {**_hessian_problem(args)["info"], "tool": "floor"})
+
+
+def hessian_budget(args: argparse.Namespace, label: str) -> _harness.Case:
+    import zodmem as zm
+
+    p = _hessian_problem(args)
+    budget = _budget(label, HESSIAN_BUDGETS, p["scale"])
+    transform = zm.BatchedHessian(p["loss"], max_memory=budget)
+    info = {**p["info"], "tool": "budget", "max_memory": budget}
+    return _budgeted_case(transform, (p["model"], p["xs"], p["ys"]), info, args)
+
+
+def hessian_knob(args: argparse.Namespace, nbatches: int) -> _harness.Case:
+    import zodmem as zm
+
+    p = _hessian_problem(args)
+    transform = zm.BatchedHessian(p["loss"], nbatches=nbatches)
+    n = p["info"]["n"]
+    info = {
+        **p["info"],
+        "tool": "knob",
+        "nbatches": nbatches,
+        "block_size": -(-n // nbatches),
+        "num_blocks": nbatches,
+    }
+    call = (p["model"], p["xs"], p["ys"])
+    return _harness.Case(lambda: transform(*call), info, repeats=args.steady_calls)
+
+
+def hessian_xla(args: argparse.Namespace) -> _harness.Case:
+    import zodmem as zm
+
+    p = _hessian_problem(args)
+    transforms = {k: zm.BatchedHessian(p["loss"], nbatches=k) for k in HESSIAN_NBATCHES}
+    return _xla_case(transforms, (p["model"], p["xs"], p["ys"]), p["info"])
+
+
+# ----------------------------------------------------------------------------------
+# map
+
+
+def _map_problem(args: argparse.Namespace) -> dict[str, Any]:
+    import zodmem  # noqa: F401
+
+    p = loops._map_problem(args)
+    p["scale"] = p["info"]["intermediate_bytes"] / _FULL_MAP_INTERMEDIATE_BYTES
+    return p
+
+
+def map_floor(args: argparse.Namespace) -> _harness.Case:
+    return _harness.Case(None, {**_map_problem(args)["info"], "tool": "floor"})
+
+
+def map_budget(args: argparse.Namespace, label: str) -> _harness.Case:
+    import zodmem as zm
+
+    p = _map_problem(args)
+    budget = _budget(label, MAP_BUDGETS, p["scale"])
+    transform = zm.ChunkedVmap(p["f"], max_memory=budget)
+    info = {**p["info"], "tool": "budget", "max_memory": budget}
+    return _budgeted_case(transform, (p["xs"],), info, args)
+
+
+def map_knob(args: argparse.Namespace, chunk: int) -> _harness.Case:
+    import zodmem as zm
+
+    p = _map_problem(args)
+    transform = zm.ChunkedVmap(p["f"], chunk_size=chunk)
+    batch = p["info"]["batch"]
+    info = {
+        **p["info"],
+        "tool": "knob",
+        "chunk_size": chunk,
+        "block_size": chunk,
+        "num_blocks": -(-batch // chunk),
+    }
+    return _harness.Case(lambda: transform(p["xs"]), info, repeats=args.steady_calls)
+
+
+def map_xla(args: argparse.Namespace) -> _harness.Case:
+    import zodmem as zm
+
+    p = _map_problem(args)
+    transforms = {c: zm.ChunkedVmap(p["f"], chunk_size=c) for c in MAP_CHUNKS}
+    return _xla_case(transforms, (p["xs"],), p["info"])
+
+
+CASES = {
+    "hessian/floor": hessian_floor,
+    **{f"hessian/budget-{b}": partial(hessian_budget, label=b) for b in HESSIAN_BUDGETS},
+    **{f"hessian/nbatches-{k}": partial(hessian_knob, nbatches=k) for k in HESSIAN_NBATCHES},
+    "hessian/xla": hessian_xla,
+    "map/floor": map_floor,
+    **{f"map/budget-{b}": partial(map_budget, label=b) for b in MAP_BUDGETS},
+    **{f"map/chunk-{c}": partial(map_knob, chunk=c) for c in MAP_CHUNKS},
+    "map/xla": map_xla,
+}
+
+
+# ----------------------------------------------------------------------------------
+# report
+
+
+def _group(name: str) -> str:
+    return name.partition("/")[0]
+
+
+def _knob(name: str) -> str:
+    return name.rsplit("-", 1)[1]
+
+
+def _above_floor(r: dict[str, Any], by_case: dict[str, Any]) -> int | None:
+    floor = by_case.get(f"{_group(r['case'])}/floor")
+    return r["peak_rss_bytes"] - floor["peak_rss_bytes"] if floor else None
+
+
+def _predicted(r: dict[str, Any], by_case: dict[str, Any]) -> int | None:
+    """The plan's predicted peak: the case's own plan, or (a knob) the `xla` case's."""
+    if "predicted_peak_bytes" in r["info"]:
+        return r["info"]["predicted_peak_bytes"]
+    xla = by_case.get(f"{_group(r['case'])}/xla")
+    return xla["info"]["predicted_peak_bytes"].get(_knob(r["case"])) if xla else None
+
+
+def _mb(value: float | None) -> str:
+    return "" if value is None else f"{value / _MB:,.0f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _best_knob(group: str, budget: int, by_case: dict[str, Any]) -> dict[str, Any] | None:
+    """The hand-picked knob with the least steady time whose peak above the floor fits."""
+    fitting = [
+        r
+        for r in by_case.values()
+        if r["case"].startswith(group + "/")
+        and r["info"].get("tool") == "knob"
+        and "steady_min_s" in r
+        and (_above_floor(r, by_case) or 0) <= budget
+    ]
+    return min(fitting, key=lambda r: r["steady_min_s"]) if fitting else None
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by_case = {r["case"]: r for r in results if "error" not in r}
+    headers = [
+        "case",
+        "budget (MB)",
+        "block size",
+        "blocks",
+        "strategy",
+        "predicted peak (MB)",
+        "peak - floor (MB)",
+        "predicted / measured",
+        "plan (s)",
+        "first call (s)",
+        "steady min (s)",
+        "steady CPU (s)",
+    ]
+    rows = []
+    for r in results:
+        name = r["case"]
+        if "error" in r:
+            rows.append([name, "failed: " + r["error"]] + [""] * (len(headers) - 2))
+            continue
+        info = r["info"]
+        if info.get("tool") in ("floor", "xla"):
+            what = "process floor" if info["tool"] == "floor" else "compiled only"
+            rows.append([name, what] + [""] * (len(headers) - 2))
+            continue
+        above = _above_floor(r, by_case)
+        predicted = _predicted(r, by_case)
+        rows.append(
+            [
+                name,
+                _mb(info.get("budget_bytes")),
+                info.get("block_size", ""),
+                info.get("num_blocks", ""),
+                info.get("strategy") or "",
+                _mb(predicted),
+                _mb(above),
+                f"{predicted / above:.2f}" if predicted and above else "",
+                _seconds(info.get("plan_s")),
+                _seconds(r.get("time_s")),
+                _seconds(r.get("steady_min_s")),
+                _seconds(r.get("steady_cpu_min_s")),
+            ]
+        )
+    lines = [
+        _problem_lines(by_case),
+        "",
+        _harness.markdown_table(headers, rows),
+        "",
+        "budget: the bytes max_memory came to (auto: the free memory less 20%, when planned). "
+        "predicted peak: the plan's peak_bytes (output and XLA's temporaries, from "
+        "memory_analysis); for a knob, its plan compiled in the xla case. peak - floor: "
+        "peak resident memory (VmHWM) above the process floor of the same problem. plan: "
+        "plan() on a fresh process. first call: wall time of the first call, planning and "
+        "compilation included. steady: the fastest of "
+        f"{args.steady_calls} further calls"
+        + (f" in each of {args.repeat} runs" if getattr(args, "repeat", 1) > 1 else "")
+        + "; steady CPU: the least CPU time (user and system, all threads) of those calls.",
+    ]
+    # Smoke-test sizes sit inside the noise of a process's own memory: no verdicts.
+    verdicts = "" if args.quick else _verdicts(by_case)
+    if verdicts:
+        lines += ["", "Targets:", "", verdicts]
+    return "\n".join(lines)
+
+
+def _problem_lines(by_case: dict[str, Any]) -> str:
+    lines = []
+    h = next((r["info"] for n, r in by_case.items() if n.startswith("hessian/")), None)
+    if h:
+        lines.append(
+            f"- hessian: eqx.nn.MLP(32, 1, {h['width']}, {h['depth']}) mean-squared loss over "
+            f"{h['points']} points: n = {h['n']:,}, H = {h['hessian_bytes'] / _MB:,.0f} MB "
+            "(float32)."
+        )
+    m = next((r["info"] for n, r in by_case.items() if n.startswith("map/")), None)
+    if m:
+        lines.append(
+            f"- map: f(x) = sum(tanh(outer(x, x)) @ x), {m['batch']} vectors of {m['size']:,} "
+            f"float32, {m['intermediate_bytes'] / _MB:.0f} MB intermediate per element."
+        )
+    return "\n".join(lines)
+
+
+def _verdicts(by_case: dict[str, Any]) -> str:
+    headers = [
+        "case",
+        "budget (MB)",
+        "(a) peak - floor (MB)",
+        "(a)",
+        "fastest knob that fits",
+        "(b) steady / knob",
+        "(b)",
+        "steady CPU / knob",
+        "first call / knob",
+        "(c) predicted / measured",
+        "(c)",
+    ]
+    rows = []
+    for name, r in by_case.items():
+        info = r["info"]
+        if info.get("tool") != "budget" or "budget_bytes" not in info:
+            continue
+        budget = info["budget_bytes"]
+        above = _above_floor(r, by_case)
+        if above is None:
+            continue
+        knob = _best_knob(_group(name), budget, by_case)
+        predicted = info["predicted_peak_bytes"]
+        steady = r["steady_min_s"] / knob["steady_min_s"] if knob else None
+        cpu = r["steady_cpu_min_s"] / knob["steady_cpu_min_s"] if knob else None
+        first = r["time_s"] / knob["time_s"] if knob else None
+        error = abs(predicted - above) / above
+        rows.append(
+            [
+                name,
+                _mb(budget),
+                _mb(above),
+                _mark(above <= budget),
+                knob["case"].split("/", 1)[1] if knob else "none fits",
+                f"{steady:.2f}" if steady is not None else "",
+                _mark(steady <= TIME_VS_BEST_KNOB) if steady is not None else "",
+                f"{cpu:.2f}" if cpu is not None else "",
+                f"{first:.2f}" if first is not None else "",
+                f"{predicted / above:.2f}",
+                _mark(error <= PREDICTION_TOLERANCE),
+            ]
+        )
+    if not rows:
+        return ""
+    return (
+        _harness.markdown_table(headers, rows)
+        + "\n\n(a) peak - floor <= budget; (b) steady min <= "
+        f"{TIME_VS_BEST_KNOB:.2f} x that of the fastest hand-picked knob whose peak - floor "
+        f"fits the budget; (c) predicted peak within {PREDICTION_TOLERANCE:.0%} of peak - floor."
+    )
+
+
+def _mark(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    hessian_memory._add_arguments(parser)
+    parser.add_argument(
+        "--steady-calls", type=int, default=3, help="timed calls after the first (default 3)"
+    )
+
+
+if __name__ == "__main__":
+    _harness.main(
+        name="budgets",
+        description=__doc__.splitlines()[0],
+        cases=CASES,
+        report=report,
+        add_arguments=_add_arguments,
+    )
