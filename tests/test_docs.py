@@ -47,14 +47,19 @@ def _documented():
             if obj.__doc__:
                 yield f"{module.__name__}.{name}", obj.__doc__
             if inspect.isclass(obj):
-                for attr, member in vars(obj).items():
+                inherited = {}
+                for klass in reversed(obj.__mro__):
+                    inherited.update(vars(klass))
+                for attr, member in inherited.items():
                     function = member.fget if isinstance(member, property) else member
                     if (
                         not attr.startswith("_")
                         and inspect.isfunction(function)
                         and function.__module__.startswith("zodmem")
                         and function.__doc__
+                        and id(function) not in seen
                     ):
+                        seen.add(id(function))
                         yield f"{module.__name__}.{name}.{attr}", function.__doc__
 
 

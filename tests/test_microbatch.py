@@ -458,6 +458,7 @@ def test_configuration():
     assert t.batch_in_axes == (0, 0)
     assert t.config == {
         "microbatch_size": 3,
+        "max_memory": None,
         "argnums": (1, 2),
         "argnames": (),
         "in_axes": 0,
@@ -478,6 +479,7 @@ def test_numpy_integer_options_are_read_as_ints():
     )
     assert transform.config == {
         "microbatch_size": 4,
+        "max_memory": None,
         "argnums": (1, 2),
         "argnames": (),
         "in_axes": 0,
@@ -524,7 +526,7 @@ def f(x):
         (
             dict(microbatch_size=True),
             TypeError,
-            "`microbatch_size` must be a positive int, got True",
+            "`microbatch_size` must be a positive int or None, got True",
         ),
         (dict(microbatch_size=2.5), TypeError, "microbatch_size"),
         (dict(microbatch_size=np.float64(2.0)), TypeError, "`microbatch_size` must be a positive"),

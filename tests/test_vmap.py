@@ -308,7 +308,12 @@ def test_configuration_is_static():
 
     transform = zm.ChunkedVmap(fn, chunk_size=3, in_axes=1, out_axes=(0,))
     assert jax.tree_util.tree_leaves(transform) == [fn]
-    assert transform.config == {"chunk_size": 3, "in_axes": 1, "out_axes": (0,)}
+    assert transform.config == {
+        "chunk_size": 3,
+        "max_memory": None,
+        "in_axes": 1,
+        "out_axes": (0,),
+    }
     assert transform.chunk_size == 3 and transform.fn is fn
     assert transform == zm.ChunkedVmap(fn, chunk_size=3, in_axes=1, out_axes=(0,))
     assert hash(transform) == hash(zm.ChunkedVmap(fn, chunk_size=3, in_axes=1, out_axes=(0,)))
@@ -324,7 +329,7 @@ def test_docstring_example():
 
 @pytest.mark.parametrize(
     "chunk_size,error",
-    [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError), (None, TypeError)],
+    [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError), (None, ValueError)],
 )
 def test_bad_chunk_size(chunk_size, error):
     with pytest.raises(error, match="chunk_size"):

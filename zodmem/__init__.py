@@ -1,6 +1,7 @@
 """zodmem: memory-bounded JAX transforms, written as Equinox modules."""
 
 from . import _traceback  # noqa: F401  (registers zodmem's files for traceback filtering)
+from ._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
 from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
 from ._microbatch import (

@@ -11,6 +11,7 @@ from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import map_blocks, plan_blocks
+from ._budget import Work
 from ._pytree import basis_block, flat_function, split_variables
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
@@ -39,6 +40,18 @@ class BatchedHessian(AbstractDerivative):
     - `nbatches`: compute the Hessian in this many blocks (of rows or columns). At
       most one of `nbatches` and `batch_size` may be given; with neither, one block.
     - `batch_size`: the number of rows (or columns) per block.
+    - `max_memory`: instead of `nbatches` or `batch_size`, a budget for the call's
+      memory: an int (bytes), a string with a unit (`"750MB"`, `"1.5GB"`,
+      `"512MiB"`) or `"auto"` (the free memory of the device, less a margin). The
+      block size (and the strategy) is planned before anything runs, as the largest
+      whose compiled call fits; `plan()` shows the plan, and a budget that cannot hold
+      one product per block raises `zm.MemoryBudgetError`. At most one of `nbatches`,
+      `batch_size` and `max_memory`.
+    - `strategy`: `"linearize"` keeps one linearisation of `fn` for every block (its
+      residuals grow with the depth of `fn`); `"recompute"` evaluates `fn` again inside
+      each block, keeping nothing between blocks, at the cost of one more forward pass
+      per block; `"auto"` (the default) linearises, and with `max_memory` recomputes
+      when the residuals leave no room for a block.
     - `mode`: how the products are formed. `"fwd"` is forward-over-reverse:
       Hessian-vector products, JVPs of one linearisation of the gradient, written
       as blocks of columns exactly as `jax.hessian` (`jacfwd(jacrev(fn))`) forms
@@ -86,8 +99,17 @@ class BatchedHessian(AbstractDerivative):
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
+        return self._planned((x, *args), kwargs)._run(x, *args, **kwargs)
+
+    def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _hessian_jit if self.jit else _hessian
         return compute(self, x, args, kwargs)
+
+    def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+        n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
+        total = n.shape[0]
+        plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
+        return Work(total, "variables", "Hessian", plan.block_size)
 
 
 def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
@@ -171,20 +193,14 @@ def _hessian(transform: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> An
         # H is symmetric, so row i is the VJP of the gradient with e_i (for a
         # holomorphic function too: H is then complex symmetric, and JAX's VJPs
         # transpose without conjugating).
-        if transform.has_aux:
-            _, vjp, aux = jax.vjp(gradient, leaves_of(flat), has_aux=True)
-        else:
-            (_, vjp), aux = jax.vjp(gradient, leaves_of(flat)), None
+        _, vjp, aux = transform.products(gradient, leaves_of(flat), reverse=True)
 
         def block(start):
-            return gather(jax.vmap(lambda v: vjp(leaves_of(v))[0])(basis(start)))
+            return gather(jax.vmap(lambda v: vjp(leaves_of(v)))(basis(start)))
 
         axis = 0
     else:
-        if transform.has_aux:
-            _, hvp, aux = jax.linearize(lambda z: gradient(leaves_of(z)), flat, has_aux=True)
-        else:
-            (_, hvp), aux = jax.linearize(lambda z: gradient(leaves_of(z)), flat), None
+        _, hvp, aux = transform.products(lambda z: gradient(leaves_of(z)), flat, reverse=False)
 
         def block(start):
             # Column j is the JVP with e_j, as in `jax.hessian`; written as columns, the

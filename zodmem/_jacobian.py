@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,6 +13,7 @@ from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import map_blocks, plan_blocks
+from ._budget import Work
 from ._pytree import basis_block, flat_function, split_variables
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
@@ -41,6 +42,18 @@ class BatchedJacobian(AbstractDerivative):
     - `nbatches`: cut the products into this many blocks. At most one of `nbatches`
       and `batch_size` may be given; with neither, all products form one block.
     - `batch_size`: the number of products per block.
+    - `max_memory`: instead of `nbatches` or `batch_size`, a budget for the call's
+      memory: an int (bytes), a string with a unit (`"750MB"`, `"1.5GB"`,
+      `"512MiB"`) or `"auto"` (the free memory of the device, less a margin). The
+      block size (and the strategy) is planned before anything runs, as the largest
+      whose compiled call fits; `plan()` shows the plan, and a budget that cannot hold
+      one product per block raises `zm.MemoryBudgetError`. At most one of `nbatches`,
+      `batch_size` and `max_memory`.
+    - `strategy`: `"linearize"` keeps one linearisation of `fn` for every block (its
+      residuals grow with the depth of `fn`); `"recompute"` evaluates `fn` again inside
+      each block, keeping nothing between blocks, at the cost of one more forward pass
+      per block; `"auto"` (the default) linearises, and with `max_memory` recomputes
+      when the residuals leave no room for a block.
     - `mode`: `"fwd"` builds columns from JVPs of one `jax.linearize`, as
       `jax.jacfwd` does; `"rev"` builds rows from VJPs of one `jax.vjp`, as
       `jax.jacrev` does; `"auto"` picks the mode with fewer products (`"fwd"` when
@@ -93,8 +106,14 @@ class BatchedJacobian(AbstractDerivative):
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
+        return self._planned((x, *args), kwargs)._run(x, *args, **kwargs)
+
+    def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _jacobian_jit if self.jit else _jacobian
         return compute(self, x, args, kwargs)
+
+    def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+        return _work(self, x, args, kwargs)
 
 
 def _with_array_outputs(fn_of_flat: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -127,7 +146,17 @@ def _choose_mode(transform: BatchedJacobian, n: int, m: int, complex_outputs: bo
     return transform.mode
 
 
-def _jacobian(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
+class _Prepared(NamedTuple):
+    flat: Any
+    fn_of_flat: Callable[..., Any]
+    restore_aux: Callable[[Any], Any] | None
+    n: int
+    m: int
+    mode: str
+
+
+def _prepare(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> _Prepared:
+    """`fn` as a function of the flat variables, checked, and the mode it is taken in."""
     flat, variables = split_variables(x, owner="BatchedJacobian")
     transform.check_variables(variables)
     fn_of_flat = _with_array_outputs(
@@ -138,15 +167,33 @@ def _jacobian(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> 
         fn_of_flat, restore_aux = split_aux(fn_of_flat)
     if transform.checkpoint:
         fn_of_flat = jax.checkpoint(fn_of_flat)
-    n = variables.size
-
     shapes = transform.output_shapes(fn_of_flat, flat, "output")
     transform.check_outputs(shapes, "output")
     out_leaves = jax.tree_util.tree_leaves(shapes)
     m = sum(math.prod(leaf.shape) for leaf in out_leaves)
     complex_outputs = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in out_leaves)
+    mode = _choose_mode(transform, variables.size, m, complex_outputs)
+    return _Prepared(flat, fn_of_flat, restore_aux, variables.size, m, mode)
 
-    mode = _choose_mode(transform, n, m, complex_outputs)
+
+def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work:
+    found = []
+
+    def count(x, args, kwargs):
+        prepared = _prepare(transform, x, args, kwargs)
+        found.append(prepared)
+        return prepared.flat
+
+    eqx.filter_eval_shape(count, x, args, kwargs)
+    (prepared,) = found
+    total = prepared.n if prepared.mode == "fwd" else prepared.m
+    what = "variables" if prepared.mode == "fwd" else "output elements"
+    plan = plan_blocks(total, nbatches=transform.nbatches, batch_size=transform.batch_size)
+    return Work(total, what, "Jacobian", plan.block_size)
+
+
+def _jacobian(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
+    flat, fn_of_flat, restore_aux, n, m, mode = _prepare(transform, x, args, kwargs)
     if mode == "fwd":
         jacobian, aux = _forward(transform, fn_of_flat, flat, n)
     else:
@@ -166,10 +213,7 @@ def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int):
         owner="BatchedJacobian",
         context=" (mode 'fwd' makes one column per variable)",
     )
-    if transform.has_aux:
-        out, jvp, aux = jax.linearize(fn_of_flat, flat, has_aux=True)
-    else:
-        (out, jvp), aux = jax.linearize(fn_of_flat, flat), None
+    out, jvp, aux = transform.products(fn_of_flat, flat, reverse=False)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
         return jax.tree_util.tree_map(lambda o: jnp.zeros((*o.shape, 0), o.dtype), out), aux
 
@@ -200,10 +244,7 @@ def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
         owner="BatchedJacobian",
         context=why,
     )
-    if transform.has_aux:
-        out, vjp, aux = jax.vjp(fn_of_flat, flat, has_aux=True)
-    else:
-        (out, vjp), aux = jax.vjp(fn_of_flat, flat), None
+    out, vjp, aux = transform.products(fn_of_flat, flat, reverse=True)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
 
     jacobians = []
@@ -221,8 +262,7 @@ def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
                 else jnp.zeros((block, *o.shape), o.dtype)
                 for j, o in enumerate(out_leaves)
             ]
-            (block_rows,) = jax.vmap(vjp)(jax.tree_util.tree_unflatten(out_def, cotangents))
-            return block_rows
+            return jax.vmap(vjp)(jax.tree_util.tree_unflatten(out_def, cotangents))
 
         jacobians.append(map_blocks(rows, leaf_plan, axis=0).reshape(*leaf.shape, n))
     return jax.tree_util.tree_unflatten(out_def, jacobians), aux

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,9 +20,11 @@ from ._accumulate import (
     is_accumulator_leaf,
 )
 from ._blocks import plan_blocks, reduce_blocks
+from ._budget import Work
 from ._checks import as_index, check_callable, check_int, common_size
+from ._memory import check_memory
 from ._traceback import public
-from ._transform import AbstractTransform
+from ._transform import AbstractBlocked
 
 __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
 
@@ -47,7 +50,7 @@ def _as_count(value: Any) -> Any:
     return value if isinstance(value, jax.Array) else as_index(value)
 
 
-class Microbatcher(AbstractTransform):
+class Microbatcher(AbstractBlocked):
     """`fn` evaluated on microbatches of its batch arguments, one after another.
 
     Use it where a function of a whole batch (a loss, its gradient, a Hessian, a
@@ -64,6 +67,10 @@ class Microbatcher(AbstractTransform):
     - `microbatch_size`: the number of examples per microbatch, a positive int. A
       size above the batch size means one microbatch. (Here and in `argnums`,
       `in_axes` and `num_real_microbatches`, NumPy integers count as ints.)
+    - `max_memory`: instead of `microbatch_size`, a budget for the call's memory: an
+      int (bytes), a string with a unit (`"500MB"`, `"2GiB"`) or `"auto"`. The
+      microbatch size is then planned, before anything runs, as the fastest whose
+      compiled call fits. Give exactly one of `microbatch_size` and `max_memory`.
     - `argnums`: the positional arguments that carry a batch axis, an int or a
       sequence of ints.
     - `argnames`: the keyword arguments that carry a batch axis, a string or a
@@ -130,7 +137,12 @@ class Microbatcher(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    microbatch_size: int = eqx.field(static=True, kw_only=True, converter=as_index)
+    microbatch_size: int | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
+    max_memory: int | str | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
     argnums: int | Sequence[int] = eqx.field(
         default=0, static=True, kw_only=True, converter=_as_indices
     )
@@ -148,7 +160,14 @@ class Microbatcher(AbstractTransform):
     @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
-        check_int(self.microbatch_size, "microbatch_size", owner=_OWNER, minimum=1)
+        check_int(self.microbatch_size, "microbatch_size", owner=_OWNER, minimum=1, optional=True)
+        check_memory(self.max_memory, owner=_OWNER)
+        if (self.microbatch_size is None) == (self.max_memory is None):
+            raise ValueError(
+                f"{_OWNER}: give one of `microbatch_size` (the examples per microbatch) and "
+                f"`max_memory` (a budget the microbatches are planned to fit), got "
+                f"microbatch_size={self.microbatch_size!r} and max_memory={self.max_memory!r}."
+            )
         _check_argnums(self.argnums)
         _check_argnames(self.argnames)
         if not self.batch_argnums and not self.batch_argnames:
@@ -179,7 +198,33 @@ class Microbatcher(AbstractTransform):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        return self._planned(args, kwargs)._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         return _microbatch_jit(self, args, kwargs)
+
+    def _work(self, *args: Any, **kwargs: Any) -> Work:
+        total = _batch_size(_batch_of(self, args, kwargs))
+        size = total if self.microbatch_size is None else min(self.microbatch_size, total)
+        return Work(total, "examples", "result", size)
+
+    @property
+    def _timed(self) -> bool:
+        return True
+
+    def _with_block_size(self, size: int, strategy: Any) -> Microbatcher:
+        return dataclasses.replace(self, microbatch_size=size, max_memory=None)
+
+    def _one_block(self, size: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        positions = [*self.batch_argnums, *self.batch_argnames]
+        for position, axis in zip(positions, self.batch_in_axes, strict=True):
+            where = args if isinstance(position, int) else kwargs
+            where[position] = jax.tree_util.tree_map(
+                lambda leaf, axis=axis: jax.lax.slice_in_dim(leaf, 0, size, axis=axis),
+                where[position],
+            )
+        return tuple(args), kwargs
 
 
 # ----------------------------------------------------------------------------------
@@ -294,33 +339,40 @@ def _batch_size(batch: list[tuple[str, Any, Any]]) -> int:
     return size
 
 
-def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
-    positions: list[int | str] = [*t.batch_argnums, *t.batch_argnames]
+def _batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
+    """`(where, value, axes)` for each batch argument of the call, checked."""
+    positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     batch = []
-    for position, axis in zip(positions, t.batch_in_axes, strict=True):
+    for position, axis in zip(positions, transform.batch_in_axes, strict=True):
         if isinstance(position, int) and position >= len(args):
             raise ValueError(
-                f"{_OWNER}: argnums={t.argnums!r} names positional argument {position}, but "
-                f"the call passed {len(args)} positional argument(s)."
+                f"{_OWNER}: argnums={transform.argnums!r} names positional argument "
+                f"{position}, but the call passed {len(args)} positional argument(s)."
             )
         if isinstance(position, str) and position not in kwargs:
             raise ValueError(
-                f"{_OWNER}: argnames={t.argnames!r} names keyword argument {position!r}, "
+                f"{_OWNER}: argnames={transform.argnames!r} names keyword argument {position!r}, "
                 f"but the call passed keyword arguments {sorted(kwargs)}."
             )
         value = args[position] if isinstance(position, int) else kwargs[position]
         where = _describe(position)
         batch.append((where, value, _batch_axes(value, axis, where)))
 
+    return batch
+
+
+def _microbatch(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:
+    batch = _batch_of(transform, args, kwargs)
+    positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     plan = plan_blocks(
-        _batch_size(batch), batch_size=t.microbatch_size, batch_size_name="microbatch_size"
+        _batch_size(batch), batch_size=transform.microbatch_size, batch_size_name="microbatch_size"
     )
-    num_blocks = t.num_real_microbatches
+    num_blocks = transform.num_real_microbatches
     if isinstance(num_blocks, int) and num_blocks > plan.num_blocks:
         raise ValueError(
             f"{_OWNER}: num_real_microbatches={num_blocks} is more than the "
             f"{plan.num_blocks} microbatch(es) of a batch of {plan.total} in microbatches "
-            f"of {t.microbatch_size}."
+            f"of {transform.microbatch_size}."
         )
 
     def read(start, size):
@@ -339,14 +391,14 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
                 call_args[position] = piece
             else:
                 call_kwargs[position] = piece
-        return t.fn(*call_args, **call_kwargs)
+        return transform.fn(*call_args, **call_kwargs)
 
     def shapes(size):
         return jax.eval_shape(lambda s: block_fn(s, size, read(s, size)), jnp.asarray(0, jnp.int32))
 
     full = shapes(plan.block_size)
     last = shapes(plan.remainder) if plan.remainder else None
-    acc_def = jax.tree_util.tree_structure(t.accumulator, is_leaf=is_accumulator_leaf)
+    acc_def = jax.tree_util.tree_structure(transform.accumulator, is_leaf=is_accumulator_leaf)
     try:
         acc_def.flatten_up_to(full)
         if last is not None:
@@ -358,7 +410,7 @@ def _microbatch(t: Microbatcher, args: tuple, kwargs: dict) -> Any:
             f"{jax.tree_util.tree_structure(full)}."
         ) from error
 
-    accumulator = accumulator_for(t.accumulator, plan, last)
+    accumulator = accumulator_for(transform.accumulator, plan, last)
 
     def update(carry, result, index, size):
         return accumulator.update(carry, result, index)

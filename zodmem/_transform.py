@@ -3,6 +3,7 @@ the configuration and the checks that `BatchedJacobian` and `BatchedHessian` sha
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
@@ -11,11 +12,19 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._budget import Plan, Work, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
+from ._memory import check_memory
 from ._pytree import Variables
 from ._traceback import public
 
-__all__ = ["AbstractTransform", "AbstractDerivative", "split_aux"]
+__all__ = [
+    "AbstractTransform",
+    "AbstractBlocked",
+    "AbstractDerivative",
+    "product_function",
+    "split_aux",
+]
 
 
 class AbstractTransform(eqx.Module):
@@ -38,16 +47,97 @@ class AbstractTransform(eqx.Module):
         }
 
 
-class AbstractDerivative(AbstractTransform):
+class AbstractBlocked(AbstractTransform):
+    """A transform that cuts its work into blocks, sized by a count option or by a
+    memory budget, `max_memory`.
+
+    Calling it plans the blocks when it has a budget (`plan`), then runs the transform
+    with that block size (`_run`). A concrete transform says what its work is (`_work`),
+    how to fix its block size (`_with_block_size`), and, for maps, how to cut its inputs
+    to one block for timing (`_one_block`).
+    """
+
+    max_memory: eqx.AbstractVar[int | str | None]
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """How the call with these arguments will be cut into blocks, and the memory it
+        will take, without running it: a `zm.Plan` with `block_size`, `num_blocks`,
+        `peak_bytes` (predicted from the compiled call) and `output_bytes`.
+
+        With `max_memory`, this is the plan the call will use (the block size, and for
+        derivatives the strategy, whose compiled peak fits the budget); a budget that
+        cannot hold one item per block raises `zm.MemoryBudgetError`. Without one, it
+        describes the blocks the count or size option gives. The arguments may be
+        arrays or tracers (inside `jax.jit`).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            def loss(w):
+                return jnp.sum(jnp.sin(jnp.outer(w, w)))
+
+            plan = zm.BatchedHessian(loss, max_memory="2MB").plan(jnp.ones(500))
+            assert plan.fits and plan.num_blocks > 1  # the 1 MB Hessian, in blocks
+            ```
+        """
+        return make_plan(self, args, kwargs)
+
+    def _planned(self, args: tuple, kwargs: dict) -> AbstractBlocked:
+        """This transform with the block size (and strategy) that its budget allows."""
+        if self.max_memory is None:
+            return self
+        plan = make_plan(self, args, kwargs)
+        if plan.total == 0:
+            return self
+        return self._with_block_size(plan.block_size, plan.strategy)
+
+    @property
+    def _strategies(self) -> tuple[Any, ...]:
+        """The ways to compute a block that the planner may choose, the first preferred."""
+        return (None,)
+
+    @property
+    def _timed(self) -> bool:
+        """Whether the planner times block sizes (maps), or takes the largest that fits."""
+        return False
+
+    @abc.abstractmethod
+    def _work(self, *args: Any, **kwargs: Any) -> Work:
+        """What the call with these arguments cuts into blocks."""
+
+    @abc.abstractmethod
+    def _with_block_size(self, size: int, strategy: Any) -> AbstractBlocked:
+        """This transform with `size` items per block (and `strategy`), and no budget."""
+
+    @abc.abstractmethod
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        """The call, in the blocks the count or size option gives."""
+
+    def _one_block(self, size: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments cut to one block of `size` items, for timing (maps override it)."""
+        return args, kwargs
+
+
+class AbstractDerivative(AbstractBlocked):
     """The configuration shared by `BatchedJacobian` and `BatchedHessian`.
 
     Both differentiate `fn` with respect to its first argument, in blocks of
-    products planned from `nbatches` or `batch_size`, in forward or reverse mode.
+    products planned from `nbatches`, `batch_size` or `max_memory`, in forward or
+    reverse mode.
     """
 
     fn: Callable[..., Any]
     nbatches: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     batch_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    max_memory: int | str | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
+    strategy: Literal["auto", "linearize", "recompute"] = eqx.field(
+        default="auto", static=True, kw_only=True
+    )
     mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
     holomorphic: bool = eqx.field(default=False, static=True, kw_only=True)
     has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
@@ -59,9 +149,41 @@ class AbstractDerivative(AbstractTransform):
         owner = type(self).__name__
         check_callable(self.fn, "fn", owner=owner)
         check_block_options(self.nbatches, self.batch_size, owner=owner)
+        check_memory(self.max_memory, owner=owner)
+        if self.max_memory is not None and (self.nbatches, self.batch_size) != (None, None):
+            given = "nbatches" if self.nbatches is not None else "batch_size"
+            raise ValueError(
+                f"{owner}: give at most one of `nbatches`, `batch_size` and `max_memory`, "
+                f"got {given}={getattr(self, given)} and max_memory={self.max_memory!r}."
+            )
+        check_choice(self.strategy, "strategy", ("auto", "linearize", "recompute"), owner=owner)
         check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
         for name in ("holomorphic", "has_aux", "jit", "checkpoint"):
             check_bool(getattr(self, name), name, owner=owner)
+
+    @property
+    def _strategies(self) -> tuple[str, ...]:
+        # Keeping one linearisation is faster; recomputing is the way out when its
+        # residuals leave no room for a block.
+        if self.strategy != "auto":
+            return (self.strategy,)
+        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
+
+    def _with_block_size(self, size: int, strategy: Any) -> AbstractDerivative:
+        return dataclasses.replace(
+            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
+        )
+
+    def products(self, fn: Callable[[Any], Any], primal: Any, *, reverse: bool) -> tuple:
+        """`(out, product, aux)` of `product_function` with this transform's `has_aux`
+        and strategy (`"auto"` keeps one linearisation)."""
+        return product_function(
+            fn,
+            primal,
+            reverse=reverse,
+            has_aux=self.has_aux,
+            recompute=self.strategy == "recompute",
+        )
 
     def check_variables(self, variables: Variables) -> None:
         """Refuse complex variables unless `holomorphic`, and real ones with it, as
@@ -138,3 +260,38 @@ def split_aux(fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Callable, Callable]
         return eqx.combine(arrays, kept[-1])
 
     return arrays_only, restore
+
+
+def product_function(
+    fn: Callable[[Any], Any], primal: Any, *, reverse: bool, has_aux: bool, recompute: bool
+) -> tuple[Any, Callable[[Any], Any], Any]:
+    """`(out, product, aux)`: `product(v)` is the JVP of `fn` at `primal` with the tangent
+    `v` (or, with `reverse`, its VJP with the cotangent `v`).
+
+    By default `fn` is linearised once (`jax.linearize`, `jax.vjp`) and its residuals
+    are kept for every product. With `recompute`, each product evaluates `fn` again
+    (`jax.jvp`, `jax.vjp` inside the product): nothing of `fn`'s forward pass outlives a
+    block, at the cost of one more forward pass per block; `out` is then the outputs'
+    shapes (`jax.ShapeDtypeStruct`s).
+    """
+    if not recompute:
+        if reverse:
+            if has_aux:
+                out, vjp, aux = jax.vjp(fn, primal, has_aux=True)
+            else:
+                (out, vjp), aux = jax.vjp(fn, primal), None
+            return out, lambda cotangent: vjp(cotangent)[0], aux
+        if has_aux:
+            out, jvp, aux = jax.linearize(fn, primal, has_aux=True)
+        else:
+            (out, jvp), aux = jax.linearize(fn, primal), None
+        return out, jvp, aux
+
+    def value(z):
+        return fn(z)[0] if has_aux else fn(z)
+
+    out = jax.eval_shape(value, primal)
+    aux = fn(primal)[1] if has_aux else None
+    if reverse:
+        return out, lambda cotangent: jax.vjp(value, primal)[1](cotangent)[0], aux
+    return out, lambda tangent: jax.jvp(value, (primal,), (tangent,))[1], aux

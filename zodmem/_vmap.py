@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,9 +14,11 @@ from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import map_blocks, plan_blocks
+from ._budget import Work
 from ._checks import as_index, check_callable, check_int, common_size
+from ._memory import check_memory
 from ._traceback import public
-from ._transform import AbstractTransform
+from ._transform import AbstractBlocked
 
 __all__ = ["ChunkedVmap"]
 
@@ -30,7 +33,7 @@ def _axis_spec(spec: Any) -> Any:
     return jax.tree_util.tree_map(as_index, spec, is_leaf=_is_none)
 
 
-class ChunkedVmap(AbstractTransform):
+class ChunkedVmap(AbstractBlocked):
     """Vectorise `fn` like `eqx.filter_vmap`, but at most `chunk_size` elements at a time.
 
     Use it where `jax.vmap` / `eqx.filter_vmap` of a function with large
@@ -50,6 +53,10 @@ class ChunkedVmap(AbstractTransform):
       Equinox module (a model, or another zodmem transform); its arrays are then
       leaves of this transform and are not mapped.
     - `chunk_size`: the most elements vectorised at once, a positive int.
+    - `max_memory`: instead of `chunk_size`, a budget for the call's memory: an int
+      (bytes), a string with a unit (`"500MB"`, `"2GiB"`) or `"auto"`. The chunk size is
+      then planned, before anything runs, as the fastest whose compiled call fits (see
+      the "Memory budgets" page). Give exactly one of `chunk_size` and `max_memory`.
     - `in_axes`: which axis of each input is mapped, as in `eqx.filter_vmap`: a
       pytree prefix of the positional arguments (a tuple, or a list as `jax.vmap`
       takes it) whose leaves are an int (that axis),
@@ -97,7 +104,10 @@ class ChunkedVmap(AbstractTransform):
     """
 
     fn: Callable[..., Any]
-    chunk_size: int = eqx.field(static=True, kw_only=True, converter=as_index)
+    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    max_memory: int | str | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
     in_axes: Any = eqx.field(
         default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
     )
@@ -108,7 +118,14 @@ class ChunkedVmap(AbstractTransform):
     @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
-        check_int(self.chunk_size, "chunk_size", owner=_OWNER, minimum=1)
+        check_int(self.chunk_size, "chunk_size", owner=_OWNER, minimum=1, optional=True)
+        check_memory(self.max_memory, owner=_OWNER)
+        if (self.chunk_size is None) == (self.max_memory is None):
+            raise ValueError(
+                f"{_OWNER}: give one of `chunk_size` (the elements mapped at once) and "
+                f"`max_memory` (a budget the chunks are planned to fit), got "
+                f"chunk_size={self.chunk_size!r} and max_memory={self.max_memory!r}."
+            )
         if isinstance(self.in_axes, dict):
             for name in self.in_axes:
                 if not isinstance(name, str):
@@ -123,9 +140,32 @@ class ChunkedVmap(AbstractTransform):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        return self._planned(args, kwargs)._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         return _chunked_vmap_jit(
             self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs
         )
+
+    def _work(self, *args: Any, **kwargs: Any) -> Work:
+        total = _mapped_inputs(self.fn, self.in_axes, args, kwargs).total or 0
+        size = total if self.chunk_size is None else min(self.chunk_size, total)
+        return Work(total, "elements", "output", size)
+
+    @property
+    def _timed(self) -> bool:
+        return True
+
+    def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
+        return dataclasses.replace(self, chunk_size=size, max_memory=None)
+
+    def _one_block(self, size: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        leaves = [
+            leaf if axis is None else jax.lax.slice_in_dim(leaf, 0, size, axis=axis)
+            for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(mapped.input_def, leaves)
 
 
 def _is_none(x: Any) -> bool:
@@ -251,6 +291,30 @@ def _check_out_axes(out: Any, resolved: Any) -> None:
             )
 
 
+class _Mapped(NamedTuple):
+    input_axes: Any  # one axis (or None) per leaf of (args, kwargs), as a pytree
+    input_def: Any
+    leaves: list
+    axes: list  # the same, flat, normalised to non-negative
+    total: int | None  # the size of the mapped axes (None: nothing is mapped)
+
+
+def _mapped_inputs(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> _Mapped:
+    """Which axis of each input leaf is mapped, and the size they share."""
+    arg_spec, kwarg_spec = _split_in_axes(fn, in_axes, args, kwargs)
+    input_axes = (
+        _axes_per_leaf(arg_spec, args, "in_axes"),
+        _axes_per_leaf(kwarg_spec, kwargs, "in_axes"),
+    )
+    paths_leaves, input_def = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    paths = [path for path, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
+    axes = input_def.flatten_up_to(input_axes)
+    total = _batch_size(paths, leaves, axes)
+    axes = [None if a is None else a % jnp.ndim(leaf) for leaf, a in zip(leaves, axes, strict=True)]
+    return _Mapped(input_axes, input_def, leaves, axes, total)
+
+
 def _chunked_vmap(
     fn: Callable[..., Any],
     chunk_size: int,
@@ -260,17 +324,7 @@ def _chunked_vmap(
     kwargs: dict,
 ) -> Any:
     inputs = (args, kwargs)
-    arg_spec, kwarg_spec = _split_in_axes(fn, in_axes, args, kwargs)
-    input_axes = (
-        _axes_per_leaf(arg_spec, args, "in_axes"),
-        _axes_per_leaf(kwarg_spec, kwargs, "in_axes"),
-    )
-    paths_leaves, input_def = jax.tree_util.tree_flatten_with_path(inputs)
-    paths = [path for path, _ in paths_leaves]
-    leaves = [leaf for _, leaf in paths_leaves]
-    axes = input_def.flatten_up_to(input_axes)
-    total = _batch_size(paths, leaves, axes)
-    axes = [None if a is None else a % jnp.ndim(leaf) for leaf, a in zip(leaves, axes, strict=True)]
+    input_axes, input_def, leaves, axes, total = _mapped_inputs(fn, in_axes, args, kwargs)
 
     # The output axes are resolved on one element's output, as filter_vmap does.
     output_axes = []
@@ -286,6 +340,7 @@ def _chunked_vmap(
     vectorised = eqx.filter_vmap(one_element, in_axes=(input_axes,), out_axes=out_axes)
     if total is None or total == 0:
         return vectorised(inputs)
+    # No chunk size (a budget whose plan found nothing to cut): every element at once.
     plan = plan_blocks(total, batch_size=chunk_size, what="elements")
     if plan.num_blocks == 1:
         return vectorised(inputs)

@@ -1,0 +1,368 @@
+"""Planning blocks from a memory budget: the block size whose compiled call fits.
+
+A transform with `max_memory` cuts its work (`total` items: variables, output
+elements, batch elements) into blocks, like one given a count or a size; the planner
+here chooses the size. It compiles the transform's whole call at candidate block sizes
+and reads XLA's own account of the call's buffers (`memory_analysis()`): the output
+plus the temporaries, which is what the budget bounds. Nothing runs to plan, except
+for the few one-block timings described below.
+
+How it searches, in few compiles (each costs about as much as the call's own compile):
+
+1. the whole work in one block: if it fits, that is the plan;
+2. one item per block: if even that does not fit (and no other size does, below), the
+   call is refused with `MemoryBudgetError` before anything runs;
+3. between the two, the peak grows about linearly with the block size, so a secant step
+   (the line through the largest size known to fit and the smallest known not to) guesses
+   the largest size that fits; each guess is compiled and checked, and the search stops
+   when the next guess would gain less than a sixteenth. Sizes are taken as
+   `ceil(total / num_blocks)`, the smallest size for a number of blocks.
+
+The peak need not grow with the block size everywhere: XLA may form a large block's
+products as one matrix product, with fewer temporaries than a few separate products
+take. So when one item per block does not fit, a ladder of sizes (halves of the total,
+down to 2) is compiled before the call is refused, and the search goes on from the
+largest of them that fits.
+
+Which of the sizes that fit runs fastest: for derivatives, the largest (one more
+product per block costs the same time or less, and the fewest blocks means the fewest
+loop steps); for maps and microbatches, where a large block's temporaries can run
+slower than a smaller block's (on a CPU, out of cache and through more page faults),
+and when the job has at least `TIMED_JOB_BLOCKS` blocks, the planner times one block at
+the largest size that fits and at its half and quarter, and takes the most items per
+second. Plans are cached per transform, argument shapes and dtypes, and budget, so the
+cost is paid by the first call only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ._memory import budget_bytes, format_bytes
+
+__all__ = [
+    "MemoryBudgetError",
+    "Plan",
+    "TIMED_JOB_BLOCKS",
+    "Work",
+    "abstract",
+    "make_plan",
+    "search",
+]
+
+# A map or microbatched job with at least this many blocks at the largest size that fits
+# has its candidates timed; a shorter one runs that size (its timings would cost more
+# than they could save).
+TIMED_JOB_BLOCKS = 4
+
+
+class Work(NamedTuple):
+    """What a transform's call cuts into blocks: `total` items (`what` they are), the
+    result's name for messages, and the block size its count options give."""
+
+    total: int
+    what: str
+    output_what: str
+    block_size: int
+
+
+class MemoryBudgetError(ValueError):
+    """A `max_memory` budget that cannot hold even one item per block.
+
+    A `ValueError`, raised before any computation, that names the budget, the least
+    that would do (and how much of it the result alone takes) and the way out.
+    """
+
+
+class Plan(eqx.Module):
+    """How a transform will cut its work, and the memory its call is predicted to take.
+
+    `transform.plan(*args, **kwargs)` returns one without running anything.
+
+    - `block_size`, `num_blocks`: the items per block and the number of blocks.
+    - `total`: the items (`what`: variables, output elements, elements, examples).
+    - `peak_bytes`: the predicted peak of the call's own buffers (output and XLA's
+      temporaries, from `memory_analysis()` of the compiled call).
+    - `output_bytes`: the bytes of the result.
+    - `budget_bytes`: the budget the plan was made for (`None` without one).
+    - `strategy`: for derivatives, `"linearize"` (one linearisation of `fn` kept for every
+      block) or `"recompute"` (`fn` evaluated again inside each block); `None` otherwise.
+    """
+
+    owner: str = eqx.field(static=True)
+    what: str = eqx.field(static=True)
+    total: int = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+    peak_bytes: int = eqx.field(static=True)
+    output_bytes: int = eqx.field(static=True)
+    budget_bytes: int | None = eqx.field(static=True, default=None)
+    strategy: str | None = eqx.field(static=True, default=None)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.total // self.block_size) if self.total else 0
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget (always, without one)."""
+        return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+    def __repr__(self) -> str:
+        budget = (
+            "no budget"
+            if self.budget_bytes is None
+            else f"budget {format_bytes(self.budget_bytes)}: "
+            + ("fits" if self.fits else "does NOT fit")
+        )
+        how = f", strategy={self.strategy!r}" if self.strategy else ""
+        return (
+            f"Plan({self.owner}: {self.num_blocks} block(s) of {self.block_size} of "
+            f"{self.total} {self.what}{how}; peak {format_bytes(self.peak_bytes)}, output "
+            f"{format_bytes(self.output_bytes)}; {budget})"
+        )
+
+
+def abstract(tree: Any) -> Any:
+    """`tree` with its array leaves (tracers too) as `jax.ShapeDtypeStruct`s."""
+    return jax.tree_util.tree_map(
+        lambda leaf: (
+            jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype) if eqx.is_array(leaf) else leaf
+        ),
+        tree,
+    )
+
+
+def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
+    """`(peak_bytes, output_bytes)` of `call(*args)` compiled, without running it.
+
+    `args` may hold arrays, tracers or `ShapeDtypeStruct`s (as abstract values) and any
+    other leaves (as constants); outputs that are not arrays take no memory and are
+    dropped. The peak is the output plus XLA's temporaries.
+    """
+    dynamic, static = eqx.partition(args, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
+
+    def arrays_out(dynamic):
+        return eqx.filter(call(*eqx.combine(dynamic, static)), eqx.is_array)
+
+    analysis = jax.jit(arrays_out).lower(dynamic).compile().memory_analysis()
+    output = int(analysis.output_size_in_bytes)
+    return int(analysis.temp_size_in_bytes) + output, output
+
+
+def time_call(call: Callable[..., Any], *args: Any) -> float:
+    """Seconds for one run of `call(*args)` compiled (after a first, warming run), on
+    `args` with zeros in place of abstract or traced arrays."""
+    dynamic, static = eqx.partition(
+        abstract(args), lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct)
+    )
+    concrete = eqx.partition(args, eqx.is_array)[0]
+    # Real values where there are some, zeros in place of tracers and abstract values.
+    values = jax.tree_util.tree_map(
+        lambda shape, value: (
+            value
+            if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+            else np.zeros(shape.shape, shape.dtype)
+        ),
+        dynamic,
+        concrete,
+        is_leaf=lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct),
+    )
+
+    def arrays_out(dynamic):
+        return eqx.filter(call(*eqx.combine(dynamic, static)), eqx.is_array)
+
+    compiled = jax.jit(arrays_out).lower(dynamic).compile()
+    jax.block_until_ready(compiled(values))
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(values))
+    return time.perf_counter() - start
+
+
+def _size_for(total: int, block_size: int) -> int:
+    """The smallest block size that cuts `total` into as many blocks as `block_size` does."""
+    return -(-total // -(-total // block_size))
+
+
+def search(
+    peak_at: Callable[[int], int],
+    total: int,
+    budget: int,
+    *,
+    refuse: Callable[[int], Exception],
+    time_at: Callable[[int], float] | None = None,
+) -> int:
+    """The block size to use: the largest whose peak (`peak_at(size)`) fits `budget`, or,
+    with `time_at(size)` (seconds for one block) on a long job, the fastest per item of
+    it and its half and quarter. `refuse(peak_of_one)` is raised when one item per
+    block does not fit."""
+    peaks: dict[int, int] = {}
+
+    def peak(size: int) -> int:
+        if size not in peaks:
+            peaks[size] = peak_at(size)
+        return peaks[size]
+
+    if peak(total) <= budget:
+        largest = total
+    else:
+        fits, over = 1, total
+        if peak(1) > budget:
+            # Usually nothing fits then; but the peak need not grow with the block size
+            # (XLA may form a large block's products as one matrix product, with fewer
+            # temporaries than a few separate ones): look down a ladder of sizes first.
+            ladder = [_size_for(total, total >> k) for k in range(1, 9) if total >> k > 1]
+            fitting = [size for size in ladder if peak(size) <= budget]
+            if not fitting:
+                raise refuse(min(peaks.values()))
+            fits = fitting[0]
+            over = min(size for size in peaks if size > fits)
+        while over - fits > max(1, fits // 16):
+            # The secant between the largest size known to fit and the smallest known not to.
+            slope = (peak(over) - peak(fits)) / (over - fits)
+            guess = fits + (budget - peak(fits)) / slope if slope > 0 else over - 1
+            size = _size_for(total, int(min(max(guess, fits + 1), over - 1)))
+            if size <= fits or size >= over:
+                break
+            if peak(size) <= budget:
+                fits = size
+            else:
+                over = size
+        largest = fits
+    if time_at is None or -(-total // largest) < TIMED_JOB_BLOCKS:
+        return largest
+    candidates = sorted({_size_for(total, max(1, largest // k)) for k in (1, 2, 4)})
+    rates = {size: size / max(time_at(size), 1e-9) for size in candidates}
+    return max(rates, key=lambda size: (rates[size], size))
+
+
+def refusal(
+    owner: str, budget: int, least: int, *, output_bytes: int, output_what: str
+) -> MemoryBudgetError:
+    """The error for a budget that cannot hold one item per block."""
+    way = f"a budget of at least {format_bytes(math.ceil(least * 1.05))}"
+    if output_bytes >= 0.5 * least:
+        way += (
+            f", or less work per call (the {output_what} itself takes most of it: fewer "
+            "variables or outputs per call, each call's result moved off the device)"
+        )
+    return MemoryBudgetError(
+        f"{owner}: max_memory={format_bytes(budget)} cannot hold even one item per block: "
+        f"the call needs at least {format_bytes(least)}, of which the {output_what} alone is "
+        f"{format_bytes(output_bytes)}. More blocks are not enough; the way out is {way}."
+    )
+
+
+# Plans made, by transform, argument shapes and dtypes, constants and budget.
+_PLANS: dict[Any, Plan] = {}
+_MAX_PLANS = 256
+
+
+def _cache_key(tree: Any, budget: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    signature = tuple(
+        (np.shape(leaf), str(leaf.dtype)) if eqx.is_array(leaf) else ("constant", leaf)
+        for leaf in leaves
+    )
+    key = (treedef, signature, budget)
+    try:
+        hash(key)
+    except TypeError:
+        return None  # an unhashable constant: plan every call
+    return key
+
+
+def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
+    return transform._run(*args, **kwargs)
+
+
+def make_plan(transform: Any, args: tuple, kwargs: dict) -> Plan:
+    """The plan of `transform(*args, **kwargs)`: with a budget, the block size (and, for
+    derivatives, the strategy) whose compiled call fits it, fastest first; without one,
+    the blocks its options give, with the memory they take. Nothing runs, except the
+    one-block timings of long maps. The arguments may be arrays or tracers."""
+    owner = type(transform).__name__
+    work = transform._work(*args, **kwargs)
+    key = _cache_key((transform, args, kwargs), transform.max_memory)
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
+    measured: dict[Any, tuple[int, int]] = {}
+
+    def memory(strategy: Any, size: int | None) -> tuple[int, int]:
+        if (strategy, size) not in measured:
+            candidate = transform if size is None else transform._with_block_size(size, strategy)
+            measured[strategy, size] = compiled_memory(
+                _run, abstract(candidate), shapes[1], shapes[2]
+            )
+        return measured[strategy, size]
+
+    budget = budget_bytes(transform.max_memory)
+
+    def plan_of(strategy: Any, size: int | None) -> Plan:
+        peak, output = memory(strategy, size)
+        return Plan(
+            owner=owner,
+            what=work.what,
+            total=work.total,
+            block_size=work.block_size if size is None else size,
+            peak_bytes=peak,
+            output_bytes=output,
+            budget_bytes=budget,
+            strategy=strategy,
+        )
+
+    if budget is None or work.total == 0:
+        plan = plan_of(transform._strategies[0], None)
+    else:
+        refusals = []
+        for strategy in transform._strategies:
+
+            def refuse(least: int, strategy: Any = strategy) -> MemoryBudgetError:
+                return refusal(
+                    owner,
+                    budget,
+                    least,
+                    output_bytes=memory(strategy, 1)[1],
+                    output_what=work.output_what,
+                )
+
+            def time_at(size: int, strategy: Any = strategy) -> float:
+                block_args, block_kwargs = transform._one_block(size, args, kwargs)
+                candidate = transform._with_block_size(size, strategy)
+                return time_call(_run, candidate, block_args, block_kwargs)
+
+            try:
+                size = search(
+                    lambda size, strategy=strategy: memory(strategy, size)[0],
+                    work.total,
+                    budget,
+                    refuse=refuse,
+                    time_at=time_at if transform._timed else None,
+                )
+            except MemoryBudgetError as error:
+                refusals.append(error)
+                continue
+            plan = plan_of(strategy, size)
+            break
+        else:
+            raise refusals[-1] if len(refusals) == 1 else _both_refused(refusals)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
+
+
+def _both_refused(refusals: list[MemoryBudgetError]) -> MemoryBudgetError:
+    # The message of the strategy that needs less, noting that the other was tried.
+    return MemoryBudgetError(
+        f"{refusals[-1]} (Both strategies were tried: keeping one linearisation of `fn` "
+        "for every block, and evaluating `fn` again inside each block.)"
+    )
