@@ -76,11 +76,13 @@ class AbstractBlocked(AbstractTransform):
             import jax.numpy as jnp
             import zodmem as zm
 
-            def loss(w):
-                return jnp.sum(jnp.sin(jnp.outer(w, w)))
+            def loss(w, data):
+                return jnp.mean(jnp.tanh(data @ w) ** 2)
 
-            plan = zm.BatchedHessian(loss, max_memory="2MB").plan(jnp.ones(500))
-            assert plan.fits and plan.num_blocks > 1  # the 1 MB Hessian, in blocks
+            w, data = jnp.ones(300), jnp.ones((256, 300))
+            zm.BatchedHessian(loss).plan(w, data).peak_bytes     # about 670 kB at once
+            plan = zm.BatchedHessian(loss, max_memory="500kB").plan(w, data)
+            assert plan.fits and plan.num_blocks > 1  # the 360 kB Hessian, in blocks
             ```
         """
         return make_plan(self, args, kwargs)
