@@ -16,6 +16,9 @@ for want of results.
 - `loops.png` (from `loops.json`): peak memory and time of each chunked map,
   microbatched gradient and nested stack against its chunk (or microbatch) size, with
   the unchunked JAX version and the process floor for scale.
+- `budgets.png` (from `budgets.json`): the measured peak above the process floor of
+  every case run with `max_memory`, against its budget, with the line y = x (a point
+  under it kept its budget) and the plan's predicted peak beside it.
 """
 
 from __future__ import annotations
@@ -333,9 +336,102 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     return True
 
 
+def plot_budgets(results_dir: Path, out_dir: Path, suffix: str) -> bool:
+    results = load_results(results_dir / f"budgets{suffix}.json")
+    if results is None:
+        return False
+    floors = {
+        _group_of(r): r["peak_rss_bytes"] for r in results if r["info"].get("tool") == "floor"
+    }
+    # group -> [(budget, measured above the floor, predicted, label)]
+    points: dict[str, list[tuple[float, float, float, str]]] = defaultdict(list)
+    for r in results:
+        info = r.get("info", {})
+        group = _group_of(r)
+        if info.get("tool") != "budget" or "budget_bytes" not in info or group not in floors:
+            continue
+        label = r["case"].rsplit("budget-", 1)[-1]
+        if label == "auto":
+            label = f"auto ({info['budget_bytes'] / _GB:.1f}GB)"
+        above = r["peak_rss_bytes"] - floors[group]
+        points[group].append((info["budget_bytes"], above, info["predicted_peak_bytes"], label))
+    if not points:
+        print("skip budgets.png: no case has a budget and a floor", file=sys.stderr)
+        return False
+
+    fig, (scale_ax, ratio_ax) = _figure(
+        2, "Memory budgets: peak memory above the process floor against max_memory"
+    )
+    styles = {"hessian": _style("zodmem", 0), "map": _style("powerpax", 0)}
+    names = {"hessian": "BatchedHessian", "map": "ChunkedVmap"}
+    everything = [v for pts in points.values() for p in pts for v in p[:3]]
+    low, high = 0.7 * min(everything) / 1e6, 1.4 * max(everything) / 1e6
+    scale_ax.plot([low, high], [low, high], color="0.3", linewidth=1, linestyle="--")
+    ratio_ax.axhline(1.0, color="0.3", linewidth=1, linestyle="--")
+    labels = []
+    for index, (group, pts) in enumerate(sorted(points.items())):
+        pts.sort()
+        style = styles.get(group, _style(group, index))
+        marker = {"color": style["color"], "marker": style["marker"]}
+        hollow = {"facecolors": "none", "edgecolors": style["color"], "marker": style["marker"]}
+        name = names.get(group, group)
+        budgets = [b / 1e6 for b, _, _, _ in pts]
+        scale_ax.scatter(budgets, [m / 1e6 for _, m, _, _ in pts], s=42, zorder=3, **marker)
+        scale_ax.scatter(budgets, [p / 1e6 for _, _, p, _ in pts], s=42, zorder=3, **hollow)
+        for budget, measured, _, label in pts:
+            scale_ax.annotate(
+                label,
+                xy=(budget / 1e6, measured / 1e6),
+                xytext=(7, -4),
+                textcoords="offset points",
+                fontsize=7,
+                color=style["color"],
+            )
+        # The same cases side by side, as a share of their budget: the misses show.
+        xs = list(range(len(labels), len(labels) + len(pts)))
+        labels += [label for _, _, _, label in pts]
+        ratio_ax.scatter(
+            xs, [m / b for b, m, _, _ in pts], s=42, zorder=3, label=f"{name}: measured", **marker
+        )
+        ratio_ax.scatter(
+            xs,
+            [p / b for b, _, p, _ in pts],
+            s=42,
+            zorder=3,
+            label=f"{name}: predicted by plan()",
+            **hollow,
+        )
+    scale_ax.annotate(
+        "y = x (the budget)",
+        xy=(0.97, 0.04),
+        xycoords="axes fraction",
+        ha="right",
+        fontsize=8,
+        color="0.3",
+    )
+    scale_ax.set_xscale("log")
+    scale_ax.set_yscale("log")
+    scale_ax.set_xlim(low, high)
+    scale_ax.set_ylim(low, high)
+    scale_ax.set_xlabel("max_memory (MB)")
+    scale_ax.set_ylabel("peak resident memory above the floor (MB)")
+    ratio_ax.set_xticks(range(len(labels)))
+    ratio_ax.set_xticklabels(labels, rotation=30, fontsize=8)
+    ratio_ax.set_xlabel("max_memory of each case")
+    ratio_ax.set_ylabel("peak above the floor / max_memory")
+    ratio_ax.set_ylim(0, max(1.2, ratio_ax.get_ylim()[1]))
+    for ax in (scale_ax, ratio_ax):
+        ax.grid(True, which="both", alpha=0.3)
+    handles, legend = ratio_ax.get_legend_handles_labels()
+    fig.legend(handles, legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    _save(fig, out_dir / "budgets.png", legend_rows=1)
+    return True
+
+
 PLOTS: dict[str, Callable[[Path, Path, str], bool]] = {
     "hessian_memory": plot_hessian_memory,
     "loops": plot_loops,
+    "budgets": plot_budgets,
 }
 
 
