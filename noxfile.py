@@ -56,3 +56,4 @@ def docs(session: nox.Session) -> None:
 def benchmarks(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.run("python", "benchmarks/hessian_memory.py", *session.posargs)
+    session.run("python", "benchmarks/budgets.py", *session.posargs)
