@@ -34,6 +34,12 @@ KEY_LINES = {
         "F @ v equals a Hessian-vector product: True",
         "estimates lie within two standard errors of the truth",
     ],
+    "long_hessian.py": [
+        "nothing recomputed",
+        "a read-only memmap: True",
+        "equal to numpy.linalg.eigvalsh: True",
+        "the file holds the in-memory Hessian: True",
+    ],
     "dataset_hessian.py": [
         "equal to jax.hessian of the full-batch loss: True",
         "Microbatcher(BatchedHessian(nbatches=16), microbatch_size=1024)",

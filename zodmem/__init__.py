@@ -20,6 +20,7 @@ from ._serialise import (
     save as save,
 )
 from ._static import Static as Static
+from ._stream import to_file as to_file, to_host as to_host
 from ._transform import AbstractTransform as AbstractTransform
 from ._vmap import ChunkedVmap as ChunkedVmap
 

@@ -8,7 +8,9 @@ results for `block_size` consecutive items starting at a traced index. The engin
    of blocks or a block size, with the checks users need;
 2. runs the block function in a `lax.fori_loop` and writes each block's results
    straight into preallocated outputs with `dynamic_update_slice` (`map_blocks`),
-   or folds them into an accumulator (`reduce_blocks`);
+   or folds them into an accumulator (`reduce_blocks`); or, when the output leaves
+   the device block by block (`zm.to_host`, `zm.to_file`), hands each finished
+   block to the host (`OutputSink`) and assembles nothing;
 3. runs a `lax.scan` one block of consecutive steps at a time, with a per-block
    function and a remainder block, writing each block's outputs into preallocated
    outputs (`scan_blocks`); blocks are handed their first step number, and read
@@ -23,15 +25,18 @@ the last block of `reduce_blocks` is a second, smaller call of the block functio
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 
 __all__ = [
     "BlockPlan",
+    "BlockSink",
+    "OutputSink",
     "plan_blocks",
     "map_blocks",
     "scan_blocks",
@@ -110,6 +115,49 @@ def plan_blocks(
     return BlockPlan(total=total, block_size=total)
 
 
+class BlockSink(NamedTuple):
+    """Where one `map_blocks` call hands its finished blocks: `write(index, start, pieces,
+    axes)` runs on the host (`index` counted over the whole output, `pieces` NumPy arrays,
+    one per output leaf of the block function, `axes` their block axes), and the loop
+    starts at block `first_block` (traced) of this call."""
+
+    write: Callable[..., None]
+    first_block: Any
+
+
+class OutputSink:
+    """The host side of a result that leaves the device block by block.
+
+    A transform's computation, given one, passes `sink.part(leaves, plan)` to each of
+    its `map_blocks` calls; `leaves` are the indices, among the leaves of the result,
+    that the call's output leaves fill. Blocks are numbered across the parts in the
+    order they are made, and every block before `first_block` (a traced int32, so one
+    compiled program can start anywhere) is skipped.
+
+    - `write(index, leaves, start, pieces, axes)`: the host function that takes block
+      `index`, whose items start at `start`, for the result leaves `leaves`.
+    - `first_block`: the first block to compute, counted over the whole output.
+    """
+
+    def __init__(self, write: Callable[..., None], first_block: Any):
+        self._write = write
+        self.first_block = first_block
+        self.num_blocks = 0
+        self.leaves: list[int] = []
+
+    def part(self, leaves: Sequence[int], plan: BlockPlan) -> BlockSink:
+        """The sink of a `map_blocks` call over `plan` that fills the result's `leaves`."""
+        offset, leaves = self.num_blocks, tuple(leaves)
+        self.num_blocks += plan.num_blocks
+        self.leaves.extend(leaves)
+        first = jnp.clip(jnp.asarray(self.first_block, jnp.int32) - offset, 0, plan.num_blocks)
+
+        def write(index: Any, start: Any, pieces: Sequence, axes: tuple) -> None:
+            self._write(int(index) + offset, leaves, int(start), pieces, axes)
+
+        return BlockSink(write, first.astype(jnp.int32))
+
+
 def _leaf_axes(axis: Any, tree: Any) -> list[int]:
     """Broadcast an int or a pytree prefix of ints to one axis per leaf of `tree`."""
     if isinstance(axis, int):
@@ -126,6 +174,7 @@ def map_blocks(
     *,
     axis: Any = 0,
     read: Callable[[Any], Any] | None = None,
+    sink: BlockSink | None = None,
 ) -> Any:
     """Run `block_fn` over every block and assemble the results along `axis`.
 
@@ -141,10 +190,14 @@ def map_blocks(
       XLA's CPU compiler does not vectorise elementwise work that reads through a
       dynamic slice (it reloads the offset for every element), which made a chunked
       map of elementwise-heavy work several times slower than the same work unchunked.
+    - `sink`: optionally, hand each finished block to the host (`OutputSink.part`)
+      instead of assembling it: the loop runs from `sink.first_block` and calls
+      `sink.write` for every block, in order (an ordered `io_callback`), and nothing
+      but one block is ever held on the device.
 
-    Returns the pytree of the block function with `plan.total` items along `axis`.
-    With one block, the block function is called once and its result returned as
-    it is.
+    Returns the pytree of the block function with `plan.total` items along `axis`
+    (`None` with a `sink`). With one block and no sink, the block function is called
+    once and its result returned as it is.
     """
     if plan.num_blocks == 0:
         raise ValueError("map_blocks needs at least one item; handle empty work before.")
@@ -156,7 +209,7 @@ def map_blocks(
         return None if read is None else read(plan.start(index).astype(jnp.int32))
 
     first = jnp.asarray(0, jnp.int32)
-    if plan.num_blocks == 1:
+    if plan.num_blocks == 1 and sink is None:
         return compute(first, read_block(first))
     block_shapes = jax.eval_shape(lambda start: compute(start, read_block(start)), first)
     leaves, treedef = jax.tree_util.tree_flatten(block_shapes)
@@ -169,6 +222,9 @@ def map_blocks(
                 f"The block function returned a leaf of shape {leaf.shape} whose axis {a} "
                 f"has {leaf.shape[a]} items; expected the block size {plan.block_size}."
             )
+
+    if sink is not None:
+        return _hand_over_blocks(compute, read_block, plan, axes, sink)
 
     buffers = [
         jnp.zeros(leaf.shape[:a] + (plan.total,) + leaf.shape[a + 1 :], leaf.dtype)
@@ -189,6 +245,28 @@ def map_blocks(
 
     buffers, _ = jax.lax.fori_loop(0, plan.num_blocks, write_block, (buffers, read_block(first)))
     return jax.tree_util.tree_unflatten(treedef, buffers)
+
+
+def _hand_over_blocks(
+    compute: Callable[..., Any],
+    read_block: Callable[[Any], Any],
+    plan: BlockPlan,
+    axes: list[int],
+    sink: BlockSink,
+) -> None:
+    """The loop of `map_blocks` with a sink: each block goes to the host as it is made."""
+
+    def write(index, start, *pieces):
+        sink.write(index, start, pieces, tuple(axes))
+
+    def hand_over(index, inputs):
+        start = plan.start(index).astype(jnp.int32)
+        block = jax.tree_util.tree_leaves(compute(start, inputs))
+        # Ordered: the host sees the blocks in loop order, so "blocks done" is a prefix.
+        io_callback(write, None, index, start, *block, ordered=True)
+        return read_block(index + 1)
+
+    jax.lax.fori_loop(sink.first_block, plan.num_blocks, hand_over, read_block(sink.first_block))
 
 
 def _write(buffer: Any, piece: Any, start: Any, keep: Any) -> Any:

@@ -282,14 +282,16 @@ def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
     return transform._run(*args, **kwargs)
 
 
-def make_plan(transform: Any, args: tuple, kwargs: dict) -> Plan:
+def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] = _run) -> Plan:
     """The plan of `transform(*args, **kwargs)`: with a budget, the block size (and, for
     derivatives, the strategy) whose compiled call fits it, fastest first; without one,
     the blocks its options give, with the memory they take. Nothing runs, except the
-    one-block timings of long maps. The arguments may be arrays or tracers."""
+    one-block timings of long maps. The arguments may be arrays or tracers. `run(candidate,
+    args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
+    holds no output on the device)."""
     owner = type(transform).__name__
     work = transform._work(*args, **kwargs)
-    key = _cache_key((transform, args, kwargs), transform.max_memory)
+    key = _cache_key((transform, args, kwargs, run), transform.max_memory)
     if key is not None and key in _PLANS:
         return _PLANS[key]
     shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
@@ -299,7 +301,7 @@ def make_plan(transform: Any, args: tuple, kwargs: dict) -> Plan:
         if (strategy, size) not in measured:
             candidate = transform if size is None else transform._with_block_size(size, strategy)
             measured[strategy, size] = compiled_memory(
-                _run, abstract(candidate), shapes[1], shapes[2]
+                run, abstract(candidate), shapes[1], shapes[2]
             )
         return measured[strategy, size]
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
-from ._blocks import map_blocks, plan_blocks
+from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._pytree import basis_block, flat_function, split_variables
 from ._traceback import public
@@ -105,6 +105,9 @@ class BatchedHessian(AbstractDerivative):
         compute = _hessian_jit if self.jit else _hessian
         return compute(self, x, args, kwargs)
 
+    def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return _hessian(self, x, args, kwargs, sink=sink)
+
     def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
         total = n.shape[0]
@@ -141,7 +144,9 @@ def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
         )
 
 
-def _hessian(transform: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> Any:
+def _hessian(
+    transform: BatchedHessian, x: Any, args: tuple, kwargs: dict, sink: OutputSink | None = None
+) -> Any:
     flat, variables = split_variables(x, owner="BatchedHessian")
     transform.check_variables(variables)
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
@@ -213,7 +218,9 @@ def _hessian(transform: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> An
     if n == 0:  # only empty variables: nothing to run, the Hessian is empty
         hessian = jnp.zeros((0, 0), flat.dtype)
     else:
-        hessian = map_blocks(block, plan, axis=axis)
+        hessian = map_blocks(
+            block, plan, axis=axis, sink=None if sink is None else sink.part([0], plan)
+        )
     if restore_aux is None:
         return hessian
     return hessian, restore_aux(aux)

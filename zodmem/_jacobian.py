@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
-from ._blocks import map_blocks, plan_blocks
+from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._pytree import basis_block, flat_function, split_variables
 from ._traceback import public
@@ -112,6 +112,9 @@ class BatchedJacobian(AbstractDerivative):
         compute = _jacobian_jit if self.jit else _jacobian
         return compute(self, x, args, kwargs)
 
+    def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return _jacobian(self, x, args, kwargs, sink=sink)
+
     def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         return _work(self, x, args, kwargs)
 
@@ -192,18 +195,24 @@ def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work
     return Work(total, what, "Jacobian", plan.block_size)
 
 
-def _jacobian(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Any:
+def _jacobian(
+    transform: BatchedJacobian,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+) -> Any:
     flat, fn_of_flat, restore_aux, n, m, mode = _prepare(transform, x, args, kwargs)
     if mode == "fwd":
-        jacobian, aux = _forward(transform, fn_of_flat, flat, n)
+        jacobian, aux = _forward(transform, fn_of_flat, flat, n, sink)
     else:
-        jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m)
+        jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m, sink)
     if restore_aux is None:
         return jacobian
     return jacobian, restore_aux(aux)
 
 
-def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int):
+def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int, sink: OutputSink | None):
     """Columns from JVPs of one linearisation, in the outputs' dtypes (as jax.jacfwd)."""
     plan = plan_blocks(
         n,
@@ -222,10 +231,13 @@ def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int):
         cols = jax.vmap(jvp)(tangents)
         return jax.tree_util.tree_map(lambda c: jnp.moveaxis(c, 0, -1), cols)
 
+    if sink is not None:
+        every_leaf = range(len(jax.tree_util.tree_leaves(out)))
+        return map_blocks(columns, plan, axis=-1, sink=sink.part(every_leaf, plan)), aux
     return map_blocks(columns, plan, axis=-1), aux
 
 
-def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
+def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int, sink: OutputSink | None):
     """Rows from VJPs of one forward pass, output leaf by output leaf, in the variables'
     dtype (as jax.jacrev)."""
     if transform.mode == "auto":
@@ -264,6 +276,11 @@ def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int):
             ]
             return jax.vmap(vjp)(jax.tree_util.tree_unflatten(out_def, cotangents))
 
+        if sink is not None:
+            # Rows of the (size, n) block are rows of the (*leaf.shape, n) leaf, in C order.
+            map_blocks(rows, leaf_plan, axis=0, sink=sink.part([k], leaf_plan))
+            jacobians.append(None)
+            continue
         jacobians.append(map_blocks(rows, leaf_plan, axis=0).reshape(*leaf.shape, n))
     return jax.tree_util.tree_unflatten(out_def, jacobians), aux
 

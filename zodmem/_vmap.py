@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
-from ._blocks import map_blocks, plan_blocks
+from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._checks import as_index, check_callable, check_int, common_size
 from ._memory import check_memory
@@ -145,6 +145,11 @@ class ChunkedVmap(AbstractBlocked):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         return _chunked_vmap_jit(
             self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs
+        )
+
+    def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
+        return _chunked_vmap(
+            self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs, sink=sink
         )
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
@@ -322,6 +327,7 @@ def _chunked_vmap(
     out_axes: Any,
     args: tuple,
     kwargs: dict,
+    sink: OutputSink | None = None,
 ) -> Any:
     inputs = (args, kwargs)
     input_axes, input_def, leaves, axes, total = _mapped_inputs(fn, in_axes, args, kwargs)
@@ -342,7 +348,7 @@ def _chunked_vmap(
         return vectorised(inputs)
     # No chunk size (a budget whose plan found nothing to cut): every element at once.
     plan = plan_blocks(total, batch_size=chunk_size, what="elements")
-    if plan.num_blocks == 1:
+    if plan.num_blocks == 1 and sink is None:
         return vectorised(inputs)
 
     mapped_inputs = [i for i, a in enumerate(axes) if a is not None]
@@ -378,8 +384,9 @@ def _chunked_vmap(
     results = list(out_leaves)  # non-array outputs are kept as `fn` returned them
     if mapped:
         mapped_axes = [out_axes_per_leaf[i] for i in mapped]
-        blocks = map_blocks(mapped_block, plan, axis=mapped_axes, read=read)
-        for i, value in zip(mapped, blocks, strict=True):
+        part = None if sink is None else sink.part(mapped, plan)
+        blocks = map_blocks(mapped_block, plan, axis=mapped_axes, read=read, sink=part)
+        for i, value in zip(mapped, blocks or [None] * len(mapped), strict=True):
             results[i] = value
     if unmapped_arrays:
         # Unmapped outputs are the same for every block: read them from one more call,

@@ -1,0 +1,244 @@
+"""`zm.to_host` and `zm.to_file`: results that leave the device block by block, and files
+that resume after a crash."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import close
+
+import zodmem as zm
+
+
+def loss(w, data):
+    return jnp.sum(jnp.tanh(data @ w) ** 2) + jnp.sum(w**3)
+
+
+def outputs(params, t):
+    return {"y": params["a"] * jnp.sin(params["w"] * t), "z": jnp.sum(params["a"] ** 2)}
+
+
+def pair(x):
+    return jnp.outer(x, x), jnp.sum(x)
+
+
+W = jnp.linspace(-1.0, 1.0, 10)
+DATA = jnp.linspace(0.0, 1.0, 30).reshape(3, 10)
+PARAMS = {"a": jnp.arange(1.0, 4.0), "w": jnp.arange(3.0)}
+XS = jnp.arange(22.0).reshape(11, 2)
+
+CASES = [
+    pytest.param(zm.BatchedHessian(loss, nbatches=3, mode="rev"), (W, DATA), id="hessian-rev"),
+    pytest.param(zm.BatchedHessian(loss, batch_size=5, mode="fwd"), (W, DATA), id="hessian-fwd"),
+    pytest.param(zm.BatchedJacobian(outputs, nbatches=2, mode="fwd"), (PARAMS, 0.5), id="jac-fwd"),
+    pytest.param(
+        zm.BatchedJacobian(outputs, batch_size=2, mode="rev"), (PARAMS, 0.5), id="jac-rev"
+    ),
+    pytest.param(zm.ChunkedVmap(pair, chunk_size=3, out_axes=(1, 0)), (XS,), id="vmap-axes"),
+    pytest.param(zm.ChunkedVmap(pair, chunk_size=11), (XS,), id="vmap-one-block"),
+]
+
+
+@pytest.mark.parametrize("transform, args", CASES)
+def test_to_host_equals_the_call(transform, args):
+    result = zm.to_host(transform, *args)
+    assert all(type(leaf) is np.ndarray for leaf in jax.tree_util.tree_leaves(result))
+    close(result, transform(*args))
+
+
+@pytest.mark.parametrize("transform, args", CASES)
+def test_to_file_equals_the_call(transform, args, tmp_path):
+    path = tmp_path / "result.npy"
+    result = zm.to_file(path, transform, *args)
+    for leaf in jax.tree_util.tree_leaves(result):
+        assert isinstance(leaf, np.memmap) and not leaf.flags.writeable
+    close(result, transform(*args))
+    if isinstance(result, np.ndarray):
+        close(np.load(path, mmap_mode="r"), transform(*args))
+    else:  # a pytree: one .npy per leaf in a directory, named by key path
+        names = sorted(os.listdir(path))
+        assert "blocks.journal" in names and all(n.endswith((".npy", ".journal")) for n in names)
+
+
+def test_budgets_plan_the_streamed_call():
+    w, data = jnp.linspace(-1.0, 1.0, 40), jnp.linspace(0.0, 1.0, 120).reshape(3, 40)
+    transform = zm.BatchedHessian(loss, max_memory="5kB")
+    with pytest.raises(zm.MemoryBudgetError):
+        transform(w, data)  # the Hessian alone takes 6.4 kB
+    close(zm.to_host(transform, w, data), zm.BatchedHessian(loss)(w, data))
+    vmap = zm.ChunkedVmap(pair, max_memory="4kB")
+    close(zm.to_host(vmap, XS), vmap(XS))
+
+
+def test_has_aux_goes_to_host_and_is_refused_by_to_file(tmp_path):
+    def with_aux(w, data):
+        return loss(w, data), {"label": "loss", "w": w}
+
+    transform = zm.BatchedHessian(with_aux, nbatches=3, has_aux=True)
+    close(zm.to_host(transform, W, DATA), transform(W, DATA))
+    with pytest.raises(TypeError, match="has_aux=True"):
+        zm.to_file(tmp_path / "h.npy", transform, W, DATA)
+
+
+def test_other_transforms_and_traced_arguments_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="BatchedJacobian, zm.BatchedHessian or"):
+        zm.to_host(zm.Microbatcher(jnp.sum, microbatch_size=2), XS)
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda w: zm.to_host(zm.BatchedHessian(loss), w, DATA))(W)
+
+
+def test_a_finished_file_returns_without_computing(tmp_path):
+    calls = []
+
+    def counted(w, data):
+        jax.debug.callback(lambda: calls.append(1))
+        return loss(w, data)
+
+    path = tmp_path / "h.npy"
+    transform = zm.BatchedHessian(counted, nbatches=3)
+    first = zm.to_file(path, transform, W, DATA)
+    jax.effects_barrier()
+    assert calls
+    calls.clear()
+    again = zm.to_file(path, transform, W, DATA)
+    jax.effects_barrier()
+    assert not calls
+    np.testing.assert_array_equal(again, first)
+
+
+@pytest.mark.parametrize(
+    "other, args, what",
+    [
+        (zm.BatchedHessian(loss, nbatches=2), (W, DATA), "transform"),
+        (zm.BatchedHessian(loss, nbatches=3), (W + 1, DATA), "input values"),
+        (zm.BatchedHessian(loss, nbatches=3), (W[:8], DATA[:, :8]), "shapes"),
+        (zm.ChunkedVmap(jnp.outer, chunk_size=3), (W, W), "transform"),
+    ],
+)
+def test_files_of_other_calls_are_refused(other, args, what, tmp_path):
+    path = tmp_path / "h.npy"
+    zm.to_file(path, zm.BatchedHessian(loss, nbatches=3), W, DATA)
+    with pytest.raises(zm.SerialisationError, match=f"(?s){what}.*delete the file"):
+        zm.to_file(path, other, *args)
+
+
+def test_files_without_a_journal_are_refused(tmp_path):
+    path = tmp_path / "h.npy"
+    np.save(path, np.zeros((10, 10), np.float32))
+    with pytest.raises(zm.SerialisationError, match="no journal"):
+        zm.to_file(path, zm.BatchedHessian(loss), W, DATA)
+
+
+def test_damaged_records_are_refused_and_a_torn_last_one_ignored(tmp_path):
+    path = tmp_path / "h.npy"
+    transform = zm.BatchedHessian(loss, nbatches=3)
+    expected = np.asarray(transform(W, DATA))
+    zm.to_file(path, transform, W, DATA)
+    journal = tmp_path / "h.npy.journal"
+    lines = journal.read_bytes().splitlines(keepends=True)
+    # A crash while the last record was written: only part of it reached the disk.
+    journal.write_bytes(b"".join(lines[:-1]) + lines[-1][:10])
+    close(zm.to_file(path, transform, W, DATA), expected)
+    assert journal.read_bytes().endswith(b"\n")
+    lines = journal.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"done"', b'"dune"')
+    journal.write_bytes(b"".join(lines))
+    with pytest.raises(zm.SerialisationError, match="record 2 .* is damaged"):
+        zm.to_file(path, transform, W, DATA)
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    path = tmp_path / "h.npy"
+    transform = zm.BatchedHessian(loss, nbatches=3)
+    zm.to_file(path, transform, W, DATA)
+    with open(path, "r+b") as file:
+        file.truncate(200)
+    with pytest.raises(zm.SerialisationError, match="header and size"):
+        zm.to_file(path, transform, W, DATA)
+
+
+_CHILD = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+import zodmem as zm
+
+calls = []
+
+def slow(x):
+    def host(x):
+        calls.append(1)
+        time.sleep(float(sys.argv[2]))
+        return np.asarray(x)
+
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.pure_callback(host, shape, x, vmap_method="broadcast_all")
+
+def fn(x):
+    return jnp.outer(slow(x), x)
+
+xs = jnp.arange(48.0).reshape(12, 4)
+zm.to_file(sys.argv[1], zm.ChunkedVmap(fn, chunk_size=1), xs)
+print("computed", len(calls), flush=True)
+"""
+
+
+def _blocks_done(journal):
+    if not os.path.exists(journal):
+        return 0
+    done = 0
+    for line in open(journal, "rb").read().splitlines():
+        record = json.loads(line.split(b" ", 1)[1])
+        done = record.get("done", done)
+    return done
+
+
+def test_a_killed_job_resumes_at_the_first_unfinished_block(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    path = str(tmp_path / "outer.npy")
+    child = subprocess.Popen([sys.executable, str(script), path, "0.25"], stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while _blocks_done(path + ".journal") < 3:
+        assert child.poll() is None and time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    done = _blocks_done(path + ".journal")
+    assert 3 <= done < 12
+
+    def run():
+        result = subprocess.run(
+            [sys.executable, str(script), path, "0"], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return int(result.stdout.split()[-1])
+
+    assert run() <= 12 - done + 1
+    xs = jnp.arange(48.0).reshape(12, 4)
+    expected = jax.vmap(jnp.outer)(xs, xs)
+    np.testing.assert_array_equal(np.load(path, mmap_mode="r"), expected)
+    assert run() == 0  # finished: nothing computed
+
+
+def test_pytree_results_go_to_a_directory(tmp_path):
+    class Model(eqx.Module):
+        weight: jax.Array
+        name: str = eqx.field(static=True)
+
+        def __call__(self, x):
+            return {"out": self.weight * x, "odd key": [jnp.sum(x), x**2]}
+
+    vmap = zm.ChunkedVmap(Model(jnp.arange(2.0), "m"), chunk_size=4)
+    result = zm.to_file(tmp_path / "outputs", vmap, XS)
+    close(result, vmap(XS))
+    names = sorted(os.listdir(tmp_path / "outputs"))
+    assert names == ["blocks.journal", "odd_key_0.npy", "odd_key_1.npy", "out.npy"]

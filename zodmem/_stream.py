@@ -1,0 +1,672 @@
+"""Results that leave the device block by block: `to_host` and `to_file`.
+
+The block engine's `map_blocks` hands each finished block to the host (`OutputSink`),
+where it is copied into a NumPy array (`to_host`) or written into a `.npy` file at its
+offset (`to_file`); the device holds one block at a time, and `to_file`'s process holds
+no more than a block or two.
+
+A file is resumable. Beside it, a journal of checksummed one-line records says what
+call made it (a fingerprint of the transform, the shapes and dtypes, and a hash of the
+input values) and how many blocks are on disk: a block is counted only once its bytes
+are flushed and fsynced, and its record is fsynced in turn, so a job killed at any
+instant restarts at the first block not on disk, and never reads a block that is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._blocks import OutputSink
+from ._budget import make_plan
+from ._hessian import BatchedHessian
+from ._jacobian import BatchedJacobian
+from ._serialise import SerialisationError
+from ._traceback import public
+from ._vmap import ChunkedVmap
+
+__all__ = ["to_host", "to_file"]
+
+_STREAMABLE = (BatchedJacobian, BatchedHessian, ChunkedVmap)
+_JOURNAL_FORMAT = "zodmem.to_file"
+_JOURNAL_VERSION = 1
+
+
+@public
+def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
+    """The result of `transform(*args, **kwargs)`, assembled in host memory as NumPy
+    arrays, block by block.
+
+    Use it when the result fits in the host's memory but not on the device (a Hessian
+    that fits in RAM but not in GPU memory): each block is computed on the device and
+    copied to the host as soon as it is made, so the device holds one block (and the
+    work of one block) at a time, never the whole result.
+
+    **Arguments:**
+
+    - `transform`: a `zm.BatchedJacobian`, `zm.BatchedHessian` or `zm.ChunkedVmap`.
+      Its block options (`nbatches`, `batch_size`, `chunk_size`) cut the result into
+      blocks; with `max_memory`, the blocks are planned for this streamed call, whose
+      result is not on the device.
+    - `*args`, `**kwargs`: the arguments of the call, as for `transform(...)`.
+
+    **Returns:**
+
+    What `transform(*args, **kwargs)` returns, with its arrays as `numpy.ndarray`s of
+    the same values and dtypes (a pytree of them when the transform returns one). With
+    `has_aux=True`, `(result, aux)`, with `aux` as the transform returns it.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w):
+            return jnp.sum(jnp.sin(w) ** 2)
+
+        H = zm.to_host(zm.BatchedHessian(loss, nbatches=4), jnp.arange(10.0))
+        assert H.shape == (10, 10)  # a numpy.ndarray, built 3 rows at a time
+        ```
+    """
+    _check_transform(transform, "to_host")
+    _check_concrete(args, kwargs, "to_host")
+    layout = _layout(transform, args, kwargs)
+    planned = _planned(transform, args, kwargs)
+    arrays = {
+        i: np.empty(leaf.shape, leaf.dtype)
+        for i, leaf in enumerate(layout.leaves)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    }
+
+    def write(index, leaves, start, pieces, axes):
+        for leaf, piece, axis in zip(leaves, pieces, axes, strict=True):
+            _block_view(arrays[leaf], piece.shape, axis, start)[...] = piece
+
+    returned, streamed = _run_streamed(planned, args, kwargs, write, 0)
+    out = returned[0] if layout.has_aux else returned
+    values = _values(layout, out)
+    leaves = [
+        arrays[i] if i in streamed else (np.asarray(v) if eqx.is_array(v) else v)
+        for i, v in enumerate(values)
+    ]
+    result = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+    return (result, returned[1]) if layout.has_aux else result
+
+
+@public
+def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) -> Any:
+    """The result of `transform(*args, **kwargs)` written to a `.npy` file block by block,
+    returned as a read-only `numpy.memmap`; a killed job resumes where it stopped.
+
+    Use it when the result does not fit in memory at all, or when the job is long
+    enough that losing it to a crash would hurt. Each block is computed on the device
+    and written into the file at its offset; neither the device nor this process ever
+    holds the whole result (written pages are flushed and dropped from the cache).
+
+    Beside the file, `<path>.journal` records the call that made it and the blocks on
+    disk. Calling `to_file` again with the same path, transform and arguments after a
+    crash (a `SIGKILL`, a power cut) continues at the first block not yet on disk; on a
+    finished file it returns the file at once, computing nothing.
+
+    **Arguments:**
+
+    - `path`: where to write. An array result goes to this `.npy` file (`np.load(path,
+      mmap_mode="r")` reads it too); a pytree result goes to this directory, one `.npy`
+      file per leaf named by its key path (`jax.tree_util.keystr`), with the journal
+      `blocks.journal` inside.
+    - `transform`: a `zm.BatchedJacobian`, `zm.BatchedHessian` or `zm.ChunkedVmap`, as
+      for `zm.to_host`; `has_aux=True` is refused (use `zm.to_host`, or return the
+      auxiliary value from a separate call).
+    - `*args`, `**kwargs`: the arguments of the call.
+
+    **Returns:**
+
+    The result as a read-only `numpy.memmap` (or a pytree of them, shaped like the
+    result), equal in values and dtypes to `transform(*args, **kwargs)`.
+
+    **Raises:**
+
+    `zm.SerialisationError` when the file was made by another call (another transform
+    or configuration, other shapes or dtypes, other input values: the message names
+    what differs), or when its journal or files are damaged. To start afresh, delete
+    the file and its journal.
+
+    !!! example
+
+        ```python
+        import os, tempfile
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w):
+            return jnp.sum(jnp.sin(w) ** 2)
+
+        path = os.path.join(tempfile.mkdtemp(), "hessian.npy")
+        H = zm.to_file(path, zm.BatchedHessian(loss, nbatches=4), jnp.arange(10.0))
+        assert H.shape == (10, 10) and not H.flags.writeable
+        H = zm.to_file(path, zm.BatchedHessian(loss, nbatches=4), jnp.arange(10.0))  # done
+        ```
+    """
+    _check_transform(transform, "to_file")
+    if transform.config.get("has_aux", False):
+        raise TypeError(
+            "zm.to_file: the transform has has_aux=True, but a file holds only the result. "
+            "Use zm.to_host for (result, aux), or compute the auxiliary value separately."
+        )
+    _check_concrete(args, kwargs, "to_file")
+    path = os.fspath(path)
+    layout = _layout(transform, args, kwargs)
+    for key, leaf in zip(layout.paths, layout.leaves, strict=True):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"zm.to_file: the result{key} is {leaf!r}, not an array; a file holds arrays "
+                "only. Use zm.to_host, or leave that output out of the result."
+            )
+    files = _Files(path, layout)
+    fingerprint = _fingerprint(transform, args, kwargs, layout)
+    journal = _Journal(files.journal)
+    header = journal.open(fingerprint, files)
+    if header is not None and journal.complete:
+        return files.load()
+    if header is None:
+        planned = _planned(transform, args, kwargs)
+        block_size, strategy = _block_size(planned, args, kwargs)
+        header = {"block_size": block_size, "strategy": strategy}
+        journal.create(fingerprint, files, header)
+    elif transform.max_memory is not None and header.get("block_size"):
+        # The blocks the journal counts: the size planned when the file was made.
+        planned = transform._with_block_size(header["block_size"], header.get("strategy"))
+    else:
+        planned = transform
+    files.open()
+    syncer = _Syncer(files, journal)
+    try:
+
+        def write(index, leaves, start, pieces, axes):
+            for leaf, piece, axis in zip(leaves, pieces, axes, strict=True):
+                files.write_block(leaf, piece, axis, start)
+            syncer.written(index + 1)
+
+        returned, streamed = _run_streamed(planned, args, kwargs, write, journal.done)
+        syncer.close()
+        for i, value in enumerate(_values(layout, returned)):
+            if i not in streamed:
+                files.write_whole(i, np.asarray(value))
+        files.sync()
+        journal.append({"complete": True})
+    finally:
+        syncer.close()
+        files.close()
+    return files.load()
+
+
+def _check_transform(transform: Any, name: str) -> None:
+    if not isinstance(transform, _STREAMABLE):
+        raise TypeError(
+            f"zm.{name}: the transform must be a zm.BatchedJacobian, zm.BatchedHessian or "
+            f"zm.ChunkedVmap, whose results are cut into blocks, but got {transform!r} of "
+            f"type {type(transform).__name__}."
+        )
+
+
+def _check_concrete(args: tuple, kwargs: dict, name: str) -> None:
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+        raise TypeError(
+            f"zm.{name}: the arguments hold traced values; zm.{name} moves the result off "
+            "the device as it is made, so call it outside jax.jit, jax.vmap and jax.grad."
+        )
+
+
+class _Layout(NamedTuple):
+    """The result's leaves (shapes and dtypes, or non-array values) and structure,
+    without the auxiliary value."""
+
+    treedef: Any
+    leaves: list
+    paths: list[str]
+    has_aux: bool
+
+
+def _layout(transform: Any, args: tuple, kwargs: dict) -> _Layout:
+    if transform.max_memory is not None:
+        # Any block size gives the same result; the one the count options would give.
+        size = max(transform._work(*args, **kwargs).block_size, 1)
+        transform = transform._with_block_size(size, transform._strategies[0])
+    shapes = eqx.filter_eval_shape(lambda t, a, k: t._run(*a, **k), transform, args, kwargs)
+    has_aux = bool(transform.config.get("has_aux", False))
+    out = shapes[0] if has_aux else shapes
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(out)
+    paths = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
+    return _Layout(treedef, [leaf for _, leaf in paths_leaves], paths, has_aux)
+
+
+def _streamed_call(transform: Any, args: tuple, kwargs: dict) -> Any:
+    """The streamed call with a sink that keeps nothing: what the planner compiles."""
+    return transform._streamed(OutputSink(_keep_nothing, 0), *args, **kwargs)
+
+
+def _keep_nothing(*_: Any) -> None:
+    pass
+
+
+def _planned(transform: Any, args: tuple, kwargs: dict) -> Any:
+    """The transform with the block size its budget allows for the streamed call."""
+    if transform.max_memory is None:
+        return transform
+    plan = make_plan(transform, args, kwargs, run=_streamed_call)
+    if plan.total == 0:
+        return transform
+    return transform._with_block_size(plan.block_size, plan.strategy)
+
+
+def _block_size(planned: Any, args: tuple, kwargs: dict) -> tuple[int, Any]:
+    work = planned._work(*args, **kwargs)
+    return work.block_size, planned.config.get("strategy")
+
+
+def _run_streamed(
+    transform: Any, args: tuple, kwargs: dict, write: Any, first_block: int
+) -> tuple[Any, set[int]]:
+    """Run the streamed call from `first_block`: returns what it returned (`None` at the
+    leaves handed to `write`) and the indices of those leaves."""
+    streamed: list[int] = []
+
+    @eqx.filter_jit
+    def call(transform, args, kwargs, first):
+        sink = OutputSink(write, first)
+        out = transform._streamed(sink, *args, **kwargs)
+        streamed[:] = sink.leaves
+        return out
+
+    returned = call(transform, args, kwargs, jnp.asarray(first_block, jnp.int32))
+    jax.effects_barrier()  # every block handed over before the caller reads them
+    return returned, set(streamed)
+
+
+def _values(layout: _Layout, returned: Any) -> list:
+    """The leaves of what the streamed call returned (`None` at the streamed ones)."""
+    if returned is None:
+        return [None] * layout.treedef.num_leaves  # every leaf was streamed
+    return layout.treedef.flatten_up_to(returned)
+
+
+def _block_view(array: np.ndarray, piece_shape: tuple, axis: int, start: int) -> Any:
+    """The part of a C-ordered `array` that a block of `piece_shape`, starting at `start`
+    along `axis` of the engine's view of it, fills."""
+    others = math.prod(piece_shape) // piece_shape[axis] if piece_shape[axis] else 1
+    total = array.size // others
+    view = array.reshape(piece_shape[:axis] + (total,) + piece_shape[axis + 1 :])
+    return view[(slice(None),) * axis + (slice(start, start + piece_shape[axis]),)]
+
+
+def _safe_name(key: str, taken: set[str]) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("_.") or "result"
+    unique, k = name, 1
+    while unique in taken:
+        unique, k = f"{name}_{k}", k + 1
+    taken.add(unique)
+    return unique + ".npy"
+
+
+def _npy_header(shape: tuple, dtype: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    description = {
+        "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+        "fortran_order": False,
+        "shape": tuple(shape),
+    }
+    np.lib.format.write_array_header_1_0(buffer, description)
+    return buffer.getvalue()
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _fsync_directory(path: str) -> None:
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _Files:
+    """The `.npy` files of a result: one file for an array, a directory for a pytree."""
+
+    def __init__(self, path: str, layout: _Layout):
+        self.layout = layout
+        self.single = layout.treedef.num_leaves == 1 and layout.paths == [""]
+        if self.single:
+            self.directory = os.path.dirname(os.path.abspath(path))
+            self.paths = [path]
+            self.journal = path + ".journal"
+        else:
+            self.directory = path
+            taken: set[str] = set()
+            self.paths = [os.path.join(path, _safe_name(key, taken)) for key in layout.paths]
+            self.journal = os.path.join(path, "blocks.journal")
+        self.headers = [_npy_header(leaf.shape, leaf.dtype) for leaf in layout.leaves]
+        self.fds: list[int] = []
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"file": os.path.basename(p), "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+            for p, leaf in zip(self.paths, self.layout.leaves, strict=True)
+        ]
+
+    def create(self) -> None:
+        """Every file, with its header and its full (sparse) size, on disk."""
+        for path, header, leaf in zip(self.paths, self.headers, self.layout.leaves, strict=True):
+            with open(path, "wb") as file:
+                file.write(header)
+                file.truncate(len(header) + leaf.size * np.dtype(leaf.dtype).itemsize)
+                file.flush()
+                os.fsync(file.fileno())
+        _fsync_directory(self.directory)
+
+    def check(self) -> None:
+        """Refuse files that are missing, or whose header or size is not the journal's."""
+        for path, header, leaf in zip(self.paths, self.headers, self.layout.leaves, strict=True):
+            size = len(header) + leaf.size * np.dtype(leaf.dtype).itemsize
+            try:
+                with open(path, "rb") as file:
+                    found = file.read(len(header))
+                    actual = os.fstat(file.fileno()).st_size
+            except OSError as error:
+                raise SerialisationError(
+                    f"zm.to_file: {path} is missing or cannot be read ({error}), though its "
+                    f"journal records blocks written to it. {_AFRESH}"
+                ) from error
+            if found != header or actual != size:
+                raise SerialisationError(
+                    f"zm.to_file: {path} does not hold the header and size its journal "
+                    f"expects (a {leaf.dtype} array of shape {leaf.shape}, {size} bytes; "
+                    f"found {actual} bytes). {_AFRESH}"
+                )
+
+    def open(self) -> None:
+        self.fds = [os.open(path, os.O_RDWR) for path in self.paths]
+
+    def write_block(self, leaf: int, piece: Any, axis: int, start: int) -> None:
+        """Write a block at its offsets: one run of bytes per index of the axes before
+        `axis` (a single run when the block axis leads)."""
+        dtype = np.dtype(self.layout.leaves[leaf].dtype)
+        piece = np.ascontiguousarray(piece, dtype)
+        size = self.layout.leaves[leaf].size
+        count = piece.shape[axis]
+        before = math.prod(piece.shape[:axis])
+        after = math.prod(piece.shape[axis + 1 :])
+        if not count or not before or not after:
+            return
+        total = size // (before * after)
+        runs = piece.reshape(before, count * after)
+        base = len(self.headers[leaf])
+        for p in range(before):
+            offset = base + (p * total + start) * after * dtype.itemsize
+            _pwrite_all(self.fds[leaf], runs[p], offset)
+
+    def write_whole(self, leaf: int, value: Any) -> None:
+        dtype = np.dtype(self.layout.leaves[leaf].dtype)
+        value = np.ascontiguousarray(value, dtype)
+        if value.size:
+            _pwrite_all(self.fds[leaf], value.reshape(-1), len(self.headers[leaf]))
+
+    def sync(self) -> None:
+        """Flush what was written, and drop it from the page cache: it counts as memory."""
+        for fd in self.fds:
+            os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def load(self) -> Any:
+        arrays = [np.load(path, mmap_mode="r") for path in self.paths]
+        return jax.tree_util.tree_unflatten(self.layout.treedef, arrays)
+
+    def exists(self) -> bool:
+        if self.single:
+            return os.path.exists(self.paths[0])
+        return os.path.isdir(self.directory) and bool(os.listdir(self.directory))
+
+
+_AFRESH = "To start afresh, delete the file (and its journal) and call zm.to_file again."
+
+
+def _record(record: dict[str, Any]) -> bytes:
+    body = json.dumps(record, separators=(",", ":"), sort_keys=True)
+    return f"{hashlib.sha256(body.encode()).hexdigest()[:16]} {body}\n".encode()
+
+
+class _Journal:
+    """The records beside a file: a header record (the call's fingerprint, the files,
+    the block size), then `{"done": k}` once blocks `0, ..., k - 1` are on disk, then
+    `{"complete": true}`. Each record is one line with a checksum; a torn last line (a
+    write cut short) is ignored, a damaged one before it is refused."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.done = 0
+        self.complete = False
+
+    def open(self, fingerprint: dict[str, str], files: _Files) -> dict[str, Any] | None:
+        """The header of an existing journal, checked against this call, or `None`
+        when there is none (and no file in the way)."""
+        if not os.path.exists(self.path):
+            if files.exists():
+                where = files.paths[0] if files.single else files.directory
+                raise SerialisationError(
+                    f"zm.to_file: {where} exists but has no journal ({self.path}): it was "
+                    "not written by zm.to_file, or its journal was removed, so its blocks "
+                    "cannot be trusted. Delete it, or choose another path, to start afresh."
+                )
+            return None
+        with open(self.path, "rb") as file:
+            data = file.read()
+        records, valid = [], 0
+        lines = data.split(b"\n")
+        for number, line in enumerate(lines[:-1], start=1):
+            record = _parse(line)
+            if record is None:
+                last = number == len(lines) - 1 and not lines[-1]
+                if last and records:
+                    break  # a record cut short by a crash: its block is not counted
+                raise SerialisationError(
+                    f"zm.to_file: record {number} of the journal {self.path} is damaged "
+                    f"(its checksum does not match). {_AFRESH}"
+                )
+            records.append(record)
+            valid += len(line) + 1
+        if not records:
+            raise SerialisationError(
+                f"zm.to_file: the journal {self.path} holds no readable header record. {_AFRESH}"
+            )
+        header = records[0]
+        if header.get("format") != _JOURNAL_FORMAT or header.get("version") != _JOURNAL_VERSION:
+            raise SerialisationError(
+                f"zm.to_file: {self.path} is not a journal of zm.to_file (format "
+                f"{header.get('format')!r}, version {header.get('version')!r}). {_AFRESH}"
+            )
+        differs = [
+            f"its {name} (the file: {header['fingerprint'].get(name)}; this call: {value})"
+            for name, value in fingerprint.items()
+            if header["fingerprint"].get(name) != value
+        ]
+        if differs:
+            raise SerialisationError(
+                f"zm.to_file: {files.paths[0] if files.single else files.directory} was made "
+                f"by another call: {'; '.join(differs)} differ. A file resumes only the call "
+                f"that made it. {_AFRESH}"
+            )
+        for record in records[1:]:
+            if "done" in record:
+                if not isinstance(record["done"], int) or record["done"] < self.done:
+                    raise SerialisationError(
+                        f"zm.to_file: the journal {self.path} records blocks out of order "
+                        f"({record}). {_AFRESH}"
+                    )
+                self.done = record["done"]
+            elif record.get("complete") is True:
+                self.complete = True
+        if valid < len(data):
+            with open(self.path, "r+b") as file:
+                file.truncate(valid)  # later records go after the last whole one
+                os.fsync(file.fileno())
+        if self.done == 0 and not self.complete:
+            files.create()  # nothing counted yet: the files may not have been made
+        else:
+            files.check()
+        return header
+
+    def create(self, fingerprint: dict[str, str], files: _Files, header: dict[str, Any]) -> None:
+        """A new journal (written whole, then renamed into place), then the files."""
+        os.makedirs(files.directory, exist_ok=True)
+        record = {
+            "format": _JOURNAL_FORMAT,
+            "version": _JOURNAL_VERSION,
+            "fingerprint": fingerprint,
+            "files": files.describe(),
+            **header,
+        }
+        temporary = self.path + ".tmp"
+        with open(temporary, "wb") as file:
+            file.write(_record(record))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+        _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+        files.create()
+
+    def append(self, record: dict[str, Any]) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            _pwrite_all_append(fd, _record(record))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _pwrite_all_append(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    checksum, _, body = line.partition(b" ")
+    if hashlib.sha256(body).hexdigest()[:16].encode() != checksum:
+        return None
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class _Syncer:
+    """Makes written blocks durable off the loop's thread: fsyncs the files, drops their
+    pages from the cache, then records (and fsyncs) how many blocks are on disk."""
+
+    def __init__(self, files: _Files, journal: _Journal):
+        self._files, self._journal = files, journal
+        self._pending: int | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self._condition = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def written(self, count: int) -> None:
+        """Blocks `0, ..., count - 1` are written (not yet flushed)."""
+        with self._condition:
+            self._pending = count
+            self._condition.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                while self._pending is None and not self._closed:
+                    self._condition.wait()
+                if self._pending is None:
+                    return
+                count, self._pending = self._pending, None
+            try:
+                self._files.sync()
+                self._journal.append({"done": count})
+            except BaseException as error:  # raised again on the caller's thread
+                self._error = error
+                return
+
+    def close(self) -> None:
+        with self._condition:
+            self._closed = True
+            self._condition.notify()
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _describe(value: Any) -> str:
+    """A value as text that is the same in every process (no memory addresses)."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def _fingerprint(transform: Any, args: tuple, kwargs: dict, layout: _Layout) -> dict[str, str]:
+    """What a file's journal compares to resume it: the transform and its configuration,
+    the result's and the inputs' shapes and dtypes, the other leaves (functions, numbers,
+    static fields) and a hash of every input value (the transform's arrays included)."""
+    config = ", ".join(f"{k}={_describe(v)}" for k, v in transform.config.items())
+    leaves, treedef = jax.tree_util.tree_flatten((transform, args, kwargs))
+    digest = hashlib.sha256()
+    shapes, constants = [], []
+    for leaf in leaves:
+        if eqx.is_array(leaf):
+            array = np.ascontiguousarray(np.asarray(leaf))
+            shapes.append(f"{array.dtype}{list(array.shape)}")
+            digest.update(array.view(np.uint8).reshape(-1).data if array.size else b"")
+        else:
+            constants.append(_describe(leaf))
+    output = ", ".join(
+        f"{key or 'result'}: {leaf.dtype}{list(leaf.shape)}"
+        for key, leaf in zip(layout.paths, layout.leaves, strict=True)
+    )
+    return {
+        "transform": f"{type(transform).__name__}({config})",
+        "output shapes and dtypes": output,
+        "input shapes and dtypes": ", ".join(shapes),
+        "input structure and constants": _ADDRESS.sub("", str(treedef))
+        + " | "
+        + ", ".join(constants),
+        "input values (sha256)": digest.hexdigest(),
+    }
