@@ -24,20 +24,28 @@ take. So when one item per block does not fit, a ladder of sizes (halves of the 
 down to 2) is compiled before the call is refused, and the search goes on from the
 largest of them that fits.
 
-Which of the sizes that fit runs fastest: for derivatives, the largest (one more
-product per block costs the same time or less, and the fewest blocks means the fewest
-loop steps); for maps and microbatches, where a large block's temporaries can run
-slower than a smaller block's (on a CPU, out of cache and through more page faults),
-and when the job has at least `TIMED_JOB_BLOCKS` blocks, the planner times one block at
-the largest size that fits and at its half and quarter, and takes the most items per
-second. Plans are cached per transform, argument shapes and dtypes, and budget, so the
-cost is paid by the first call only.
+Blocks are planned to fit the budget less a reserve (`usable_bytes`: 2% of it, and on a
+CPU 40 MB more, never more than a tenth) for what the process allocates beside the
+call's buffers; and once the candidates are compiled, the heap the compiler freed is
+handed back to the system, so that planning does not raise the process's peak memory.
+
+Which of the sizes that fit runs fastest is a property of the machine. On a CPU, a
+block whose temporaries outgrow the caches runs slower per item (each block also touches
+fresh pages): on the reference Hessian, blocks of 25 products (15 MB of temporaries) ran
+2.56 s, 99 products 3.08 s, one block of all 12,577 products 5.9 s; on the reference map,
+one element per chunk (36 MB) ran fastest. So on a CPU the planner takes the largest size
+that fits whose temporaries stay within `CPU_BLOCK_BYTES`, one item per block at least;
+the temporaries per item are the slope of the compiled peaks between one item per block
+and the whole work, which the search measures anyway. On an accelerator, where a wider
+block keeps more of the device busy, it takes the largest size that fits. Plans are
+cached per transform, argument shapes and dtypes, and budget, so the cost is paid by the
+first call only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -48,19 +56,33 @@ import numpy as np
 from ._memory import budget_bytes, format_bytes
 
 __all__ = [
+    "usable_bytes",
     "MemoryBudgetError",
     "Plan",
-    "TIMED_JOB_BLOCKS",
+    "CPU_BLOCK_BYTES",
     "Work",
     "abstract",
     "make_plan",
     "search",
 ]
 
-# A map or microbatched job with at least this many blocks at the largest size that fits
-# has its candidates timed; a shorter one runs that size (its timings would cost more
-# than they could save).
-TIMED_JOB_BLOCKS = 4
+# What is kept of a budget for what the process allocates beside the call's own buffers:
+# blocks are planned to fit the rest. On a CPU the call's memory is the process's, and
+# the compiler's heap, the executable and the runtime's threads come to about 40 MB on
+# the reference Hessian (measured peak above floor less the compiled peak); on an
+# accelerator only the allocator's slack shares the device. Never more than a tenth.
+RESERVE_SHARE = 0.02
+RESERVE_CPU_BYTES = 40 * 10**6
+
+
+def usable_bytes(budget: int, platform: str) -> int:
+    """The part of `budget` that the compiled call's peak may take."""
+    reserve = RESERVE_SHARE * budget + (RESERVE_CPU_BYTES if platform == "cpu" else 0)
+    return int(budget - min(reserve, 0.1 * budget))
+
+
+# On a CPU, the most temporaries a block is planned to make (see the module's docstring).
+CPU_BLOCK_BYTES = 16 * 10**6
 
 
 class Work(NamedTuple):
@@ -156,35 +178,6 @@ def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
     return int(analysis.temp_size_in_bytes) + output, output
 
 
-def time_call(call: Callable[..., Any], *args: Any) -> float:
-    """Seconds for one run of `call(*args)` compiled (after a first, warming run), on
-    `args` with zeros in place of abstract or traced arrays."""
-    dynamic, static = eqx.partition(
-        abstract(args), lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct)
-    )
-    concrete = eqx.partition(args, eqx.is_array)[0]
-    # Real values where there are some, zeros in place of tracers and abstract values.
-    values = jax.tree_util.tree_map(
-        lambda shape, value: (
-            value
-            if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
-            else np.zeros(shape.shape, shape.dtype)
-        ),
-        dynamic,
-        concrete,
-        is_leaf=lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct),
-    )
-
-    def arrays_out(dynamic):
-        return eqx.filter(call(*eqx.combine(dynamic, static)), eqx.is_array)
-
-    compiled = jax.jit(arrays_out).lower(dynamic).compile()
-    jax.block_until_ready(compiled(values))
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(values))
-    return time.perf_counter() - start
-
-
 def _size_for(total: int, block_size: int) -> int:
     """The smallest block size that cuts `total` into as many blocks as `block_size` does."""
     return -(-total // -(-total // block_size))
@@ -196,12 +189,11 @@ def search(
     budget: int,
     *,
     refuse: Callable[[int], Exception],
-    time_at: Callable[[int], float] | None = None,
+    block_bytes: int | None = None,
 ) -> int:
-    """The block size to use: the largest whose peak (`peak_at(size)`) fits `budget`, or,
-    with `time_at(size)` (seconds for one block) on a long job, the fastest per item of
-    it and its half and quarter. `refuse(peak_of_one)` is raised when one item per
-    block does not fit."""
+    """The block size to use: the largest whose peak (`peak_at(size)`) fits `budget` and,
+    with `block_bytes`, whose temporaries (the peaks' slope per item times the size) stay
+    within it. `refuse(least_peak)` is raised when no size fits."""
     peaks: dict[int, int] = {}
 
     def peak(size: int) -> int:
@@ -209,37 +201,36 @@ def search(
             peaks[size] = peak_at(size)
         return peaks[size]
 
-    if peak(total) <= budget:
-        largest = total
-    else:
-        fits, over = 1, total
-        if peak(1) > budget:
-            # Usually nothing fits then; but the peak need not grow with the block size
-            # (XLA may form a large block's products as one matrix product, with fewer
-            # temporaries than a few separate ones): look down a ladder of sizes first.
-            ladder = [_size_for(total, total >> k) for k in range(1, 9) if total >> k > 1]
-            fitting = [size for size in ladder if peak(size) <= budget]
-            if not fitting:
-                raise refuse(min(peaks.values()))
-            fits = fitting[0]
-            over = min(size for size in peaks if size > fits)
-        while over - fits > max(1, fits // 16):
-            # The secant between the largest size known to fit and the smallest known not to.
-            slope = (peak(over) - peak(fits)) / (over - fits)
-            guess = fits + (budget - peak(fits)) / slope if slope > 0 else over - 1
-            size = _size_for(total, int(min(max(guess, fits + 1), over - 1)))
-            if size <= fits or size >= over:
-                break
-            if peak(size) <= budget:
-                fits = size
-            else:
-                over = size
-        largest = fits
-    if time_at is None or -(-total // largest) < TIMED_JOB_BLOCKS:
-        return largest
-    candidates = sorted({_size_for(total, max(1, largest // k)) for k in (1, 2, 4)})
-    rates = {size: size / max(time_at(size), 1e-9) for size in candidates}
-    return max(rates, key=lambda size: (rates[size], size))
+    cap = total
+    if block_bytes is not None and total > 1:
+        per_item = (peak(total) - peak(1)) / (total - 1)
+        if per_item > 0:
+            cap = _size_for(total, max(1, min(total, int(block_bytes // per_item))))
+    if peak(cap) <= budget:
+        return cap
+    fits, over = 1, cap
+    if peak(1) > budget:
+        # Usually nothing fits then; but the peak need not grow with the block size
+        # (XLA may form a large block's products as one matrix product, with fewer
+        # temporaries than a few separate ones): look down a ladder of sizes first.
+        ladder = [_size_for(total, cap >> k) for k in range(1, 9) if cap >> k > 1]
+        fitting = [size for size in ladder if peak(size) <= budget]
+        if not fitting:
+            raise refuse(min(peaks.values()))
+        fits = fitting[0]
+        over = min(size for size in peaks if size > fits)
+    while over - fits > max(1, fits // 16):
+        # The secant between the largest size known to fit and the smallest known not to.
+        slope = (peak(over) - peak(fits)) / (over - fits)
+        guess = fits + (budget - peak(fits)) / slope if slope > 0 else over - 1
+        size = _size_for(total, int(min(max(guess, fits + 1), over - 1)))
+        if size <= fits or size >= over:
+            break
+        if peak(size) <= budget:
+            fits = size
+        else:
+            over = size
+    return fits
 
 
 def refusal(
@@ -306,6 +297,7 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
         return measured[strategy, size]
 
     budget = budget_bytes(transform.max_memory)
+    usable = None if budget is None else usable_bytes(budget, jax.default_backend())
 
     def plan_of(strategy: Any, size: int | None) -> Plan:
         peak, output = memory(strategy, size)
@@ -335,18 +327,13 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
                     output_what=work.output_what,
                 )
 
-            def time_at(size: int, strategy: Any = strategy) -> float:
-                block_args, block_kwargs = transform._one_block(size, args, kwargs)
-                candidate = transform._with_block_size(size, strategy)
-                return time_call(_run, candidate, block_args, block_kwargs)
-
             try:
                 size = search(
                     lambda size, strategy=strategy: memory(strategy, size)[0],
                     work.total,
-                    budget,
+                    usable,
                     refuse=refuse,
-                    time_at=time_at if transform._timed else None,
+                    block_bytes=CPU_BLOCK_BYTES if jax.default_backend() == "cpu" else None,
                 )
             except MemoryBudgetError as error:
                 refusals.append(error)
@@ -355,11 +342,22 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
             break
         else:
             raise refusals[-1] if len(refusals) == 1 else _both_refused(refusals)
+    if measured:
+        release_heap()
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
     return plan
+
+
+def release_heap() -> None:
+    """Hand the memory the compiler freed back to the operating system (glibc keeps it
+    otherwise, and the process would carry the planning compiles' heap into the call)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to release this way
 
 
 def _both_refused(refusals: list[MemoryBudgetError]) -> MemoryBudgetError:
