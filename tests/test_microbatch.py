@@ -463,6 +463,7 @@ def test_configuration():
         "argnames": (),
         "in_axes": 0,
         "accumulator": "mean",
+        "progress": False,
     }
     assert zm.AccumulationType("running_mean") is zm.AccumulationType.RUNNING_MEAN
 
@@ -484,6 +485,7 @@ def test_numpy_integer_options_are_read_as_ints():
         "argnames": (),
         "in_axes": 0,
         "accumulator": "mean",
+        "progress": False,
     }
     stored = [transform.microbatch_size, *transform.argnums, transform.in_axes]
     assert all(type(value) is int for value in stored)

@@ -217,6 +217,7 @@ def test_module_fn_is_a_leaf_and_differentiable(float64):
         "length": None,
         "reverse": False,
         "unroll": 1,
+        "progress": False,
     }
 
     def loss(transform, h0):

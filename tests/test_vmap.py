@@ -313,6 +313,7 @@ def test_configuration_is_static():
         "max_memory": None,
         "in_axes": 1,
         "out_axes": (0,),
+        "progress": False,
     }
     assert transform.chunk_size == 3 and transform.fn is fn
     assert transform == zm.ChunkedVmap(fn, chunk_size=3, in_axes=1, out_axes=(0,))

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 
+from ._progress import progress_bar
+
 __all__ = [
     "BlockPlan",
     "BlockSink",
@@ -175,6 +177,7 @@ def map_blocks(
     axis: Any = 0,
     read: Callable[[Any], Any] | None = None,
     sink: BlockSink | None = None,
+    progress: str | None = None,
 ) -> Any:
     """Run `block_fn` over every block and assemble the results along `axis`.
 
@@ -194,6 +197,8 @@ def map_blocks(
       instead of assembling it: the loop runs from `sink.first_block` and calls
       `sink.write` for every block, in order (an ordered `io_callback`), and nothing
       but one block is ever held on the device.
+    - `progress`: optionally, the label of a progress bar of the blocks done, drawn on
+      stderr from inside the compiled loop (`None`: no bar, and no callback compiled).
 
     Returns the pytree of the block function with `plan.total` items along `axis`
     (`None` with a `sink`). With one block and no sink, the block function is called
@@ -209,8 +214,13 @@ def map_blocks(
         return None if read is None else read(plan.start(index).astype(jnp.int32))
 
     first = jnp.asarray(0, jnp.int32)
+    # No bar for blocks handed to a sink: that loop may resume past block 0.
+    bar = progress_bar(None if sink is not None else progress, plan.num_blocks)
+    bar.start()
     if plan.num_blocks == 1 and sink is None:
-        return compute(first, read_block(first))
+        result = compute(first, read_block(first))
+        bar.done(1, result)
+        return result
     block_shapes = jax.eval_shape(lambda start: compute(start, read_block(start)), first)
     leaves, treedef = jax.tree_util.tree_flatten(block_shapes)
     axes = [
@@ -239,6 +249,7 @@ def map_blocks(
             jax.lax.dynamic_update_slice_in_dim(buf, piece.astype(buf.dtype), start, axis=a)
             for buf, piece, a in zip(buffers, block, axes, strict=True)
         ]
+        bar.done(index + 1, buffers)
         # The next block's inputs; past the last block `plan.start` clamps the index
         # to the last block, so this read stays in bounds (and is unused).
         return buffers, read_block(index + 1)
@@ -318,6 +329,7 @@ def scan_blocks(
     reverse: bool = False,
     unroll: int | bool = 1,
     reverse_outputs: bool = False,
+    progress: str | None = None,
 ) -> tuple[Any, Any]:
     """Run a scan of `plan.total` steps one block of consecutive steps at a time.
 
@@ -338,6 +350,8 @@ def scan_blocks(
       holds the lowest step numbers, so that it still runs last.
     - `unroll`: the `unroll` of the `lax.scan` over full blocks.
     - `reverse_outputs`: assemble the outputs in the opposite order.
+    - `progress`: optionally, the label of a progress bar of the blocks done (as in
+      `map_blocks`).
 
     Returns `(carry, outputs)`: the carry after the last step, and every block's
     results along the leading axis in the order of the step numbers that made them
@@ -381,14 +395,20 @@ def scan_blocks(
             written.append(write_once(buf, piece, position))
         return written
 
+    bar = progress_bar(progress, plan.num_blocks)
+
     def run_block(state, index):
         carry, buffers = state
         carry, out = block_fn(carry, first + index * size, size)
         offsets = in_rest if reverse else [0] * len(buffers)
         positions = [offset + index * n for offset, n in zip(offsets, per_block, strict=True)]
-        return (carry, write(buffers, out, positions)), None
+        buffers = write(buffers, out, positions)
+        # Blocks done so far, whichever way the loop runs over `index`.
+        bar.done(full - index if reverse else index + 1, (carry, buffers))
+        return (carry, buffers), None
 
     carry = init
+    bar.start()
     if full == 1:
         (carry, buffers), _ = run_block((carry, buffers), jnp.asarray(0, jnp.int32))
     elif full > 1:
@@ -400,6 +420,7 @@ def scan_blocks(
         carry, out = block_fn(carry, rest_start, rest)
         positions = [0 if reverse else full * n for n in per_block]
         buffers = write(buffers, out, positions)
+        bar.done(plan.num_blocks, (carry, buffers))
     return carry, jax.tree_util.tree_unflatten(treedef, buffers)
 
 
@@ -411,6 +432,7 @@ def reduce_blocks(
     *,
     num_blocks: Any = None,
     read: Callable[[Any, int], Any] | None = None,
+    progress: str | None = None,
 ) -> Any:
     """Fold the results of every block into an accumulator, block by block.
 
@@ -428,12 +450,15 @@ def reduce_blocks(
       to `block_fn`. As in `map_blocks`, the loop over full blocks reads each block's
       inputs one iteration ahead and carries them, so that the block function gets
       arrays of their own rather than slices fused into its first operations.
+    - `progress`: optionally, the label of a progress bar of the blocks done (as in
+      `map_blocks`); blocks skipped by `num_blocks` count as done when they are passed.
 
     Blocks never overlap, so every item is counted exactly once. The loop has a
     fixed trip count even when `num_blocks` is traced (skipped blocks go through
     `lax.cond`), so the reduction stays reverse-mode differentiable.
     """
     acc = init
+    bar = progress_bar(progress, plan.num_blocks)
 
     def compute(start, size, inputs):
         return block_fn(start, size) if read is None else block_fn(start, size, inputs)
@@ -452,7 +477,9 @@ def reduce_blocks(
 
     def step(index, state):
         acc, inputs = state
-        return run(index, acc, inputs), read_full(index + 1)
+        acc = run(index, acc, inputs)
+        bar.done(index + 1, acc)
+        return acc, read_full(index + 1)
 
     def last(acc):
         start = jnp.asarray(plan.num_full_blocks * plan.block_size, jnp.int32)
@@ -461,11 +488,13 @@ def reduce_blocks(
         return update(acc, result, jnp.asarray(plan.num_full_blocks), plan.remainder)
 
     first = jnp.asarray(0, jnp.int32)
+    bar.start()
     if num_blocks is None:
         if plan.num_full_blocks:
             acc, _ = jax.lax.fori_loop(0, plan.num_full_blocks, step, (acc, read_full(first)))
         if plan.remainder:
             acc = last(acc)
+            bar.done(plan.num_blocks, acc)
         return acc
 
     stop = jnp.asarray(num_blocks, jnp.int32)
@@ -473,6 +502,8 @@ def reduce_blocks(
     def step_if_running(index, state):
         acc, inputs = state
         acc = jax.lax.cond(index < stop, lambda a: run(index, a, inputs), lambda a: a, acc)
+        # Outside the `cond`: under `vmap` a mapped `stop` would run both branches.
+        bar.done(index + 1, acc)
         return acc, read_full(index + 1)
 
     if plan.num_full_blocks:
@@ -481,4 +512,5 @@ def reduce_blocks(
         )
     if plan.remainder:
         acc = jax.lax.cond(stop > plan.num_full_blocks, last, lambda a: a, acc)
+        bar.done(plan.num_blocks, acc)
     return acc

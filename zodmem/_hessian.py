@@ -12,6 +12,7 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
@@ -68,6 +69,9 @@ class BatchedHessian(AbstractDerivative):
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
+    - `progress`: show a progress bar on stderr (blocks done of the total, rate, time
+      left), updated from inside the compiled loop after each block. Off by default,
+      and then nothing is added to the compiled program.
 
     **Returns:**
 
@@ -219,7 +223,11 @@ def _hessian(
         hessian = jnp.zeros((0, 0), flat.dtype)
     else:
         hessian = map_blocks(
-            block, plan, axis=axis, sink=None if sink is None else sink.part([0], plan)
+            block,
+            plan,
+            axis=axis,
+            sink=None if sink is None else sink.part([0], plan),
+            progress=label(transform),
         )
     if restore_aux is None:
         return hessian

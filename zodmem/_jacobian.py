@@ -14,6 +14,7 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
@@ -66,6 +67,10 @@ class BatchedJacobian(AbstractDerivative):
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
+    - `progress`: show a progress bar on stderr (blocks done of the total, rate, time
+      left), updated from inside the compiled loop after each block. With mode `"rev"`
+      and several output leaves, each leaf's rows are one loop, with a bar of their
+      own. Off by default, and then nothing is added to the compiled program.
 
     **Returns:**
 
@@ -234,7 +239,7 @@ def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int, sink: OutputS
     if sink is not None:
         every_leaf = range(len(jax.tree_util.tree_leaves(out)))
         return map_blocks(columns, plan, axis=-1, sink=sink.part(every_leaf, plan)), aux
-    return map_blocks(columns, plan, axis=-1), aux
+    return map_blocks(columns, plan, axis=-1, progress=label(transform)), aux
 
 
 def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int, sink: OutputSink | None):
@@ -281,7 +286,8 @@ def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int, sink:
             map_blocks(rows, leaf_plan, axis=0, sink=sink.part([k], leaf_plan))
             jacobians.append(None)
             continue
-        jacobians.append(map_blocks(rows, leaf_plan, axis=0).reshape(*leaf.shape, n))
+        rows_of_leaf = map_blocks(rows, leaf_plan, axis=0, progress=label(transform))
+        jacobians.append(rows_of_leaf.reshape(*leaf.shape, n))
     return jax.tree_util.tree_unflatten(out_def, jacobians), aux
 
 

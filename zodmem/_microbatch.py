@@ -21,8 +21,9 @@ from ._accumulate import (
 )
 from ._blocks import plan_blocks, reduce_blocks
 from ._budget import Work
-from ._checks import as_index, check_callable, check_int, common_size
+from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_memory
+from ._progress import label
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -87,6 +88,10 @@ class Microbatcher(AbstractBlocked):
       counted from the first: an int or an integer scalar array, which may be
       traced (so one compiled function serves batches padded to a common size).
       The other microbatches are not evaluated and do not contribute.
+    - `progress`: show a progress bar on stderr (microbatches done of the total, rate,
+      time left), updated from inside the compiled loop after each microbatch;
+      microbatches skipped by `num_real_microbatches` count as done when passed. Off by
+      default, and then nothing is added to the compiled program.
 
     **Returns:**
 
@@ -156,6 +161,7 @@ class Microbatcher(AbstractBlocked):
     num_real_microbatches: Int[ArrayLike, ""] | None = eqx.field(
         default=None, kw_only=True, converter=_as_count
     )
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     @public
     def __check_init__(self):
@@ -178,6 +184,7 @@ class Microbatcher(AbstractBlocked):
         _check_in_axes(self.in_axes, len(self.batch_argnums) + len(self.batch_argnames))
         check_accumulator(self.accumulator)
         _check_num_real_microbatches(self.num_real_microbatches)
+        check_bool(self.progress, "progress", owner=_OWNER)
 
     @property
     def batch_argnums(self) -> tuple[int, ...]:
@@ -416,7 +423,9 @@ def _microbatch(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:
         return accumulator.update(carry, result, index)
 
     init = accumulator.init(full)
-    carry = reduce_blocks(block_fn, plan, init, update, num_blocks=num_blocks, read=read)
+    carry = reduce_blocks(
+        block_fn, plan, init, update, num_blocks=num_blocks, read=read, progress=label(transform)
+    )
     return accumulator.finalize(carry)
 
 

@@ -16,6 +16,7 @@ from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import plan_blocks, scan_blocks, write_once
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
+from ._progress import label, progress_bar
 from ._traceback import public
 from ._transform import AbstractTransform
 
@@ -84,12 +85,14 @@ def _outer_unroll(unroll: int | bool, block_size: int) -> int | bool:
 class AbstractScan(AbstractTransform):
     """What `SlicedScan` and `CheckpointedScan` share: a step function `fn(carry, x) ->
     (carry, y)` run as `lax.scan` runs it, `length` steps (or one per entry of `xs`),
-    in reverse with `reverse`, `unroll` steps unrolled at most."""
+    in reverse with `reverse`, `unroll` steps unrolled at most, and a progress bar with
+    `progress`."""
 
     fn: Callable[..., Any]
     length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     reverse: bool = eqx.field(default=False, static=True, kw_only=True)
     unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     @public
     def __check_init__(self):
@@ -98,6 +101,7 @@ class AbstractScan(AbstractTransform):
         _check_length(self.length, owner=owner)
         check_bool(self.reverse, "reverse", owner=owner)
         _check_unroll(self.unroll, owner=owner)
+        check_bool(self.progress, "progress", owner=owner)
 
 
 class SlicedScan(AbstractScan):
@@ -139,6 +143,10 @@ class SlicedScan(AbstractScan):
     - `unroll`: a positive int or a bool, `lax.scan`'s `unroll`: an upper bound on
       the steps unrolled in each loop (a loop over kept steps unrolls `unroll //
       step` of them). It changes speed, never values.
+    - `progress`: show a progress bar on stderr (rate, time left), updated from inside
+      the compiled loop: with `xs`, one tick per step, of `length` steps; with
+      `length` alone, one per kept step (each runs the discarded steps after it). Off
+      by default, and then nothing is added to the compiled program.
 
     **Returns:**
 
@@ -203,9 +211,18 @@ def _sliced_scan(transform: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
         xs,
     )
     if not kept:
-        carry, _ = jax.lax.scan(
-            lambda carry, x: (fn(carry, x)[0], None),
-            init,
+        bar = progress_bar(label(transform), length, unit="step")
+
+        def discard(state, x):
+            carry, count = state
+            carry = fn(carry, x)[0]
+            bar.done(count + 1, carry)
+            return (carry, count + 1), None
+
+        bar.start()
+        (carry, _), _ = jax.lax.scan(
+            discard,
+            (init, jnp.asarray(0, jnp.int32)),
             xs,
             length=length,
             reverse=transform.reverse,
@@ -233,6 +250,7 @@ def _scan_keeping(
     outputs = jax.tree_util.tree_map(
         lambda s: jnp.zeros((len(kept), *s.shape[1:]), s.dtype), ys_shapes
     )
+    bar = progress_bar(label(transform), length, unit="step")
 
     def step(state, x):
         carry, index, outputs = state
@@ -245,9 +263,11 @@ def _scan_keeping(
             return write_once(out, jnp.asarray(value)[None], slot, is_kept)
 
         outputs = jax.tree_util.tree_map(write, outputs, y)
+        bar.done(length - index if transform.reverse else index + 1, (carry, outputs))
         return (carry, index + (-1 if transform.reverse else 1), outputs), None
 
     first = jnp.asarray(length - 1 if transform.reverse else 0, jnp.int32)
+    bar.start()
     (carry, _, outputs), _ = jax.lax.scan(
         step,
         (init, first, outputs),
@@ -296,6 +316,7 @@ def _scan_skipping(
         reverse=transform.reverse,
         unroll=_outer_unroll(transform.unroll, stride),
         reverse_outputs=kept.step < 0,
+        progress=label(transform),
     )
     return skip(carry, length - first - span), ys
 
@@ -330,6 +351,10 @@ class CheckpointedScan(AbstractScan):
       `lax.scan(reverse=True)`.
     - `unroll`: a positive int or a bool, `lax.scan`'s `unroll`: an upper bound on
       the steps unrolled in each chunk's loop.
+    - `progress`: show a progress bar on stderr (chunks done of the total, rate, time
+      left), updated from inside the compiled loop after each chunk. It follows the
+      forward pass: the backward pass under `jax.grad` runs without one. Off by
+      default, and then nothing is added to the compiled program.
 
     **Returns:**
 
@@ -407,6 +432,7 @@ def _checkpointed_scan(transform: CheckpointedScan, init: Any, xs: Any) -> tuple
         init,
         reverse=transform.reverse,
         unroll=_outer_unroll(transform.unroll, plan.block_size),
+        progress=label(transform),
     )
 
 

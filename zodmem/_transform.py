@@ -58,6 +58,7 @@ class AbstractBlocked(AbstractTransform):
     """
 
     max_memory: eqx.AbstractVar[int | str | None]
+    progress: eqx.AbstractVar[bool]
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """How the call with these arguments will be cut into blocks, and the memory it
@@ -85,13 +86,19 @@ class AbstractBlocked(AbstractTransform):
             assert plan.fits and plan.num_blocks > 1  # the 360 kB Hessian, in blocks
             ```
         """
-        return make_plan(self, args, kwargs)
+        return make_plan(self._quiet, args, kwargs)
+
+    @property
+    def _quiet(self) -> AbstractBlocked:
+        """This transform without a progress bar, for planning: the candidates it compiles
+        need no callback, and one plan serves the call with and without a bar."""
+        return dataclasses.replace(self, progress=False) if self.progress else self
 
     def _planned(self, args: tuple, kwargs: dict) -> AbstractBlocked:
         """This transform with the block size (and strategy) that its budget allows."""
         if self.max_memory is None:
             return self
-        plan = make_plan(self, args, kwargs)
+        plan = make_plan(self._quiet, args, kwargs)
         if plan.total == 0:
             return self
         return self._with_block_size(plan.block_size, plan.strategy)
@@ -145,6 +152,7 @@ class AbstractDerivative(AbstractBlocked):
     has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
     jit: bool = eqx.field(default=True, static=True, kw_only=True)
     checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     @public
     def __check_init__(self):
@@ -160,7 +168,7 @@ class AbstractDerivative(AbstractBlocked):
             )
         check_choice(self.strategy, "strategy", ("auto", "linearize", "recompute"), owner=owner)
         check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
-        for name in ("holomorphic", "has_aux", "jit", "checkpoint"):
+        for name in ("holomorphic", "has_aux", "jit", "checkpoint", "progress"):
             check_bool(getattr(self, name), name, owner=owner)
 
     @property

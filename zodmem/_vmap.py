@@ -15,8 +15,9 @@ from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
-from ._checks import as_index, check_callable, check_int, common_size
+from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_memory
+from ._progress import label, progress_bar
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -69,6 +70,9 @@ class ChunkedVmap(AbstractBlocked):
       `eqx.filter_vmap`: a pytree prefix of the output of ints, `None` and callables.
       An output given `None` (by default, every non-array output) must not depend
       on the mapped inputs, and is returned once.
+    - `progress`: show a progress bar on stderr (chunks done of the total, rate, time
+      left), updated from inside the compiled loop after each chunk. Off by default,
+      and then nothing is added to the compiled program.
 
     **Returns:**
 
@@ -114,6 +118,7 @@ class ChunkedVmap(AbstractBlocked):
     out_axes: Any = eqx.field(
         default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
     )
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     @public
     def __check_init__(self):
@@ -136,6 +141,7 @@ class ChunkedVmap(AbstractBlocked):
                     )
         _check_axis_spec(self.in_axes, "in_axes")
         _check_axis_spec(self.out_axes, "out_axes")
+        check_bool(self.progress, "progress", owner=_OWNER)
 
     @jaxtyped(typechecker=beartype)
     @public
@@ -144,7 +150,13 @@ class ChunkedVmap(AbstractBlocked):
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         return _chunked_vmap_jit(
-            self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs
+            self.fn,
+            self.chunk_size,
+            self.in_axes,
+            self.out_axes,
+            args,
+            kwargs,
+            progress=label(self),
         )
 
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
@@ -328,6 +340,7 @@ def _chunked_vmap(
     args: tuple,
     kwargs: dict,
     sink: OutputSink | None = None,
+    progress: str | None = None,
 ) -> Any:
     inputs = (args, kwargs)
     input_axes, input_def, leaves, axes, total = _mapped_inputs(fn, in_axes, args, kwargs)
@@ -349,7 +362,11 @@ def _chunked_vmap(
     # No chunk size (a budget whose plan found nothing to cut): every element at once.
     plan = plan_blocks(total, batch_size=chunk_size, what="elements")
     if plan.num_blocks == 1 and sink is None:
-        return vectorised(inputs)
+        bar = progress_bar(progress, 1)  # one chunk, no loop: still a bar that shows 1/1
+        bar.start()
+        result = vectorised(inputs)
+        bar.done(1, result)
+        return result
 
     mapped_inputs = [i for i, a in enumerate(axes) if a is not None]
 
@@ -385,7 +402,9 @@ def _chunked_vmap(
     if mapped:
         mapped_axes = [out_axes_per_leaf[i] for i in mapped]
         part = None if sink is None else sink.part(mapped, plan)
-        blocks = map_blocks(mapped_block, plan, axis=mapped_axes, read=read, sink=part)
+        blocks = map_blocks(
+            mapped_block, plan, axis=mapped_axes, read=read, sink=part, progress=progress
+        )
         for i, value in zip(mapped, blocks or [None] * len(mapped), strict=True):
             results[i] = value
     if unmapped_arrays:

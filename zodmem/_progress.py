@@ -1,0 +1,136 @@
+"""Progress bars for the block engine's loops, drawn on the host from inside compiled code.
+
+A loop that shows progress makes a `Progress` when it is traced. It stages two kinds of
+host callback (`jax.debug.callback`) into the compiled program:
+
+- `start()`, before the loop: opens a fresh bar (`tqdm`, on stderr) every time the
+  compiled program runs, closing one that a failed run left open;
+- `done(count, after)`, after each block: moves the bar to `count` blocks done, and
+  closes it at the total. `after` is what the block wrote (its outputs, its carry): the
+  callback reads one element of it, so that it runs once the block is computed rather
+  than wherever the compiler schedules an independent call.
+
+So a bar follows each run of a cached program, and one bar is shown per loop and per
+run: the callbacks take only the loop counter and that element, which `jax.vmap` never
+maps (its batching rule hands the whole batched element to one callback), so a vmapped loop
+shows one bar for all its lanes, never one per lane. No `lax.cond` guards a callback
+(under `vmap` a `cond` with a mapped predicate runs both branches): the host decides
+what each call means. With progress off, `progress_bar` returns `NO_PROGRESS`, which
+stages nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+from tqdm import tqdm
+
+__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label"]
+
+# The bars open now, by loop; callbacks may come from the runtime's threads.
+_BARS: dict[int, tqdm] = {}
+_LOCK = threading.Lock()
+_KEYS = itertools.count()
+
+
+def label(transform: Any) -> str | None:
+    """The label of a transform's bars (its class name), or `None` with progress off."""
+    return type(transform).__name__ if transform.progress else None
+
+
+class Progress:
+    """The bar of one loop of `total` blocks (or steps: `unit`), labelled `label`."""
+
+    def __init__(self, label: str, total: int, unit: str = "block"):
+        self.key = next(_KEYS)
+        self.label = label
+        self.total = total
+        self.unit = unit
+        self._report = _reporter(self._done)
+
+    def start(self) -> None:
+        """Stage the opening of the bar (traced, before the loop)."""
+        jax.debug.callback(self._open)
+
+    def done(self, count: Any, after: Any) -> None:
+        """Stage the update to `count` blocks done (traced), once `after` is computed."""
+        self._report(jnp.asarray(count, jnp.int32), _witness(after))
+
+    def _new_bar(self) -> tqdm:
+        return tqdm(total=self.total, desc=self.label, unit=self.unit, leave=None)
+
+    def _open(self) -> None:
+        with _LOCK:
+            stale = _BARS.pop(self.key, None)
+            if stale is not None:
+                stale.close()  # left open by a run that failed before its last block
+            _BARS[self.key] = self._new_bar()
+
+    def _done(self, count: Any) -> None:
+        # An array (possibly with a lane axis, should the counter ever be mapped).
+        count = int(np.max(np.asarray(count)))
+        with _LOCK:
+            bar = _BARS.get(self.key)
+            if bar is None:
+                if count >= self.total:
+                    return  # a repeat of the last update, after the bar was closed
+                # The opening did not run: a pass that recomputes the loop (checkpoint).
+                bar = _BARS[self.key] = self._new_bar()
+            if count > bar.n:
+                bar.update(count - bar.n)
+            if count >= self.total:
+                del _BARS[self.key]
+                bar.close()
+
+
+class _NoProgress:
+    """A loop without a bar: stages nothing."""
+
+    def start(self) -> None:
+        pass
+
+    def done(self, count: Any, after: Any) -> None:
+        pass
+
+
+NO_PROGRESS = _NoProgress()
+
+
+def progress_bar(label: str | None, total: int, unit: str = "block") -> Progress | _NoProgress:
+    """A `Progress` for a loop of `total` blocks, or `NO_PROGRESS` when `label` is None."""
+    return NO_PROGRESS if label is None else Progress(label, total, unit)
+
+
+def _witness(tree: Any) -> Any:
+    """One element of the first non-empty numeric array of `tree` (an empty array if
+    there is none), without a derivative: the value a callback waits for."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and leaf.size and _is_numeric(leaf.dtype):
+            return jax.lax.stop_gradient(jnp.ravel(leaf)[:1])
+    return jnp.zeros((0,), jnp.int32)
+
+
+def _is_numeric(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+
+
+def _reporter(callback: Any) -> Any:
+    """`report(count, witness)`, staging `callback(count)` once `witness` is computed."""
+
+    @custom_vmap
+    def report(count: Any, witness: Any) -> Any:
+        jax.debug.callback(lambda count, _: callback(count), count, witness)
+        return count
+
+    @report.def_vmap
+    def report_vmap(axis_size, in_batched, count, witness):
+        # The whole batch at once: one callback for all the lanes, after all of them.
+        return report(count, witness), in_batched[0]
+
+    return report
