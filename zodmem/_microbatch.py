@@ -215,23 +215,8 @@ class Microbatcher(AbstractBlocked):
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
         return Work(total, "examples", "result", size)
 
-    @property
-    def _timed(self) -> bool:
-        return True
-
     def _with_block_size(self, size: int, strategy: Any) -> Microbatcher:
         return dataclasses.replace(self, microbatch_size=size, max_memory=None)
-
-    def _one_block(self, size: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs = list(args), dict(kwargs)
-        positions = [*self.batch_argnums, *self.batch_argnames]
-        for position, axis in zip(positions, self.batch_in_axes, strict=True):
-            where = args if isinstance(position, int) else kwargs
-            where[position] = jax.tree_util.tree_map(
-                lambda leaf, axis=axis: jax.lax.slice_in_dim(leaf, 0, size, axis=axis),
-                where[position],
-            )
-        return tuple(args), kwargs
 
 
 # ----------------------------------------------------------------------------------

@@ -52,9 +52,8 @@ class AbstractBlocked(AbstractTransform):
     memory budget, `max_memory`.
 
     Calling it plans the blocks when it has a budget (`plan`), then runs the transform
-    with that block size (`_run`). A concrete transform says what its work is (`_work`),
-    how to fix its block size (`_with_block_size`), and, for maps, how to cut its inputs
-    to one block for timing (`_one_block`).
+    with that block size (`_run`). A concrete transform says what its work is (`_work`)
+    and how to fix its block size (`_with_block_size`).
     """
 
     max_memory: eqx.AbstractVar[int | str | None]
@@ -108,11 +107,6 @@ class AbstractBlocked(AbstractTransform):
         """The ways to compute a block that the planner may choose, the first preferred."""
         return (None,)
 
-    @property
-    def _timed(self) -> bool:
-        """Whether the planner times block sizes (maps), or takes the largest that fits."""
-        return False
-
     @abc.abstractmethod
     def _work(self, *args: Any, **kwargs: Any) -> Work:
         """What the call with these arguments cuts into blocks."""
@@ -124,10 +118,6 @@ class AbstractBlocked(AbstractTransform):
     @abc.abstractmethod
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The call, in the blocks the count or size option gives."""
-
-    def _one_block(self, size: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The arguments cut to one block of `size` items, for timing (maps override it)."""
-        return args, kwargs
 
 
 class AbstractDerivative(AbstractBlocked):

@@ -169,20 +169,8 @@ class ChunkedVmap(AbstractBlocked):
         size = total if self.chunk_size is None else min(self.chunk_size, total)
         return Work(total, "elements", "output", size)
 
-    @property
-    def _timed(self) -> bool:
-        return True
-
     def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
-
-    def _one_block(self, size: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
-        leaves = [
-            leaf if axis is None else jax.lax.slice_in_dim(leaf, 0, size, axis=axis)
-            for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(mapped.input_def, leaves)
 
 
 def _is_none(x: Any) -> bool:
