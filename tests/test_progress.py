@@ -249,3 +249,14 @@ def test_progress_must_be_a_bool(cls, config):
     message = f"{cls.__name__}: `progress` must be True or False, got 1 of type int."
     with pytest.raises(TypeError, match=re.escape(message)):
         check_init(cls, progress=1, **config)
+
+
+def test_streamed_results_show_their_bar(tmp_path, capsys):
+    w = jnp.linspace(-1.0, 1.0, 12)
+    hessian = zm.BatchedHessian(lambda w: jnp.sum(jnp.tanh(w) ** 3), nbatches=4, progress=True)
+    _, err = stderr_of(capsys, lambda: zm.to_host(hessian, w))
+    assert bars(err, "BatchedHessian", 4) == (1, 1), err
+    vmapped = zm.ChunkedVmap(jnp.sin, chunk_size=3, progress=True)
+    _, err = stderr_of(capsys, lambda: zm.to_file(tmp_path / "v.npy", vmapped, w))
+    assert bars(err, "ChunkedVmap", 4) == (1, 1), err
+    assert not _progress._BARS

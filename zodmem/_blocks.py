@@ -214,8 +214,7 @@ def map_blocks(
         return None if read is None else read(plan.start(index).astype(jnp.int32))
 
     first = jnp.asarray(0, jnp.int32)
-    # No bar for blocks handed to a sink: that loop may resume past block 0.
-    bar = progress_bar(None if sink is not None else progress, plan.num_blocks)
+    bar = progress_bar(progress, plan.num_blocks)
     bar.start()
     if plan.num_blocks == 1 and sink is None:
         result = compute(first, read_block(first))
@@ -234,7 +233,7 @@ def map_blocks(
             )
 
     if sink is not None:
-        return _hand_over_blocks(compute, read_block, plan, axes, sink)
+        return _hand_over_blocks(compute, read_block, plan, axes, sink, bar)
 
     buffers = [
         jnp.zeros(leaf.shape[:a] + (plan.total,) + leaf.shape[a + 1 :], leaf.dtype)
@@ -264,8 +263,10 @@ def _hand_over_blocks(
     plan: BlockPlan,
     axes: list[int],
     sink: BlockSink,
+    bar: Any,
 ) -> None:
-    """The loop of `map_blocks` with a sink: each block goes to the host as it is made."""
+    """The loop of `map_blocks` with a sink: each block goes to the host as it is made.
+    A resumed loop's bar starts at the blocks already done."""
 
     def write(index, start, *pieces):
         sink.write(index, start, pieces, tuple(axes))
@@ -275,8 +276,10 @@ def _hand_over_blocks(
         block = jax.tree_util.tree_leaves(compute(start, inputs))
         # Ordered: the host sees the blocks in loop order, so "blocks done" is a prefix.
         io_callback(write, None, index, start, *block, ordered=True)
+        bar.done(index + 1, block)
         return read_block(index + 1)
 
+    bar.done(sink.first_block, sink.first_block)
     jax.lax.fori_loop(sink.first_block, plan.num_blocks, hand_over, read_block(sink.first_block))
 
 

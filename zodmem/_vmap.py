@@ -161,7 +161,14 @@ class ChunkedVmap(AbstractBlocked):
 
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
         return _chunked_vmap(
-            self.fn, self.chunk_size, self.in_axes, self.out_axes, args, kwargs, sink=sink
+            self.fn,
+            self.chunk_size,
+            self.in_axes,
+            self.out_axes,
+            args,
+            kwargs,
+            sink=sink,
+            progress=label(self),
         )
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
