@@ -1,7 +1,8 @@
 """A Hessian streamed to disk with `zm.to_file`, then used straight from the file.
 
 The Hessian of a small network's loss is written to a `.npy` file one block of rows
-at a time: neither the device nor this process ever holds it whole, and a job killed
+at a time, with a progress bar on stderr: neither the device nor this process ever
+holds it whole, and a job killed
 half-way would resume at the first block not on disk. Calling `to_file` again on the
 finished file returns it without computing anything. The file is then used as a
 read-only memmap, a band of rows at a time: its largest eigenvalues (by subspace
@@ -31,7 +32,7 @@ def loss(model, xs, ys):
     return jnp.mean((jax.vmap(model)(xs)[:, 0] - ys) ** 2)
 
 
-hessian = zm.BatchedHessian(loss, nbatches=16)
+hessian = zm.BatchedHessian(loss, nbatches=16, progress=True)  # a bar on stderr
 path = os.path.join(tempfile.mkdtemp(), "hessian.npy")
 
 start = time.perf_counter()
