@@ -149,26 +149,21 @@ class ChunkedVmap(AbstractBlocked):
         return self._planned(args, kwargs)._run(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        return _chunked_vmap_jit(
-            self.fn,
-            self.chunk_size,
-            self.in_axes,
-            self.out_axes,
-            args,
-            kwargs,
-            progress=label(self),
-        )
+        return self._mapped(_chunked_vmap_jit, args, kwargs)
 
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
-        return _chunked_vmap(
+        return self._mapped(_chunked_vmap, args, kwargs, sink=sink)
+
+    def _mapped(self, compute: Callable[..., Any], args: tuple, kwargs: dict, **extra: Any) -> Any:
+        return compute(
             self.fn,
             self.chunk_size,
             self.in_axes,
             self.out_axes,
             args,
             kwargs,
-            sink=sink,
             progress=label(self),
+            **extra,
         )
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
