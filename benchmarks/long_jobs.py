@@ -6,7 +6,8 @@ n = 20,865 parameters, so the float32 Hessian holds 1.74 GB. Each case runs in i
 process (see `_harness.py`):
 
 - `floor`: the same imports, model and data, no Hessian;
-- `in-memory`: `BatchedHessian(nbatches=64)`, the Hessian assembled in memory;
+- `in-memory`: `BatchedHessian(nbatches=256)`, the Hessian assembled in memory (blocks
+  of 82 rows, whose temporaries stay small);
 - `to_file`: `zm.to_file` with the same transform, a fresh file;
 - `resumed`: before the measured call, a separate process runs the same `to_file` and
   is killed (SIGKILL) once the journal shows half the blocks on disk; the measured call
@@ -240,7 +241,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
     parser.add_argument("--depth", type=int, default=2, help="hidden layers of the MLP")
     parser.add_argument("--points", type=int, default=256, help="data points in the loss")
-    parser.add_argument("--nbatches", type=int, default=64, help="blocks of the Hessian")
+    parser.add_argument("--nbatches", type=int, default=256, help="blocks of the Hessian")
     parser.add_argument("--directory", default=None, help="where the files go (a temp dir)")
     parser.add_argument(
         "--kill-timeout", type=float, default=1200.0, help="seconds to wait for half the blocks"
