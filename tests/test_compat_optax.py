@@ -45,7 +45,7 @@ def arrays(shape, seed, dtype=np.float32):
 # microbatch
 
 
-@settings(max_examples=15)
+@settings(max_examples=8)
 @given(
     size=st.integers(1, 4),
     count=st.integers(1, 5),

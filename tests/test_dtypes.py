@@ -18,13 +18,13 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 
 def block_options(total):
-    """Every way to cut `total` products: one block, each count, sizes that do and do
-    not divide, and a size above the total."""
+    """Ways to cut `total` products: one block, a count that divides and one that does
+    not, a size that does not divide, and a size above the total."""
     yield {}
-    for k in range(1, total + 1):
-        yield {"nbatches": k}
-    for k in (1, 2, 3, total + 2):
-        yield {"batch_size": k}
+    yield {"nbatches": total}
+    yield {"nbatches": 2}
+    yield {"batch_size": 2}
+    yield {"batch_size": total + 2}
 
 
 def phase(x):
@@ -191,7 +191,7 @@ def test_hessian_to_pytree_blocks_have_jax_hessians_dtypes():
     params = {"a": jnp.asarray([0.3, -0.4], jnp.float32), "b": jnp.asarray([0.1, 0.2, 0.7])}
     expected = jax.hessian(mixed_loss)(params)
     assert expected["a"]["b"].dtype == jnp.float32 and expected["b"]["a"].dtype == jnp.float64
-    for mode, nbatches in itertools.product(MODES, (1, 2, 5)):
+    for mode, nbatches in itertools.product(MODES, (2, 5)):
         H = zm.BatchedHessian(mixed_loss, mode=mode, nbatches=nbatches)(params)
         close(zm.hessian_to_pytree(H, params), expected, rtol=1e-6, atol=1e-6)
 
