@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "zodmem",
     deadline=None,
-    max_examples=15,
+    max_examples=10,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
 )
 settings.load_profile("zodmem")
