@@ -15,7 +15,14 @@ from typing import Any
 
 import jax
 
-__all__ = ["AUTO_MARGIN", "budget_bytes", "check_memory", "format_bytes", "free_memory"]
+__all__ = [
+    "AUTO_MARGIN",
+    "budget_bytes",
+    "check_memory",
+    "check_size_or_memory",
+    "format_bytes",
+    "free_memory",
+]
 
 # Units are case-insensitive; "B" alone is bytes. SI units count in powers of 1000,
 # binary ones ("KiB", "MiB", ...) in powers of 1024.
@@ -78,6 +85,20 @@ def check_memory(value: Any, name: str = "max_memory", *, owner: str) -> None:
         _parse(value)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{owner}: `{name}` must be {_ALLOWED}; {error}.") from None
+
+
+def check_size_or_memory(
+    size: Any, size_name: str, max_memory: Any, *, owner: str, meaning: str, blocks: str
+) -> None:
+    """A map's block size option (`size_name`, which means `meaning`) or a budget its
+    `blocks` are planned to fit: exactly one of the two, the budget checked."""
+    check_memory(max_memory, owner=owner)
+    if (size is None) == (max_memory is None):
+        raise ValueError(
+            f"{owner}: give one of `{size_name}` ({meaning}) and `max_memory` (a budget the "
+            f"{blocks} are planned to fit), got {size_name}={size!r} and "
+            f"max_memory={max_memory!r}."
+        )
 
 
 def free_memory(device: Any = None) -> int:

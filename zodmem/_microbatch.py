@@ -22,7 +22,7 @@ from ._accumulate import (
 from ._blocks import plan_blocks, reduce_blocks
 from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
-from ._memory import check_memory
+from ._memory import check_size_or_memory
 from ._progress import label
 from ._traceback import public
 from ._transform import AbstractBlocked
@@ -167,13 +167,14 @@ class Microbatcher(AbstractBlocked):
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
         check_int(self.microbatch_size, "microbatch_size", owner=_OWNER, minimum=1, optional=True)
-        check_memory(self.max_memory, owner=_OWNER)
-        if (self.microbatch_size is None) == (self.max_memory is None):
-            raise ValueError(
-                f"{_OWNER}: give one of `microbatch_size` (the examples per microbatch) and "
-                f"`max_memory` (a budget the microbatches are planned to fit), got "
-                f"microbatch_size={self.microbatch_size!r} and max_memory={self.max_memory!r}."
-            )
+        check_size_or_memory(
+            self.microbatch_size,
+            "microbatch_size",
+            self.max_memory,
+            owner=_OWNER,
+            meaning="the examples per microbatch",
+            blocks="microbatches",
+        )
         _check_argnums(self.argnums)
         _check_argnames(self.argnames)
         if not self.batch_argnums and not self.batch_argnames:

@@ -16,7 +16,7 @@ from jaxtyping import PyTree, jaxtyped
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
-from ._memory import check_memory
+from ._memory import check_size_or_memory
 from ._progress import label, progress_bar
 from ._traceback import public
 from ._transform import AbstractBlocked
@@ -124,13 +124,14 @@ class ChunkedVmap(AbstractBlocked):
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
         check_int(self.chunk_size, "chunk_size", owner=_OWNER, minimum=1, optional=True)
-        check_memory(self.max_memory, owner=_OWNER)
-        if (self.chunk_size is None) == (self.max_memory is None):
-            raise ValueError(
-                f"{_OWNER}: give one of `chunk_size` (the elements mapped at once) and "
-                f"`max_memory` (a budget the chunks are planned to fit), got "
-                f"chunk_size={self.chunk_size!r} and max_memory={self.max_memory!r}."
-            )
+        check_size_or_memory(
+            self.chunk_size,
+            "chunk_size",
+            self.max_memory,
+            owner=_OWNER,
+            meaning="the elements mapped at once",
+            blocks="chunks",
+        )
         if isinstance(self.in_axes, dict):
             for name in self.in_axes:
                 if not isinstance(name, str):
