@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _harness  # noqa: E402
+import hessian_memory  # noqa: E402
 
 _GB = 1e9
 
@@ -47,34 +48,13 @@ RESUMED_VS_FULL = 0.6
 
 
 def _problem(args: argparse.Namespace) -> dict[str, Any]:
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
+    """The Hessian benchmark's model, data and loss (at this script's width), streamed."""
     import zodmem as zm
 
-    width, points = (16, 64) if args.quick else (args.width, args.points)
-    model_key, x_key, y_key = jax.random.split(jax.random.key(0), 3)
-    model = eqx.nn.MLP(32, 1, width, args.depth, key=model_key)
-    xs = jax.random.normal(x_key, (points, 32))
-    ys = jax.random.normal(y_key, (points,))
-
-    def loss(model, xs, ys):
-        prediction = jax.vmap(model)(xs)[:, 0]
-        return jnp.mean((prediction - ys) ** 2)
-
-    jax.block_until_ready(eqx.filter_jit(loss)(model, xs, ys))
-    n = sum(leaf.size for leaf in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))
-    transform = zm.BatchedHessian(loss, nbatches=args.nbatches)
-    info = {
-        "n": int(n),
-        "hessian_bytes": int(n * n * 4),
-        "width": width,
-        "depth": args.depth,
-        "points": points,
-        "nbatches": args.nbatches,
-    }
-    return dict(transform=transform, args=(model, xs, ys), info=info)
+    p = hessian_memory._problem(args)
+    transform = zm.BatchedHessian(p["loss"], nbatches=args.nbatches)
+    info = {**p["info"], "nbatches": args.nbatches}
+    return dict(transform=transform, args=(p["model"], p["xs"], p["ys"]), info=info)
 
 
 def _fresh_path(args: argparse.Namespace) -> str:
