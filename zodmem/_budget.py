@@ -281,10 +281,10 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
     args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
     holds no output on the device)."""
     owner = type(transform).__name__
-    work = transform._work(*args, **kwargs)
     key = _cache_key((transform, args, kwargs, run), transform.max_memory)
     if key is not None and key in _PLANS:
         return _PLANS[key]
+    work = transform._work(*args, **kwargs)  # traces fn for a derivative: after the cache
     shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
     measured: dict[Any, tuple[int, int]] = {}
 
