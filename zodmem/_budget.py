@@ -100,6 +100,18 @@ class MemoryBudgetError(ValueError):
 
     A `ValueError`, raised before any computation, that names the budget, the least
     that would do (and how much of it the result alone takes) and the way out.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        try:  # the 40 kB Hessian alone is more than the budget
+            zm.BatchedHessian(lambda w: jnp.sum(w**3), max_memory="1kB")(jnp.ones(100))
+        except zm.MemoryBudgetError as error:
+            print(error)
+        ```
     """
 
 
@@ -116,6 +128,16 @@ class Plan(eqx.Module):
     - `budget_bytes`: the budget the plan was made for (`None` without one).
     - `strategy`: for derivatives, `"linearize"` (one linearisation of `fn` kept for every
       block) or `"recompute"` (`fn` evaluated again inside each block); `None` otherwise.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        plan = zm.BatchedHessian(jnp.sum, nbatches=4).plan(jnp.ones(8))
+        assert (plan.block_size, plan.num_blocks, plan.total) == (2, 4, 8)
+        ```
     """
 
     owner: str = eqx.field(static=True)
