@@ -94,6 +94,14 @@ class Work(NamedTuple):
     output_what: str
     block_size: int
 
+    def per_device(self, split: Any) -> Work:
+        """The work of one device when `split` (a `Split`, or `None`) spreads the items
+        over devices: its share of the items, in blocks of the same size at most."""
+        if split is None or split.dim is None or self.total % split.count:
+            return self  # not split (or refused when the call is traced)
+        total = self.total // split.count
+        return self._replace(total=total, block_size=min(self.block_size, total))
+
 
 class MemoryBudgetError(ValueError):
     """A `max_memory` budget that cannot hold even one item per block.

@@ -8,12 +8,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
+from ._sharding import Share, Split, check_divides, run_sharded, split_of
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -107,7 +109,7 @@ class BatchedHessian(AbstractDerivative):
 
     def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _hessian_jit if self.jit else _hessian
-        return compute(self, x, args, kwargs)
+        return compute(self, *self.on_mesh(x, args, kwargs))
 
     def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
         return _hessian(self, x, args, kwargs, sink=sink)
@@ -116,7 +118,7 @@ class BatchedHessian(AbstractDerivative):
         n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
         total = n.shape[0]
         plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
-        return Work(total, "variables", "Hessian", plan.block_size)
+        return Work(total, "variables", "Hessian", plan.block_size).per_device(self.split)
 
 
 def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
@@ -151,6 +153,54 @@ def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
 def _hessian(
     transform: BatchedHessian, x: Any, args: tuple, kwargs: dict, sink: OutputSink | None = None
 ) -> Any:
+    if transform.sharding is None:
+        return _hessian_share(transform, x, args, kwargs, sink)
+    split = split_of(transform.sharding, owner="BatchedHessian")
+    if len(transform.sharding.spec) > 2:
+        raise ValueError(
+            f"BatchedHessian: `sharding` has the spec {transform.sharding.spec}, for "
+            f"{len(transform.sharding.spec)} axes, but the Hessian has 2: split its rows, "
+            "PartitionSpec('d', None), or its columns, PartitionSpec(None, 'd')."
+        )
+
+    def compute(share, inputs):
+        x, args, kwargs = inputs
+        return _hessian_share(transform, x, args, kwargs, None, share, split)
+
+    def out_specs(shapes):
+        spec = transform.sharding.spec  # exactly the one asked for
+        return (spec, PartitionSpec()) if transform.has_aux else spec
+
+    return run_sharded(compute, split, (x, args, kwargs), out_specs=out_specs)
+
+
+def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
+    """The mode that makes the split axis's items: rows by VJPs, columns by JVPs."""
+    if split.dim is None:
+        return None
+    mode = "rev" if split.dim == 0 else "fwd"
+    if transform.mode not in ("auto", mode):
+        made = "rows" if transform.mode == "rev" else "columns"
+        split_what = "rows" if split.dim == 0 else "columns"
+        raise ValueError(
+            f"BatchedHessian: mode={transform.mode!r} makes the Hessian in blocks of {made}, "
+            f"but `sharding` ({transform.sharding.spec}) splits its {split_what} over the "
+            f"devices, and each device makes whole {split_what} of its share. Use "
+            f"mode={mode!r} or 'auto' with this sharding."
+        )
+    return mode
+
+
+def _hessian_share(
+    transform: BatchedHessian,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+    share: Share | None = None,
+    split: Split | None = None,
+) -> Any:
+    """The Hessian, or with `share` the rows (or columns) of one device's share of it."""
     flat, variables = split_variables(x, owner="BatchedHessian")
     transform.check_variables(variables)
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
@@ -165,6 +215,12 @@ def _hessian(
         what="variables",
         owner="BatchedHessian",
     )
+    offset = 0
+    if split is not None and split.dim is not None:
+        check_divides(n, split, owner="BatchedHessian", what="rows" if split.dim == 0 else "columns")
+        # The block size the options give for the whole Hessian, over this share's items.
+        plan = plan_blocks(n // split.count, batch_size=plan.block_size)
+        offset = share.offset(n)
 
     def fn_of_leaves(leaves):
         return transform.fn(variables.fill(leaves), *args, **kwargs)
@@ -190,9 +246,10 @@ def _hessian(
         return jnp.concatenate(pieces, axis=1)
 
     def basis(start):
-        return basis_block(start, plan.block_size, n, flat.dtype)
+        return basis_block(start + offset, plan.block_size, n, flat.dtype)
 
-    mode = transform.mode
+    mode = None if split is None else _sharded_mode(transform, split)
+    mode = mode or transform.mode
     if mode == "auto":
         one_real_dtype = len(set(variables.dtypes)) == 1 and jnp.issubdtype(
             flat.dtype, jnp.floating

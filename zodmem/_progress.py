@@ -21,6 +21,7 @@ stages nothing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from typing import Any
@@ -31,12 +32,26 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from tqdm import tqdm
 
-__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label"]
+__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label", "first_shard"]
 
 # The bars open now, by loop; callbacks may come from the runtime's threads.
 _BARS: dict[int, tqdm] = {}
 _LOCK = threading.Lock()
 _KEYS = itertools.count()
+# While a computation spread over devices is traced: whether this device is the first
+# (traced), the one whose loops draw the bars.
+_FIRST_SHARD: list[Any] = []
+
+
+@contextlib.contextmanager
+def first_shard(is_first: Any) -> Any:
+    """Bars staged inside this context are drawn only where `is_first` (a traced bool) is
+    true: inside a `shard_map`, every device runs the same loop, and one draws it."""
+    _FIRST_SHARD.append(is_first)
+    try:
+        yield
+    finally:
+        _FIRST_SHARD.pop()
 
 
 def label(transform: Any) -> str | None:
@@ -53,14 +68,15 @@ class Progress:
         self.total = total
         self.unit = unit
         self._report = _reporter(self._done)
+        self._drawn = jnp.asarray(_FIRST_SHARD[-1] if _FIRST_SHARD else True)
 
     def start(self) -> None:
         """Stage the opening of the bar (traced, before the loop)."""
-        jax.debug.callback(self._open)
+        jax.debug.callback(lambda drawn: self._open() if drawn else None, self._drawn)
 
     def done(self, count: Any, after: Any) -> None:
         """Stage the update to `count` blocks done (traced), once `after` is computed."""
-        self._report(jnp.asarray(count, jnp.int32), _witness(after))
+        self._report(jnp.asarray(count, jnp.int32), _witness(after), self._drawn)
 
     def _new_bar(self) -> tqdm:
         return tqdm(total=self.total, desc=self.label, unit=self.unit, leave=None)
@@ -124,13 +140,17 @@ def _reporter(callback: Any) -> Any:
     """`report(count, witness)`, staging `callback(count)` once `witness` is computed."""
 
     @custom_vmap
-    def report(count: Any, witness: Any) -> Any:
-        jax.debug.callback(lambda count, _: callback(count), count, witness)
+    def report(count: Any, witness: Any, drawn: Any) -> Any:
+        def on_host(count, _, drawn):
+            if np.all(drawn):
+                callback(count)
+
+        jax.debug.callback(on_host, count, witness, drawn)
         return count
 
     @report.def_vmap
-    def report_vmap(axis_size, in_batched, count, witness):
+    def report_vmap(axis_size, in_batched, count, witness, drawn):
         # The whole batch at once: one callback for all the lanes, after all of them.
-        return report(count, witness), in_batched[0]
+        return report(count, witness, drawn), in_batched[0]
 
     return report

@@ -11,11 +11,13 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from ._budget import Plan, Work, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
 from ._memory import check_memory
 from ._pytree import Variables
+from ._sharding import Split, check_sharding, split_of, to_mesh
 from ._traceback import public
 
 __all__ = [
@@ -142,11 +144,13 @@ class AbstractDerivative(AbstractBlocked):
     has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
     jit: bool = eqx.field(default=True, static=True, kw_only=True)
     checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
+    sharding: NamedSharding | None = eqx.field(default=None, static=True, kw_only=True)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     @public
     def __check_init__(self):
         owner = type(self).__name__
+        check_sharding(self.sharding, owner=owner)
         check_callable(self.fn, "fn", owner=owner)
         check_block_options(self.nbatches, self.batch_size, owner=owner)
         check_memory(self.max_memory, owner=owner)
@@ -173,6 +177,20 @@ class AbstractDerivative(AbstractBlocked):
         return dataclasses.replace(
             self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
         )
+
+    @property
+    def split(self) -> Split | None:
+        """How `sharding` spreads the result over devices (`None`: not at all)."""
+        if self.sharding is None:
+            return None
+        return split_of(self.sharding, owner=type(self).__name__)
+
+    def on_mesh(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """The call's arguments as the sharded computation takes them: global arrays when
+        the mesh spans several processes."""
+        if self.sharding is None:
+            return x, args, kwargs
+        return to_mesh((x, args, kwargs), self.sharding.mesh)
 
     def products(self, fn: Callable[[Any], Any], primal: Any, *, reverse: bool) -> tuple:
         """`(out, product, aux)` of `product_function` with this transform's `has_aux`

@@ -1,0 +1,261 @@
+"""Work spread over devices: each device computes and holds its own share of a result.
+
+Scaling out is JAX's own SPMD: a transform's whole computation runs inside one
+`jax.shard_map` over the mesh of the result's (or the batch's) sharding, and each device
+runs the block engine over its own share of the items, at the offset its position along
+the split mesh axes gives. Nothing but the inputs is replicated, so a device holds its
+share of the result and one block, never the whole; across processes under
+`jax.distributed` the mesh spans every process's devices and each process computes its
+own devices' shares.
+
+- Derivatives (`sharding=` on `BatchedJacobian`/`BatchedHessian`): `split_of` reads which
+  axis of the result is split and over how many devices, `run_sharded` runs the
+  computation once per share (`Share`) and assembles the global array.
+- Maps and reductions (`ChunkedVmap`, `Microbatcher`): `batch_split` reads the split of
+  the batch arguments along their mapped axes, and the same `run_sharded` runs the
+  chunked map or the reduction on each device's part of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import _progress
+
+__all__ = [
+    "Share",
+    "Split",
+    "check_sharding",
+    "split_of",
+    "batch_split",
+    "run_sharded",
+    "to_mesh",
+    "replicate",
+]
+
+
+class Split(NamedTuple):
+    """How a result (or a batch) is spread: `dim`, its split axis (`None`: not split);
+    `axes`, the mesh axes that split it; `count`, the devices along them (its shares)."""
+
+    mesh: Any
+    dim: int | None
+    axes: tuple[str, ...]
+    count: int
+
+    def spec(self, ndim: int, dim: int | None = None) -> PartitionSpec:
+        """The spec of an `ndim`-dimensional array split like this along `dim` (by default
+        the split's own)."""
+        dim = self.dim if dim is None else dim
+        entries: list[Any] = [None] * ndim
+        if dim is not None and self.axes:
+            entries[dim] = self.axes[0] if len(self.axes) == 1 else self.axes
+        return PartitionSpec(*entries)
+
+
+class Share(NamedTuple):
+    """One device's share of `count` equal shares: `index` (traced) is its position."""
+
+    index: Any
+    count: int
+
+    def offset(self, total: int) -> Any:
+        """The first of this share's `total // count` items."""
+        return self.index * (total // self.count)
+
+
+def check_sharding(sharding: Any, *, owner: str) -> None:
+    """Refuse anything but `None` or a `jax.sharding.NamedSharding`, at construction."""
+    if sharding is None or isinstance(sharding, NamedSharding):
+        if sharding is not None:
+            split_of(sharding, owner=owner)
+        return
+    raise TypeError(
+        f"{owner}: `sharding` must be a jax.sharding.NamedSharding, e.g. "
+        "NamedSharding(jax.make_mesh((4,), ('d',)), PartitionSpec('d', None)), or None, "
+        f"but got {sharding!r} of type {type(sharding).__name__}."
+    )
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def split_of(sharding: NamedSharding, *, owner: str) -> Split:
+    """The split a result's `sharding` asks for; at most one axis may be split."""
+    spec = tuple(sharding.spec)
+    split = [(dim, _entry_axes(entry)) for dim, entry in enumerate(spec) if _entry_axes(entry)]
+    if len(split) > 1:
+        raise ValueError(
+            f"{owner}: `sharding` may split one axis of the result, rows or columns, but "
+            f"{sharding.spec} splits axes {[dim for dim, _ in split]}. Each device computes "
+            "whole rows (or whole columns) of the result, so split one axis, e.g. "
+            "PartitionSpec('d', None); for more devices, name several mesh axes on it, "
+            "e.g. PartitionSpec(('x', 'y'), None)."
+        )
+    if not split:
+        return Split(sharding.mesh, None, (), 1)
+    dim, axes = split[0]
+    count = math.prod(sharding.mesh.shape[axis] for axis in axes)
+    return Split(sharding.mesh, dim, axes, count)
+
+
+def check_divides(total: int, split: Split, *, owner: str, what: str) -> None:
+    """Refuse a split whose devices do not divide the `total` items of the split axis:
+    JAX holds no array sharded unevenly."""
+    if total % split.count:
+        axes = ", ".join(repr(axis) for axis in split.axes)
+        raise ValueError(
+            f"{owner}: the sharding splits the {total} {what} over {split.count} devices "
+            f"(mesh axes {axes}), which do not divide {total}; JAX holds only arrays whose "
+            "split axes the devices divide. Use a mesh axis whose size divides "
+            f"{total}, or split the other axis."
+        )
+
+
+def _sharding_of(leaf: Any) -> NamedSharding | None:
+    """The `NamedSharding` of an array, concrete or traced (a traced one shows its
+    sharding when its mesh axes are explicit), or `None`."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        sharding = leaf.sharding
+        return sharding if isinstance(sharding, NamedSharding) else None
+    try:
+        sharding = jax.typeof(leaf).sharding
+    except (AttributeError, TypeError):
+        return None
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def batch_split(leaves: Sequence[Any], axes: Sequence[int | None]) -> Split | None:
+    """The split of a batch: the mesh axes of the first leaf that is sharded along its
+    mapped axis (`axes`, one per leaf, `None` for leaves not mapped), or `None` when
+    none is."""
+    for leaf, axis in zip(leaves, axes, strict=True):
+        if axis is None:
+            continue
+        sharding = _sharding_of(leaf)
+        if sharding is None:
+            continue
+        spec = tuple(sharding.spec)
+        names = _entry_axes(spec[axis]) if axis < len(spec) else ()
+        if names:
+            count = math.prod(sharding.mesh.shape[name] for name in names)
+            if count > 1:
+                return Split(sharding.mesh, axis, names, count)
+    return None
+
+
+def _is_explicit(sharding: NamedSharding) -> bool:
+    types = getattr(sharding.mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def replicate(tree: Any, mesh: Any) -> Any:
+    """`tree` with every array that is sharded over explicit mesh axes made whole on every
+    device (`jax.sharding.reshard`), as `shard_map` takes replicated inputs; other leaves
+    as they are (`shard_map` reshards arrays over automatic axes itself)."""
+
+    def whole(leaf):
+        sharding = _sharding_of(leaf)
+        if sharding is None or not _is_explicit(sharding):
+            return leaf
+        if all(entry is None for entry in sharding.spec):
+            return leaf
+        return jax.sharding.reshard(leaf, NamedSharding(mesh, PartitionSpec()))
+
+    return jax.tree_util.tree_map(whole, tree, is_leaf=eqx.is_array)
+
+
+def to_mesh(tree: Any, mesh: Any) -> Any:
+    """`tree` with its concrete arrays made global arrays replicated over `mesh` when the
+    mesh spans several processes (under `jax.distributed`, a computation over such a mesh
+    takes global arrays only); every process passes the same values, as every process
+    runs the same script. On a mesh of one process, `tree` as it is."""
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.is_multi_process is False:
+        return tree
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(leaf):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            return leaf
+        if not leaf.is_fully_addressable:
+            return leaf  # already a global array
+        return jax.make_array_from_process_local_data(replicated, np.asarray(leaf))
+
+    return jax.tree_util.tree_map(place, tree, is_leaf=eqx.is_array)
+
+
+def run_sharded(
+    compute: Callable[..., Any],
+    split: Split,
+    inputs: Any,
+    *,
+    in_specs: Any = None,
+    out_specs: Any,
+) -> Any:
+    """Run `compute(share, inputs)` once per device of `split.mesh` inside one `shard_map`.
+
+    - `compute(share, inputs)`: the share's part of the result; the result's non-array
+      leaves (such as those of an `aux`) are returned as the first trace made them.
+    - `inputs`: a pytree; its arrays are passed replicated to every device (made whole
+      first, when sharded over explicit axes), unless `in_specs` gives their specs.
+    - `in_specs`: optionally, a function of the array part of `inputs` that returns its
+      specs (for a batch each device reads its own part of).
+    - `out_specs`: a function of the array part of the result (shapes) that returns its
+      specs, a pytree prefix of it.
+
+    The progress bars of the computation are drawn by the first device only.
+    """
+    arrays, static = eqx.partition(inputs, eqx.is_array)
+    if in_specs is None:
+        arrays = replicate(arrays, split.mesh)
+        specs_in = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays)
+    else:
+        specs_in = in_specs(arrays)
+    kept: list[Any] = []
+
+    def body(arrays, shaping=False):
+        index = jax.lax.axis_index(split.axes) if split.axes and not shaping else 0
+        with _progress.first_shard(index == 0) if split.axes else contextlib.nullcontext():
+            out = compute(Share(index, split.count), eqx.combine(arrays, static))
+        out_arrays, out_static = eqx.partition(out, eqx.is_array)
+        kept.append((out_arrays, out_static))
+        return out_arrays
+
+    # The specs of the outputs depend on their shapes: trace once to learn them.
+    local = jax.tree_util.tree_map(
+        lambda leaf, spec: jax.ShapeDtypeStruct(
+            _local_shape(leaf.shape, spec, split.mesh), leaf.dtype
+        ),
+        arrays,
+        specs_in,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    shapes = eqx.filter_eval_shape(lambda a: body(a, shaping=True), local)
+    specs_out = out_specs(shapes)
+    mapped = jax.shard_map(
+        body, mesh=split.mesh, in_specs=(specs_in,), out_specs=specs_out, check_vma=False
+    )
+    out_arrays = mapped(arrays)
+    return eqx.combine(out_arrays, kept[-1][1])
+
+
+def _local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:
+    local = list(shape)
+    for dim, entry in enumerate(tuple(spec)):
+        names = _entry_axes(entry)
+        if names:
+            local[dim] //= math.prod(mesh.shape[name] for name in names)
+    return tuple(local)
