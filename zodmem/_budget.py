@@ -54,6 +54,7 @@ import jax
 import numpy as np
 
 from ._memory import budget_bytes, format_bytes
+from ._sharding import is_explicit
 
 __all__ = [
     "usable_bytes",
@@ -100,7 +101,8 @@ class Work(NamedTuple):
         if split is None or split.dim is None or self.total % split.count:
             return self  # not split (or refused when the call is traced)
         total = self.total // split.count
-        return self._replace(total=total, block_size=min(self.block_size, total))
+        what = f"{self.what} on each of {split.count} devices"
+        return self._replace(total=total, what=what, block_size=min(self.block_size, total))
 
 
 class MemoryBudgetError(ValueError):
@@ -182,13 +184,20 @@ class Plan(eqx.Module):
 
 
 def abstract(tree: Any) -> Any:
-    """`tree` with its array leaves (tracers too) as `jax.ShapeDtypeStruct`s."""
-    return jax.tree_util.tree_map(
-        lambda leaf: (
-            jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype) if eqx.is_array(leaf) else leaf
-        ),
-        tree,
-    )
+    """`tree` with its array leaves (tracers too) as `jax.ShapeDtypeStruct`s. A concrete
+    array sharded over explicit mesh axes keeps its sharding, which a traced array shows
+    (so a call planned on it spreads its work as the real call will)."""
+
+    def shape_of(leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        sharding = None
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if is_explicit(leaf.sharding):
+                sharding = leaf.sharding
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(shape_of, tree)
 
 
 def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:

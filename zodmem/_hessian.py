@@ -217,7 +217,9 @@ def _hessian_share(
     )
     offset = 0
     if split is not None and split.dim is not None:
-        check_divides(n, split, owner="BatchedHessian", what="rows" if split.dim == 0 else "columns")
+        check_divides(
+            n, split, owner="BatchedHessian", what="rows" if split.dim == 0 else "columns"
+        )
         # The block size the options give for the whole Hessian, over this share's items.
         plan = plan_blocks(n // split.count, batch_size=plan.block_size)
         offset = share.offset(n)

@@ -10,12 +10,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
+from ._sharding import Share, Split, check_divides, run_sharded
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -115,7 +117,7 @@ class BatchedJacobian(AbstractDerivative):
 
     def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _jacobian_jit if self.jit else _jacobian
-        return compute(self, x, args, kwargs)
+        return compute(self, *self.on_mesh(x, args, kwargs))
 
     def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
         return _jacobian(self, x, args, kwargs, sink=sink)
@@ -163,7 +165,9 @@ class _Prepared(NamedTuple):
     mode: str
 
 
-def _prepare(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> _Prepared:
+def _prepare(
+    transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict, split: Split | None = None
+) -> _Prepared:
     """`fn` as a function of the flat variables, checked, and the mode it is taken in."""
     flat, variables = split_variables(x, owner="BatchedJacobian")
     transform.check_variables(variables)
@@ -180,7 +184,17 @@ def _prepare(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> _
     out_leaves = jax.tree_util.tree_leaves(shapes)
     m = sum(math.prod(leaf.shape) for leaf in out_leaves)
     complex_outputs = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in out_leaves)
-    mode = _choose_mode(transform, variables.size, m, complex_outputs)
+    if split is None:
+        split = transform.split
+    mode = None if split is None else _split_mode(transform, split, out_leaves)
+    if mode == "rev" and complex_outputs and not transform.holomorphic:
+        raise TypeError(
+            f"BatchedJacobian: `sharding` ({transform.sharding.spec}) splits the rows of "
+            "the Jacobian, which reverse mode makes, but `fn` returns complex outputs and "
+            "reverse mode requires real-valued ones, as jax.jacrev does. Split the columns "
+            "instead, e.g. PartitionSpec(..., 'd') on the last axis."
+        )
+    mode = mode or _choose_mode(transform, variables.size, m, complex_outputs)
     return _Prepared(flat, fn_of_flat, restore_aux, variables.size, m, mode)
 
 
@@ -197,7 +211,7 @@ def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work
     total = prepared.n if prepared.mode == "fwd" else prepared.m
     what = "variables" if prepared.mode == "fwd" else "output elements"
     plan = plan_blocks(total, nbatches=transform.nbatches, batch_size=transform.batch_size)
-    return Work(total, what, "Jacobian", plan.block_size)
+    return Work(total, what, "Jacobian", plan.block_size).per_device(transform.split)
 
 
 def _jacobian(
@@ -207,18 +221,90 @@ def _jacobian(
     kwargs: dict,
     sink: OutputSink | None = None,
 ) -> Any:
-    flat, fn_of_flat, restore_aux, n, m, mode = _prepare(transform, x, args, kwargs)
+    if transform.sharding is None:
+        return _jacobian_share(transform, x, args, kwargs, sink)
+    split = transform.split
+
+    def compute(share, inputs):
+        x, args, kwargs = inputs
+        return _jacobian_share(transform, x, args, kwargs, None, share, split)
+
+    def out_specs(shapes):
+        spec = transform.sharding.spec  # exactly the one asked for, on every output leaf
+        return (spec, PartitionSpec()) if transform.has_aux else spec
+
+    return run_sharded(compute, split, (x, args, kwargs), out_specs=out_specs)
+
+
+def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> str | None:
+    """The mode that makes the split axis of every output leaf's Jacobian: its first axis
+    (rows: output elements, by VJPs) or its last (columns: variables, by JVPs)."""
+    if split.dim is None:
+        return None
+    modes = set()
+    for k, leaf in enumerate(out_leaves):
+        ndim = len(leaf.shape) + 1
+        if split.dim == ndim - 1:
+            modes.add("fwd")
+        elif split.dim == 0:
+            modes.add("rev")
+        else:
+            raise ValueError(
+                f"BatchedJacobian: `sharding` ({transform.sharding.spec}) splits axis "
+                f"{split.dim} of the Jacobian of output leaf {k}, shape "
+                f"{(*leaf.shape, 'n')}; each device makes whole rows (the first axis, output "
+                "elements) or whole columns (the last axis, variables), so split one of those."
+            )
+    if len(modes) > 1:
+        raise ValueError(
+            f"BatchedJacobian: `sharding` ({transform.sharding.spec}) splits the columns of "
+            "some output leaves' Jacobians (scalar outputs, whose Jacobian has one axis) and "
+            "the rows of others; one sharding must split the same kind of axis of each."
+        )
+    (mode,) = modes
+    if transform.mode not in ("auto", mode):
+        made = "rows" if transform.mode == "rev" else "columns"
+        split_what = "rows" if mode == "rev" else "columns"
+        raise ValueError(
+            f"BatchedJacobian: mode={transform.mode!r} makes the Jacobian in blocks of {made}, "
+            f"but `sharding` ({transform.sharding.spec}) splits its {split_what} over the "
+            f"devices, and each device makes whole {split_what} of its share. Use "
+            f"mode={mode!r} or 'auto' with this sharding."
+        )
+    return mode
+
+
+def _jacobian_share(
+    transform: BatchedJacobian,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+    share: Share | None = None,
+    split: Split | None = None,
+) -> Any:
+    """The Jacobian, or with `share` one device's share of its rows (or columns)."""
+    flat, fn_of_flat, restore_aux, n, m, mode = _prepare(transform, x, args, kwargs, split)
     if mode == "fwd":
-        jacobian, aux = _forward(transform, fn_of_flat, flat, n, sink)
+        jacobian, aux = _forward(transform, fn_of_flat, flat, n, sink, share, split)
     else:
-        jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m, sink)
+        jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m, sink, share, split)
     if restore_aux is None:
         return jacobian
     return jacobian, restore_aux(aux)
 
 
-def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int, sink: OutputSink | None):
-    """Columns from JVPs of one linearisation, in the outputs' dtypes (as jax.jacfwd)."""
+def _forward(
+    transform: BatchedJacobian,
+    fn_of_flat,
+    flat,
+    n: int,
+    sink: OutputSink | None,
+    share: Share | None = None,
+    split: Split | None = None,
+):
+    """Columns from JVPs of one linearisation, in the outputs' dtypes (as jax.jacfwd);
+    with `share`, the columns of one device's share."""
     plan = plan_blocks(
         n,
         nbatches=transform.nbatches,
@@ -227,12 +313,17 @@ def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int, sink: OutputS
         owner="BatchedJacobian",
         context=" (mode 'fwd' makes one column per variable)",
     )
+    offset = 0
+    if share is not None and split.dim is not None:
+        check_divides(n, split, owner="BatchedJacobian", what="columns (variables)")
+        plan = plan_blocks(n // split.count, batch_size=plan.block_size)
+        offset = share.offset(n)
     out, jvp, aux = transform.products(fn_of_flat, flat, reverse=False)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
         return jax.tree_util.tree_map(lambda o: jnp.zeros((*o.shape, 0), o.dtype), out), aux
 
     def columns(start):
-        tangents = basis_block(start, plan.block_size, n, flat.dtype)
+        tangents = basis_block(start + offset, plan.block_size, n, flat.dtype)
         cols = jax.vmap(jvp)(tangents)
         return jax.tree_util.tree_map(lambda c: jnp.moveaxis(c, 0, -1), cols)
 
@@ -242,9 +333,20 @@ def _forward(transform: BatchedJacobian, fn_of_flat, flat, n: int, sink: OutputS
     return map_blocks(columns, plan, axis=-1, progress=label(transform)), aux
 
 
-def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int, sink: OutputSink | None):
+def _reverse(
+    transform: BatchedJacobian,
+    fn_of_flat,
+    flat,
+    n: int,
+    m: int,
+    sink: OutputSink | None,
+    share: Share | None = None,
+    split: Split | None = None,
+):
     """Rows from VJPs of one forward pass, output leaf by output leaf, in the variables'
-    dtype (as jax.jacrev)."""
+    dtype (as jax.jacrev); with `share`, the rows of one device's share of each leaf (its
+    first axis split, so a contiguous run of the leaf's rows in C order)."""
+    sharded = share is not None and split.dim is not None
     if transform.mode == "auto":
         why = (
             f" (mode 'auto' chose reverse mode, which makes one row per output element, "
@@ -267,14 +369,22 @@ def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int, sink:
     jacobians = []
     for k, leaf in enumerate(out_leaves):
         size = math.prod(leaf.shape)
+        rows_shape, offset = leaf.shape, 0
+        if sharded:
+            check_divides(
+                leaf.shape[0], split, owner="BatchedJacobian", what=f"rows of output leaf {k}"
+            )
+            size //= split.count
+            rows_shape = (leaf.shape[0] // split.count, *leaf.shape[1:])
+            offset = share.offset(math.prod(leaf.shape))
         if size == 0:
-            jacobians.append(jnp.zeros((*leaf.shape, n), flat.dtype))
+            jacobians.append(jnp.zeros((*rows_shape, n), flat.dtype))
             continue
         leaf_plan = plan_blocks(size, batch_size=plan.block_size)
 
-        def rows(start, k=k, block=leaf_plan.block_size):
+        def rows(start, k=k, block=leaf_plan.block_size, offset=offset):
             cotangents = [
-                basis_block(start, block, o.size, o.dtype).reshape(block, *o.shape)
+                basis_block(start + offset, block, o.size, o.dtype).reshape(block, *o.shape)
                 if j == k
                 else jnp.zeros((block, *o.shape), o.dtype)
                 for j, o in enumerate(out_leaves)
@@ -287,7 +397,7 @@ def _reverse(transform: BatchedJacobian, fn_of_flat, flat, n: int, m: int, sink:
             jacobians.append(None)
             continue
         rows_of_leaf = map_blocks(rows, leaf_plan, axis=0, progress=label(transform))
-        jacobians.append(rows_of_leaf.reshape(*leaf.shape, n))
+        jacobians.append(rows_of_leaf.reshape(*rows_shape, n))
     return jax.tree_util.tree_unflatten(out_def, jacobians), aux
 
 

@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax.sharding import PartitionSpec
 from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
 from ._accumulate import (
@@ -18,12 +19,14 @@ from ._accumulate import (
     accumulator_for,
     check_accumulator,
     is_accumulator_leaf,
+    resolve,
 )
 from ._blocks import plan_blocks, reduce_blocks
 from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
 from ._progress import label
+from ._sharding import Split, batch_split, check_divides, run_sharded
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -209,12 +212,18 @@ class Microbatcher(AbstractBlocked):
         return self._planned(args, kwargs)._run(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        return _microbatch_jit(self, args, kwargs)
+        # Read here, where the arrays are concrete: traced, an array shows its sharding
+        # only over explicit mesh axes.
+        return _microbatch_jit(self, args, kwargs, _batch_split(_batch_of(self, args, kwargs)))
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
-        total = _batch_size(_batch_of(self, args, kwargs))
+        batch = _batch_of(self, args, kwargs)
+        total = _batch_size(batch)
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
-        return Work(total, "examples", "result", size)
+        split = _batch_split(batch)
+        # Planned per device where the planned call sees the split (explicit mesh axes).
+        split = split if split is not None and split.explicit else None
+        return Work(total, "examples", "result", size).per_device(split)
 
     def _with_block_size(self, size: int, strategy: Any) -> Microbatcher:
         return dataclasses.replace(self, microbatch_size=size, max_memory=None)
@@ -354,7 +363,105 @@ def _batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
     return batch
 
 
-def _microbatch(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:
+def _batch_split(batch: list) -> Split | None:
+    """How the batch arguments are spread over devices along their batch axes, if at all."""
+    leaves, axes = [], []
+    for _, value, value_axes in batch:
+        leaves.extend(jax.tree_util.tree_leaves(value))
+        axes.extend(jax.tree_util.tree_leaves(value_axes))
+    return batch_split(leaves, axes)
+
+
+# How each built-in accumulator combines the devices' results, once.
+_ACROSS_DEVICES = {
+    AccumulationType.SUM: jax.lax.psum,
+    # Every device reduces as many examples, so the mean is the mean of their means.
+    AccumulationType.MEAN: jax.lax.pmean,
+    AccumulationType.RUNNING_MEAN: jax.lax.pmean,
+    AccumulationType.CONCAT: None,  # the devices' rows stay where they are
+}
+
+
+def _kinds_per_leaf(transform: Microbatcher, output: Any) -> list:
+    """The accumulator of each output leaf."""
+    kinds, treedef = jax.tree_util.tree_flatten(transform.accumulator, is_leaf=is_accumulator_leaf)
+    per_leaf = []
+    for kind, subtree in zip(kinds, treedef.flatten_up_to(output), strict=True):
+        per_leaf.extend([resolve(kind)] * len(jax.tree_util.tree_leaves(subtree)))
+    return per_leaf
+
+
+def _microbatch(
+    transform: Microbatcher, args: tuple, kwargs: dict, split: Split | None = None
+) -> Any:
+    batch = _batch_of(transform, args, kwargs)
+    if split is None:
+        split = _batch_split(batch)
+    if split is None:
+        return _microbatch_local(transform, args, kwargs)
+    check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
+    local = _batch_size(batch) // split.count
+    size = transform.microbatch_size
+    # Each device reduces its own part of the batch, then the parts are combined once;
+    # that gives the same result when the accumulators are built in and each device's
+    # microbatches are whole ones of the batch's (for "concat", which keeps their order).
+    options = [
+        resolve(kind)
+        for kind in jax.tree_util.tree_leaves(transform.accumulator, is_leaf=is_accumulator_leaf)
+    ]
+    local_ok = (
+        all(isinstance(kind, AccumulationType) for kind in options)
+        and transform.num_real_microbatches is None
+        and (AccumulationType.CONCAT not in options or size is None or local % size == 0)
+    )
+    if not local_ok:
+        # Every device reduces the whole batch, in order, as one device would.
+        def whole(share, inputs):
+            return _microbatch_local(transform, *inputs)
+
+        everywhere = split._replace(dim=None, count=1)
+        return run_sharded(whole, everywhere, (args, kwargs), out_specs=lambda _: PartitionSpec())
+    kinds: list[list] = []
+    positions = [*transform.batch_argnums, *transform.batch_argnames]
+
+    def specs_of(value, axes):
+        return jax.tree_util.tree_map(lambda leaf, a: split.spec(jnp.ndim(leaf), a), value, axes)
+
+    def compute(share, inputs):
+        args, kwargs = inputs
+        result = _microbatch_local(transform, args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(result)
+        kinds.append(_kinds_per_leaf(transform, result))
+        combined = [
+            leaf if _ACROSS_DEVICES[kind] is None else _ACROSS_DEVICES[kind](leaf, split.axes)
+            for leaf, kind in zip(leaves, kinds[-1], strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, combined)
+
+    def in_specs(arrays):
+        arg_arrays, kwarg_arrays = arrays
+        specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays)
+        arg_specs, kwarg_specs = list(specs[0]), dict(specs[1])
+        for position, (_, value, axes) in zip(positions, batch, strict=True):
+            if isinstance(position, int):
+                arg_specs[position] = specs_of(value, axes)
+            else:
+                kwarg_specs[position] = specs_of(value, axes)
+        return tuple(arg_specs), kwarg_specs
+
+    def out_specs(shapes):
+        leaves, treedef = jax.tree_util.tree_flatten(shapes)
+        specs = [
+            split.spec(leaf.ndim, 0) if kind is AccumulationType.CONCAT else PartitionSpec()
+            for leaf, kind in zip(leaves, kinds[-1], strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, specs)
+
+    return run_sharded(compute, split, (args, kwargs), in_specs=in_specs, out_specs=out_specs)
+
+
+def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:
+    """The reduction of the batch as this device holds it, microbatch by microbatch."""
     batch = _batch_of(transform, args, kwargs)
     positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     plan = plan_blocks(

@@ -39,6 +39,7 @@ __all__ = [
     "run_sharded",
     "to_mesh",
     "replicate",
+    "is_explicit",
 ]
 
 
@@ -50,6 +51,12 @@ class Split(NamedTuple):
     dim: int | None
     axes: tuple[str, ...]
     count: int
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the mesh's axes are explicit, so that traced arrays show the split."""
+        types = getattr(self.mesh, "axis_types", ())
+        return any(t == jax.sharding.AxisType.Explicit for t in types)
 
     def spec(self, ndim: int, dim: int | None = None) -> PartitionSpec:
         """The spec of an `ndim`-dimensional array split like this along `dim` (by default
@@ -157,7 +164,11 @@ def batch_split(leaves: Sequence[Any], axes: Sequence[int | None]) -> Split | No
     return None
 
 
-def _is_explicit(sharding: NamedSharding) -> bool:
+def is_explicit(sharding: Any) -> bool:
+    """Whether `sharding` is a `NamedSharding` over a mesh with explicit axes, which a
+    traced array shows in its type."""
+    if not isinstance(sharding, NamedSharding):
+        return False
     types = getattr(sharding.mesh, "axis_types", ())
     return any(t == jax.sharding.AxisType.Explicit for t in types)
 
@@ -169,7 +180,7 @@ def replicate(tree: Any, mesh: Any) -> Any:
 
     def whole(leaf):
         sharding = _sharding_of(leaf)
-        if sharding is None or not _is_explicit(sharding):
+        if sharding is None or not is_explicit(sharding):
             return leaf
         if all(entry is None for entry in sharding.spec):
             return leaf
@@ -226,36 +237,21 @@ def run_sharded(
         specs_in = in_specs(arrays)
     kept: list[Any] = []
 
-    def body(arrays, shaping=False):
-        index = jax.lax.axis_index(split.axes) if split.axes and not shaping else 0
+    def body(arrays):
+        index = jax.lax.axis_index(split.axes) if split.axes else 0
         with _progress.first_shard(index == 0) if split.axes else contextlib.nullcontext():
             out = compute(Share(index, split.count), eqx.combine(arrays, static))
         out_arrays, out_static = eqx.partition(out, eqx.is_array)
-        kept.append((out_arrays, out_static))
+        kept.append(out_static)
         return out_arrays
 
-    # The specs of the outputs depend on their shapes: trace once to learn them.
-    local = jax.tree_util.tree_map(
-        lambda leaf, spec: jax.ShapeDtypeStruct(
-            _local_shape(leaf.shape, spec, split.mesh), leaf.dtype
-        ),
-        arrays,
-        specs_in,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
-    shapes = eqx.filter_eval_shape(lambda a: body(a, shaping=True), local)
-    specs_out = out_specs(shapes)
-    mapped = jax.shard_map(
-        body, mesh=split.mesh, in_specs=(specs_in,), out_specs=specs_out, check_vma=False
-    )
-    out_arrays = mapped(arrays)
-    return eqx.combine(out_arrays, kept[-1][1])
+    def mapped(specs_out):
+        return jax.shard_map(
+            body, mesh=split.mesh, in_specs=(specs_in,), out_specs=specs_out, check_vma=False
+        )
 
-
-def _local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:
-    local = list(shape)
-    for dim, entry in enumerate(tuple(spec)):
-        names = _entry_axes(entry)
-        if names:
-            local[dim] //= math.prod(mesh.shape[name] for name in names)
-    return tuple(local)
+    # The specs of the outputs depend on their ranks: trace once to learn them (every
+    # output taken as whole on each device, which leaves its rank as it is).
+    shapes = eqx.filter_eval_shape(mapped(PartitionSpec()), arrays)
+    out_arrays = mapped(out_specs(shapes))(arrays)
+    return eqx.combine(out_arrays, kept[-1])

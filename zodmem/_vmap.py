@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax.sharding import PartitionSpec
 from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
@@ -18,6 +19,7 @@ from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
 from ._progress import label, progress_bar
+from ._sharding import Split, batch_split, check_divides, replicate, run_sharded
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -150,7 +152,11 @@ class ChunkedVmap(AbstractBlocked):
         return self._planned(args, kwargs)._run(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mapped(_chunked_vmap_jit, args, kwargs)
+        # Read here, where the arrays are concrete: traced, an array shows its sharding
+        # only over explicit mesh axes.
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        split = batch_split(mapped.leaves, mapped.axes) if mapped.total else None
+        return self._mapped(_chunked_vmap_jit, args, kwargs, split=split)
 
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
         return self._mapped(_chunked_vmap, args, kwargs, sink=sink)
@@ -168,9 +174,14 @@ class ChunkedVmap(AbstractBlocked):
         )
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
-        total = _mapped_inputs(self.fn, self.in_axes, args, kwargs).total or 0
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        total = mapped.total or 0
         size = total if self.chunk_size is None else min(self.chunk_size, total)
-        return Work(total, "elements", "output", size)
+        split = batch_split(mapped.leaves, mapped.axes)
+        # A budget is planned per device where the planned call sees the split, which a
+        # traced array shows over explicit mesh axes only; else for the whole batch.
+        split = split if split is not None and split.explicit else None
+        return Work(total, "elements", "output", size).per_device(split)
 
     def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
@@ -332,7 +343,62 @@ def _chunked_vmap(
     kwargs: dict,
     sink: OutputSink | None = None,
     progress: str | None = None,
+    split: Split | None = None,
 ) -> Any:
+    mapped = _mapped_inputs(fn, in_axes, args, kwargs)
+    if split is None and mapped.total:
+        split = batch_split(mapped.leaves, mapped.axes)
+    if split is None:
+        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, sink, progress)
+    if sink is not None:
+        # Streamed to the host in order: the batch is made whole on every device first.
+        args, kwargs = replicate((args, kwargs), split.mesh)
+        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, sink, progress)
+    # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
+    check_divides(mapped.total, split, owner=_OWNER, what="elements of the batch")
+    leaf_specs = [
+        PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
+        for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
+    ]
+    found: list[list] = []
+
+    def compute(share, inputs):
+        args, kwargs = inputs
+        return _chunked_vmap_local(
+            fn, chunk_size, in_axes, out_axes, args, kwargs, None, progress, found
+        )
+
+    def in_specs(arrays):
+        specs = [
+            None if leaf is None else spec
+            for leaf, spec in zip(mapped.input_def.flatten_up_to(arrays), leaf_specs, strict=True)
+        ]
+        return mapped.input_def.unflatten(specs)
+
+    def out_specs(shapes):
+        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_none)
+        specs = [
+            PartitionSpec() if leaf is None or axis is None else split.spec(leaf.ndim, axis)
+            for leaf, axis in zip(leaves, found[-1], strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, specs)
+
+    return run_sharded(compute, split, (args, kwargs), in_specs=in_specs, out_specs=out_specs)
+
+
+def _chunked_vmap_local(
+    fn: Callable[..., Any],
+    chunk_size: int,
+    in_axes: Any,
+    out_axes: Any,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+    progress: str | None = None,
+    found: list | None = None,
+) -> Any:
+    """The chunked map of the batch on this device; `found`, when given, gets the output
+    axis of each output leaf (`None`: unmapped), non-negative."""
     inputs = (args, kwargs)
     input_axes, input_def, leaves, axes, total = _mapped_inputs(fn, in_axes, args, kwargs)
 
@@ -348,6 +414,8 @@ def _chunked_vmap(
         return out
 
     vectorised = eqx.filter_vmap(one_element, in_axes=(input_axes,), out_axes=out_axes)
+    if found is not None:
+        vectorised = _reporting_axes(vectorised, output_axes, found)
     if total is None or total == 0:
         return vectorised(inputs)
     # No chunk size (a budget whose plan found nothing to cut): every element at once.
@@ -405,6 +473,25 @@ def _chunked_vmap(
         for i in unmapped_arrays:
             results[i] = block_leaves[i]
     return jax.tree_util.tree_unflatten(out_def, results)
+
+
+def _reporting_axes(vectorised: Callable, output_axes: list, found: list) -> Callable:
+    """`vectorised`, appending to `found` the output axis of each of its result's leaves
+    (made non-negative) every time it is traced."""
+
+    def reporting(inputs):
+        out = vectorised(inputs)
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        axes = treedef.flatten_up_to(output_axes[-1])
+        found.append(
+            [
+                None if a is None else a % jnp.ndim(leaf)
+                for leaf, a in zip(leaves, axes, strict=True)
+            ]
+        )
+        return out
+
+    return reporting
 
 
 _chunked_vmap_jit = eqx.filter_jit(_chunked_vmap)
