@@ -218,6 +218,14 @@ def _check_transform(transform: Any, name: str) -> None:
             f"zm.ChunkedVmap, whose results are cut into blocks, but got {transform!r} of "
             f"type {type(transform).__name__}."
         )
+    if getattr(transform, "sharding", None) is not None:
+        raise ValueError(
+            f"zm.{name}: the transform has sharding={transform.sharding}, which leaves each "
+            "device's share of the result on that device; a streamed result leaves the "
+            "devices block by block in one order instead. Stream the transform without "
+            "`sharding`, or keep the sharded result and read each device's share from "
+            "its `addressable_shards`."
+        )
 
 
 def _check_concrete(args: tuple, kwargs: dict, name: str) -> None:

@@ -129,6 +129,16 @@ def _encode(value: Any, where: str) -> dict:
         }
     if isinstance(value, np.dtype):
         return {"type": "dtype", "name": value.name}
+    if isinstance(value, jax.sharding.NamedSharding):
+        # The mesh's axes and the spec; the devices are those present when it is loaded.
+        mesh = value.mesh
+        return {
+            "type": "sharding",
+            "axis_names": list(mesh.axis_names),
+            "axis_sizes": [int(size) for size in mesh.axis_sizes],
+            "axis_types": [t.name for t in mesh.axis_types],
+            "spec": [_spec_entry(entry) for entry in value.spec],
+        }
     if isinstance(value, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
         raise _Refusal(
             value,
@@ -207,6 +217,8 @@ def _decode(data: Any, where: str) -> Any:
         )
     if tag == "dtype":
         return jnp.dtype(data["name"])
+    if tag == "sharding":
+        return _rebuild_sharding(data, where)
     if tag == "import":
         return resolve(data["path"], f"the value of `{where}`")
     if tag == "dataclass":
@@ -218,6 +230,33 @@ def _decode(data: Any, where: str) -> Any:
             )
         return cls(**{name: _decode(item, where) for name, item in data["fields"]})
     raise SerialisationError(f"The file's value for `{where}` has unknown type tag {tag!r}.")
+
+
+def _spec_entry(entry: Any) -> Any:
+    """A `PartitionSpec` entry as JSON: `None`, a mesh axis name, or a list of names."""
+    if entry is None or isinstance(entry, str):
+        return entry
+    return list(entry)
+
+
+def _rebuild_sharding(data: dict, where: str) -> jax.sharding.NamedSharding:
+    """The sharding a file describes, on a mesh of the devices present (`jax.make_mesh`)."""
+    names, sizes = tuple(data["axis_names"]), tuple(data["axis_sizes"])
+    types = tuple(getattr(jax.sharding.AxisType, name) for name in data["axis_types"])
+    needed = int(np.prod(sizes))
+    present = len(jax.devices())
+    if needed != present:
+        shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
+        raise SerialisationError(
+            f"The file's `{where}` is a sharding over a mesh of {needed} devices ({shape}), "
+            f"but {present} device(s) are present: the mesh is rebuilt with jax.make_mesh "
+            "on the devices present. Load it where that many devices are present."
+        )
+    mesh = jax.make_mesh(sizes, names, axis_types=types)
+    spec = [
+        entry if entry is None or isinstance(entry, str) else tuple(entry) for entry in data["spec"]
+    ]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def _same(a: Any, b: Any) -> bool:
