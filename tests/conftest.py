@@ -27,3 +27,8 @@ def float64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
+
+
+# The multi-device tests need several devices, which JAX fixes when it starts: they run
+# in a process of their own (tests/test_multidevice.py starts it), never in this one.
+collect_ignore = [] if len(jax.devices()) >= 4 else ["multidevice"]
