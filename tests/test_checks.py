@@ -1,7 +1,11 @@
 """The option checks that every transform and compat function shares."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import close
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zodmem as zm
 from zodmem._checks import as_index, check_block_options, check_int, common_size
@@ -81,3 +85,32 @@ def test_every_int_option_takes_numpy_integers(cls, option):
     if name != "unroll":  # lax.scan's unroll takes bools
         with pytest.raises(TypeError, match=f"{cls.__name__}: `{name}` must be .* bool"):
             cls(lambda *a: a[0], **{name: True})
+
+
+# ---------------------------------------------------------------------------------
+# `sharding` (the multi-device behaviour is tested in tests/multidevice)
+
+
+@pytest.mark.parametrize("transform", [zm.BatchedJacobian, zm.BatchedHessian])
+@pytest.mark.parametrize("bad", ["d", P("d"), jax.devices()[0]])
+def test_sharding_must_be_a_named_sharding(transform, bad):
+    with pytest.raises(TypeError, match=r"`sharding` must be a jax.sharding.NamedSharding"):
+        transform(jnp.sum, sharding=bad)
+
+
+def test_sharding_that_splits_two_axes_is_refused_at_construction():
+    mesh = jax.make_mesh((1, 1), ("x", "y"))
+    with pytest.raises(ValueError, match=r"may split one axis.*P\('x', 'y'\)"):
+        zm.BatchedHessian(jnp.sum, sharding=NamedSharding(mesh, P("x", "y")))
+
+
+@pytest.mark.parametrize("spec", [P("d", None), P(None, "d")])
+def test_a_mesh_of_one_device_gives_the_whole_result(spec):
+    sharding = NamedSharding(jax.make_mesh((1,), ("d",)), spec)
+    w = jnp.linspace(0.1, 1.0, 5)
+
+    def f(w):
+        return jnp.sum(jnp.sin(w) ** 3)
+
+    close(zm.BatchedHessian(f, batch_size=2, sharding=sharding)(w), jax.hessian(f)(w))
+    close(zm.BatchedJacobian(jnp.sin, batch_size=2, sharding=sharding)(w), jax.jacfwd(jnp.sin)(w))

@@ -71,6 +71,15 @@ class BatchedHessian(AbstractDerivative):
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
+    - `sharding`: a `jax.sharding.NamedSharding` for the result, e.g.
+      `NamedSharding(mesh, PartitionSpec("d", None))` (rows over the mesh axis `"d"`) or
+      `PartitionSpec(None, "d")` (columns). Each device computes only the blocks of its
+      own share, in blocks of the size the options give (a budget is then per device),
+      and holds only that share and one block, never the whole Hessian; the result is a
+      global `jax.Array` with this sharding, across processes too under
+      `jax.distributed`. Rows are made by `mode="rev"` and columns by `mode="fwd"`, which
+      `"auto"` then takes. The devices along the split axis must divide `n`. See the
+      "Scaling out" page.
     - `progress`: show a progress bar on stderr (blocks done of the total, rate, time
       left), updated from inside the compiled loop after each block. Off by default,
       and then nothing is added to the compiled program.

@@ -69,6 +69,15 @@ class BatchedJacobian(AbstractDerivative):
     - `jit`: compile the whole computation with `eqx.filter_jit`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
+    - `sharding`: a `jax.sharding.NamedSharding` for the result (applied to every
+      output leaf's Jacobian). Each device computes only the blocks of its own share, in
+      blocks of the size the options give (a budget is then per device), and holds only
+      that share; the result is a global `jax.Array` with this sharding, across
+      processes too under `jax.distributed`. One axis may be split: the first (rows,
+      output elements: reverse mode, e.g. `PartitionSpec("d")`) or the last (columns,
+      variables: forward mode, e.g. `PartitionSpec(None, "d")` for a vector output);
+      `mode="auto"` takes the mode that makes the split axis. The devices along it must
+      divide its size. See the "Scaling out" page.
     - `progress`: show a progress bar on stderr (blocks done of the total, rate, time
       left), updated from inside the compiled loop after each block. With mode `"rev"`
       and several output leaves, each leaf's rows are one loop, with a bar of their

@@ -96,6 +96,14 @@ class Microbatcher(AbstractBlocked):
       microbatches skipped by `num_real_microbatches` count as done when passed. Off by
       default, and then nothing is added to the compiled program.
 
+    **Sharded batches:** a batch sharded along its batch axis over a mesh is reduced
+    where it lies: each device reduces its own part in microbatches, and the parts are
+    combined once, by one all-reduce for `"sum"`, `"mean"` and `"running_mean"`, while
+    `"concat"` leaves each device's rows where they are (the result is sharded along
+    axis 0). That needs built-in accumulators, every microbatch evaluated and, for
+    `"concat"`, a microbatch size that divides each device's part; otherwise every
+    device reduces the whole batch in order, as one device would.
+
     **Returns:**
 
     Calling `Microbatcher(fn, ...)(*args, **kwargs)` returns the combined result:

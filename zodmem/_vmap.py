@@ -102,6 +102,15 @@ class ChunkedVmap(AbstractBlocked):
         outer(jnp.ones((4, 5)), jnp.arange(3.0))  # shape (4, 3, 5)
         ```
 
+    !!! note "Sharded batches"
+
+        A batch sharded along its mapped axis (`jax.device_put(xs, NamedSharding(mesh,
+        PartitionSpec("d")))`) is mapped where it lies, as `jax.jit` would: each device
+        maps its own part, `chunk_size` elements at a time, and the output comes back
+        sharded along `out_axes` over the same mesh axes. With `max_memory`, the budget is
+        per device (planned per device for meshes with explicit axes, the default of
+        `jax.make_mesh`). Inside `jax.jit`, the sharding is seen for explicit axes only.
+
     !!! tip
 
         Give `in_axes` and `out_axes` as ints, `None`, callables and tuples to keep
