@@ -187,17 +187,7 @@ def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
     """The mode that makes the split axis's items: rows by VJPs, columns by JVPs."""
     if split.dim is None:
         return None
-    mode = "rev" if split.dim == 0 else "fwd"
-    if transform.mode not in ("auto", mode):
-        made = "rows" if transform.mode == "rev" else "columns"
-        split_what = "rows" if split.dim == 0 else "columns"
-        raise ValueError(
-            f"BatchedHessian: mode={transform.mode!r} makes the Hessian in blocks of {made}, "
-            f"but `sharding` ({transform.sharding.spec}) splits its {split_what} over the "
-            f"devices, and each device makes whole {split_what} of its share. Use "
-            f"mode={mode!r} or 'auto' with this sharding."
-        )
-    return mode
+    return transform.split_mode("rev" if split.dim == 0 else "fwd", "Hessian")
 
 
 def _hessian_share(

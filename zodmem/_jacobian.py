@@ -271,16 +271,7 @@ def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> s
             "the rows of others; one sharding must split the same kind of axis of each."
         )
     (mode,) = modes
-    if transform.mode not in ("auto", mode):
-        made = "rows" if transform.mode == "rev" else "columns"
-        split_what = "rows" if mode == "rev" else "columns"
-        raise ValueError(
-            f"BatchedJacobian: mode={transform.mode!r} makes the Jacobian in blocks of {made}, "
-            f"but `sharding` ({transform.sharding.spec}) splits its {split_what} over the "
-            f"devices, and each device makes whole {split_what} of its share. Use "
-            f"mode={mode!r} or 'auto' with this sharding."
-        )
-    return mode
+    return transform.split_mode(mode, "Jacobian")
 
 
 def _jacobian_share(

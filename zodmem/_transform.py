@@ -185,6 +185,20 @@ class AbstractDerivative(AbstractBlocked):
             return None
         return split_of(self.sharding, owner=type(self).__name__)
 
+    def split_mode(self, mode: str, what: str) -> str:
+        """`mode`, the one that makes the axis `sharding` splits (rows by VJPs: `"rev"`,
+        columns by JVPs: `"fwd"`), unless the transform was given the other."""
+        if self.mode not in ("auto", mode):
+            made = "rows" if self.mode == "rev" else "columns"
+            split = "rows" if mode == "rev" else "columns"
+            raise ValueError(
+                f"{type(self).__name__}: mode={self.mode!r} makes the {what} in blocks of "
+                f"{made}, but `sharding` ({self.sharding.spec}) splits its {split} over the "
+                f"devices, and each device makes whole {split} of its share. Use "
+                f"mode={mode!r} or 'auto' with this sharding."
+            )
+        return mode
+
     def on_mesh(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
         """The call's arguments as the sharded computation takes them: global arrays when
         the mesh spans several processes."""
