@@ -17,7 +17,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import Share, Split, check_divides, run_sharded
+from ._sharding import Share, Split, check_divides, everywhere, explicit_mesh, run_sharded
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -230,16 +230,20 @@ def _jacobian(
     kwargs: dict,
     sink: OutputSink | None = None,
 ) -> Any:
-    if transform.sharding is None:
+    mesh = None if transform.sharding is not None else explicit_mesh((x, args, kwargs))
+    if transform.sharding is None and (mesh is None or sink is not None):
         return _jacobian_share(transform, x, args, kwargs, sink)
-    split = transform.split
+    if mesh is not None:  # inputs on a mesh with explicit axes: worked out on each device
+        split, spec = everywhere(mesh), PartitionSpec()
+    else:
+        split = transform.split
+        spec = transform.sharding.spec  # exactly the one asked for, on every output leaf
 
     def compute(share, inputs):
         x, args, kwargs = inputs
         return _jacobian_share(transform, x, args, kwargs, None, share, split)
 
     def out_specs(shapes):
-        spec = transform.sharding.spec  # exactly the one asked for, on every output leaf
         return (spec, PartitionSpec()) if transform.has_aux else spec
 
     return run_sharded(compute, split, (x, args, kwargs), out_specs=out_specs)

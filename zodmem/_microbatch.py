@@ -26,7 +26,7 @@ from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
 from ._progress import label
-from ._sharding import Split, batch_split, check_divides, run_sharded
+from ._sharding import Split, batch_split, check_divides, everywhere, explicit_mesh, run_sharded
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -406,7 +406,13 @@ def _microbatch(
     if split is None:
         split = _batch_split(batch)
     if split is None:
-        return _microbatch_local(transform, args, kwargs)
+        mesh = explicit_mesh((args, kwargs))
+        if mesh is None:
+            return _microbatch_local(transform, args, kwargs)
+        # Inputs on a mesh with explicit axes, the batch not split: reduced on each device.
+        return run_sharded(
+            _whole_batch(transform), everywhere(mesh), (args, kwargs), out_specs=_replicated
+        )
     check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
     local = _batch_size(batch) // split.count
     size = transform.microbatch_size
@@ -424,11 +430,8 @@ def _microbatch(
     )
     if not local_ok:
         # Every device reduces the whole batch, in order, as one device would.
-        def whole(share, inputs):
-            return _microbatch_local(transform, *inputs)
-
-        everywhere = split._replace(dim=None, count=1)
-        return run_sharded(whole, everywhere, (args, kwargs), out_specs=lambda _: PartitionSpec())
+        whole, all_devices = _whole_batch(transform), everywhere(split.mesh)
+        return run_sharded(whole, all_devices, (args, kwargs), out_specs=_replicated)
     kinds: list[list] = []
     positions = [*transform.batch_argnums, *transform.batch_argnames]
 
@@ -466,6 +469,17 @@ def _microbatch(
         return jax.tree_util.tree_unflatten(treedef, specs)
 
     return run_sharded(compute, split, (args, kwargs), in_specs=in_specs, out_specs=out_specs)
+
+
+def _whole_batch(transform: Microbatcher) -> Any:
+    def whole(share, inputs):
+        return _microbatch_local(transform, *inputs)
+
+    return whole
+
+
+def _replicated(shapes: Any) -> PartitionSpec:
+    return PartitionSpec()
 
 
 def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:

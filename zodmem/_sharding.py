@@ -40,6 +40,8 @@ __all__ = [
     "to_mesh",
     "replicate",
     "is_explicit",
+    "explicit_mesh",
+    "everywhere",
 ]
 
 
@@ -171,6 +173,26 @@ def is_explicit(sharding: Any) -> bool:
         return False
     types = getattr(sharding.mesh, "axis_types", ())
     return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def explicit_mesh(tree: Any) -> Any:
+    """The mesh of the first array of `tree` placed over explicit mesh axes, or `None`.
+
+    Such arrays carry their mesh in their type, and the block engine's preallocated
+    outputs (made without one) cannot take their blocks; the work is then run inside a
+    `shard_map` over that mesh (`everywhere`), where every array is a device's own."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if eqx.is_array(leaf):
+            sharding = _sharding_of(leaf)
+            if is_explicit(sharding):
+                return sharding.mesh
+    return None
+
+
+def everywhere(mesh: Any) -> Split:
+    """Work not split at all: every device of `mesh` does all of it (the first draws its
+    progress bars)."""
+    return Split(mesh, None, tuple(mesh.axis_names), 1)
 
 
 def replicate(tree: Any, mesh: Any) -> Any:

@@ -19,7 +19,15 @@ from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
 from ._progress import label, progress_bar
-from ._sharding import Split, batch_split, check_divides, replicate, run_sharded
+from ._sharding import (
+    Split,
+    batch_split,
+    check_divides,
+    everywhere,
+    explicit_mesh,
+    replicate,
+    run_sharded,
+)
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -357,6 +365,13 @@ def _chunked_vmap(
     mapped = _mapped_inputs(fn, in_axes, args, kwargs)
     if split is None and mapped.total:
         split = batch_split(mapped.leaves, mapped.axes)
+    mesh = explicit_mesh((args, kwargs)) if split is None and sink is None else None
+    if mesh is not None:
+        # Inputs on a mesh with explicit axes, the batch not split: mapped on each device.
+        def whole(share, inputs):
+            return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, None, progress)
+
+        return run_sharded(whole, everywhere(mesh), (args, kwargs), out_specs=_replicated)
     if split is None:
         return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, sink, progress)
     if sink is not None:
@@ -482,6 +497,10 @@ def _chunked_vmap_local(
         for i in unmapped_arrays:
             results[i] = block_leaves[i]
     return jax.tree_util.tree_unflatten(out_def, results)
+
+
+def _replicated(shapes: Any) -> PartitionSpec:
+    return PartitionSpec()
 
 
 def _reporting_axes(vectorised: Callable, output_axes: list, found: list) -> Callable:

@@ -385,3 +385,20 @@ def test_budgets_of_sharded_batches_are_planned_per_device():
     plan = zm.Microbatcher(jnp.sum, max_memory="50MB").plan(xs)
     assert plan.total == 8
     close(zm.ChunkedVmap(jnp.sin, max_memory="50MB")(xs), jnp.sin(np.asarray(xs)))
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_inputs_replicated_over_explicit_axes_work_unsharded(devices):
+    """Arrays over explicit mesh axes carry their mesh in their type; every transform
+    takes them, as jax.jit does, and gives the plain JAX answer."""
+    mesh = mesh_of(shape=(devices,))
+    w = jax.device_put(jnp.linspace(0.1, 1.0, 8), NamedSharding(mesh, P()))
+    plain = np.asarray(w)
+
+    def f(w):
+        return jnp.sum(jnp.sin(w)) ** 2 * jnp.sum(w**3)
+
+    close(zm.BatchedHessian(f, nbatches=3)(w), jax.hessian(f)(plain))
+    close(zm.BatchedJacobian(jnp.sin, nbatches=3)(w), jax.jacfwd(jnp.sin)(plain))
+    close(zm.ChunkedVmap(jnp.sin, chunk_size=3)(w), jnp.sin(plain))
+    close(zm.Microbatcher(jnp.sum, microbatch_size=3)(w), jnp.sum(plain))
