@@ -44,6 +44,13 @@ KEY_LINES = {
         "equal to jax.hessian of the full-batch loss: True",
         "Microbatcher(BatchedHessian(nbatches=16), microbatch_size=1024)",
     ],
+    "sharded_hessian.py": [
+        "sharded Hessian equals jax.hessian: True",
+        "column split P(None, 'd') equals jax.hessian: True",
+        "per-device: output",
+        "per-device output is the share: True",
+        "Plan(BatchedHessian: ",
+    ],
 }
 
 

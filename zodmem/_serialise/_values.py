@@ -245,14 +245,14 @@ def _rebuild_sharding(data: dict, where: str) -> jax.sharding.NamedSharding:
     types = tuple(getattr(jax.sharding.AxisType, name) for name in data["axis_types"])
     needed = int(np.prod(sizes))
     present = len(jax.devices())
-    if needed != present:
+    if needed > present:
         shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
         raise SerialisationError(
             f"The file's `{where}` is a sharding over a mesh of {needed} devices ({shape}), "
-            f"but {present} device(s) are present: the mesh is rebuilt with jax.make_mesh "
-            "on the devices present. Load it where that many devices are present."
+            f"but only {present} device(s) are present: the mesh is rebuilt with "
+            "jax.make_mesh on the devices present. Load it where that many are present."
         )
-    mesh = jax.make_mesh(sizes, names, axis_types=types)
+    mesh = jax.make_mesh(sizes, names, axis_types=types, devices=jax.devices()[:needed])
     spec = [
         entry if entry is None or isinstance(entry, str) else tuple(entry) for entry in data["spec"]
     ]
