@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zodmem as zm
@@ -67,9 +67,19 @@ def check_shards(result, sharding, share_shape):
 # BatchedHessian(sharding=)
 
 
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("spec", [P("d", None), P(None, "d"), P("d"), P()])
-@pytest.mark.parametrize("batch_size", [None, 1, 3])
+@pytest.mark.parametrize(
+    "kind, spec, batch_size",
+    [
+        ("explicit", P("d", None), None),
+        ("explicit", P("d", None), 3),
+        ("explicit", P(None, "d"), 1),
+        ("explicit", P(None, "d"), 3),
+        ("explicit", P("d"), 3),
+        ("explicit", P(), 3),
+        ("auto", P("d", None), 3),
+        ("auto", P(None, "d"), None),
+    ],
+)
 def test_sharded_hessian_equals_jax_hessian(kind, spec, batch_size):
     mesh = mesh_of(kind)
     params = make_params()  # 8 variables: 2 per device
@@ -82,6 +92,7 @@ def test_sharded_hessian_equals_jax_hessian(kind, spec, batch_size):
     check_shards(H, sharding, share)
 
 
+@settings(max_examples=6)
 @given(
     n_w=st.sampled_from([2, 6, 10, 14]),
     nbatches=st.integers(1, 4),
@@ -288,7 +299,7 @@ def element(x, w):
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("chunk_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("chunk_size", [3, 16])
 def test_chunked_vmap_maps_each_devices_part(kind, chunk_size):
     mesh = mesh_of(kind)
     xs = jax.device_put(jnp.linspace(0, 1, 32).reshape(16, 2), NamedSharding(mesh, P("d")))
@@ -329,7 +340,7 @@ ACCUMULATOR = {"sum": "sum", "mean": "mean", "rows": "concat"}
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("microbatch_size", [2, 3, 4, 6])
+@pytest.mark.parametrize("microbatch_size", [2, 4])
 def test_microbatcher_reduces_each_part_then_combines_once(kind, microbatch_size):
     mesh = mesh_of(kind)
     xs = jax.device_put(jnp.linspace(-1, 1, 48).reshape(24, 2), NamedSharding(mesh, P("d")))
