@@ -26,7 +26,15 @@ from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
 from ._progress import label
-from ._sharding import Split, batch_split, check_divides, everywhere, explicit_mesh, run_sharded
+from ._sharding import (
+    Split,
+    batch_split,
+    check_divides,
+    everywhere,
+    explicit_mesh,
+    run_sharded,
+    to_mesh,
+)
 from ._traceback import public
 from ._transform import AbstractBlocked
 
@@ -222,7 +230,10 @@ class Microbatcher(AbstractBlocked):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         # Read here, where the arrays are concrete: traced, an array shows its sharding
         # only over explicit mesh axes.
-        return _microbatch_jit(self, args, kwargs, _batch_split(_batch_of(self, args, kwargs)))
+        split = _batch_split(_batch_of(self, args, kwargs))
+        if split is not None:  # under jax.distributed: the other inputs as global arrays
+            args, kwargs = to_mesh((args, kwargs), split.mesh)
+        return _microbatch_jit(self, args, kwargs, split)
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
         batch = _batch_of(self, args, kwargs)

@@ -27,6 +27,7 @@ from ._sharding import (
     explicit_mesh,
     replicate,
     run_sharded,
+    to_mesh,
 )
 from ._traceback import public
 from ._transform import AbstractBlocked
@@ -173,6 +174,8 @@ class ChunkedVmap(AbstractBlocked):
         # only over explicit mesh axes.
         mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
         split = batch_split(mapped.leaves, mapped.axes) if mapped.total else None
+        if split is not None:  # under jax.distributed: the other inputs as global arrays
+            args, kwargs = to_mesh((args, kwargs), split.mesh)
         return self._mapped(_chunked_vmap_jit, args, kwargs, split=split)
 
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:

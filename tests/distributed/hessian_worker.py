@@ -1,4 +1,5 @@
-"""One of two processes that compute a sharded `BatchedHessian` together under
+"""One of two processes that compute a sharded `BatchedHessian` (and map and reduce a
+split batch) together under
 `jax.distributed`: run as `python hessian_worker.py PORT PROCESS_ID`.
 
 Each process holds two CPU devices, so the mesh spans four devices in two processes and
@@ -159,7 +160,31 @@ def run_checks(mesh: jax.sharding.Mesh) -> int:
                 np.asarray(shard.data), expected_mean, rtol=1e-12, err_msg=f"{name}: aux mean"
             )
         passed += 1
-    return passed
+    return passed + check_batches(mesh)
+
+
+def check_batches(mesh: jax.sharding.Mesh) -> int:
+    """A `ChunkedVmap` and a `Microbatcher` of a global batch split over the mesh, with a
+    weight committed to one of this process's devices: each device maps (or reduces) its
+    own 4 elements, and the map's result stays split as the batch is."""
+    _, data = make_inputs()
+    global_data = input_placements(mesh)["global data"][1]
+    weight = jax.device_put(jnp.asarray(1.25), jax.local_devices()[-1])
+    expected = np.sin(np.asarray(data)) * 1.25
+
+    mapped = zm.ChunkedVmap(lambda x, w: jnp.sin(x) * w, chunk_size=3, in_axes=(0, None))
+    result = mapped(global_data, weight)
+    assert result.sharding.is_equivalent_to(NamedSharding(mesh, P("d")), 1), result.sharding
+    assert len(result.addressable_shards) == DEVICES_PER_PROCESS
+    for shard in result.addressable_shards:
+        assert shard.data.shape == (NUM_VARIABLES // 4,), shard.data.shape
+        np.testing.assert_allclose(np.asarray(shard.data), expected[shard.index], rtol=1e-12)
+
+    summed = zm.Microbatcher(lambda w, x: jnp.sum(jnp.sin(x) * w), microbatch_size=3, argnums=1)
+    total = summed(weight, global_data)
+    for shard in total.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), expected.sum(), rtol=1e-12)
+    return 2
 
 
 def main(port: int, process_id: int) -> int:
