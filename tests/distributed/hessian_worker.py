@@ -1,6 +1,6 @@
 """One of two processes that compute a sharded `BatchedHessian` (and map and reduce a
-split batch) together under
-`jax.distributed`: run as `python hessian_worker.py PORT PROCESS_ID`.
+split batch) together under `jax.distributed`: run as
+`python hessian_worker.py PORT PROCESS_ID`.
 
 Each process holds two CPU devices, so the mesh spans four devices in two processes and
 each process computes, and holds, the rows (or columns) of its own two devices. The
