@@ -243,9 +243,7 @@ def _jacobian(
         x, args, kwargs = inputs
         return _jacobian_share(transform, x, args, kwargs, None, share, split)
 
-    def out_specs(shapes):
-        return (spec, PartitionSpec()) if transform.has_aux else spec
-
+    out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
     return run_sharded(compute, split, (x, args, kwargs), out_specs=out_specs)
 
 

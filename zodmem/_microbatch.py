@@ -239,9 +239,7 @@ class Microbatcher(AbstractBlocked):
         batch = _batch_of(self, args, kwargs)
         total = _batch_size(batch)
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
-        split = _batch_split(batch)
-        # Planned per device where the planned call sees the split (explicit mesh axes).
-        split = split if split is not None and split.explicit else None
+        split = _batch_split(batch, planned=True)
         return Work(total, "examples", "result", size).per_device(split)
 
     def _with_block_size(self, size: int, strategy: Any) -> Microbatcher:
@@ -382,13 +380,14 @@ def _batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
     return batch
 
 
-def _batch_split(batch: list) -> Split | None:
-    """How the batch arguments are spread over devices along their batch axes, if at all."""
+def _batch_split(batch: list, planned: bool = False) -> Split | None:
+    """How the batch arguments are spread over devices along their batch axes, if at all
+    (`planned`: as `batch_split`)."""
     leaves, axes = [], []
     for _, value, value_axes in batch:
         leaves.extend(jax.tree_util.tree_leaves(value))
         axes.extend(jax.tree_util.tree_leaves(value_axes))
-    return batch_split(leaves, axes)
+    return batch_split(leaves, axes, planned=planned)
 
 
 # How each built-in accumulator combines the devices' results, once.
@@ -421,9 +420,7 @@ def _microbatch(
         if mesh is None:
             return _microbatch_local(transform, args, kwargs)
         # Inputs on a mesh with explicit axes, the batch not split: reduced on each device.
-        return run_sharded(
-            _whole_batch(transform), everywhere(mesh), (args, kwargs), out_specs=_replicated
-        )
+        return run_sharded(_whole_batch(transform), everywhere(mesh), (args, kwargs))
     check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
     local = _batch_size(batch) // split.count
     size = transform.microbatch_size
@@ -441,8 +438,7 @@ def _microbatch(
     )
     if not local_ok:
         # Every device reduces the whole batch, in order, as one device would.
-        whole, all_devices = _whole_batch(transform), everywhere(split.mesh)
-        return run_sharded(whole, all_devices, (args, kwargs), out_specs=_replicated)
+        return run_sharded(_whole_batch(transform), everywhere(split.mesh), (args, kwargs))
     kinds: list[list] = []
     positions = [*transform.batch_argnums, *transform.batch_argnames]
 
@@ -461,7 +457,6 @@ def _microbatch(
         return jax.tree_util.tree_unflatten(treedef, combined)
 
     def in_specs(arrays):
-        arg_arrays, kwarg_arrays = arrays
         specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays)
         arg_specs, kwarg_specs = list(specs[0]), dict(specs[1])
         for position, (_, value, axes) in zip(positions, batch, strict=True):
@@ -487,10 +482,6 @@ def _whole_batch(transform: Microbatcher) -> Any:
         return _microbatch_local(transform, *inputs)
 
     return whole
-
-
-def _replicated(shapes: Any) -> PartitionSpec:
-    return PartitionSpec()
 
 
 def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:

@@ -45,6 +45,16 @@ __all__ = [
 ]
 
 
+# The spec of an array whole on every device.
+_WHOLE = PartitionSpec()
+
+
+def _has_explicit_axes(mesh: Any) -> bool:
+    """Whether `mesh` has explicit axes, whose arrays carry their sharding in their type."""
+    types = getattr(mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
 class Split(NamedTuple):
     """How a result (or a batch) is spread: `dim`, its split axis (`None`: not split);
     `axes`, the mesh axes that split it; `count`, the devices along them (its shares)."""
@@ -57,15 +67,12 @@ class Split(NamedTuple):
     @property
     def explicit(self) -> bool:
         """Whether the mesh's axes are explicit, so that traced arrays show the split."""
-        types = getattr(self.mesh, "axis_types", ())
-        return any(t == jax.sharding.AxisType.Explicit for t in types)
+        return _has_explicit_axes(self.mesh)
 
-    def spec(self, ndim: int, dim: int | None = None) -> PartitionSpec:
-        """The spec of an `ndim`-dimensional array split like this along `dim` (by default
-        the split's own)."""
-        dim = self.dim if dim is None else dim
+    def spec(self, ndim: int, dim: int) -> PartitionSpec:
+        """The spec of an `ndim`-dimensional array split over these mesh axes along `dim`."""
         entries: list[Any] = [None] * ndim
-        if dim is not None and self.axes:
+        if self.axes:
             entries[dim] = self.axes[0] if len(self.axes) == 1 else self.axes
         return PartitionSpec(*entries)
 
@@ -147,10 +154,16 @@ def _sharding_of(leaf: Any) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def batch_split(leaves: Sequence[Any], axes: Sequence[int | None]) -> Split | None:
+def batch_split(
+    leaves: Sequence[Any], axes: Sequence[int | None], *, planned: bool = False
+) -> Split | None:
     """The split of a batch: the mesh axes of the first leaf that is sharded along its
     mapped axis (`axes`, one per leaf, `None` for leaves not mapped), or `None` when
-    none is."""
+    none is.
+
+    With `planned`, only a split that the planner's traced call sees, one over explicit
+    mesh axes: a budget is planned per device there, and for the whole batch elsewhere.
+    """
     for leaf, axis in zip(leaves, axes, strict=True):
         if axis is None:
             continue
@@ -162,17 +175,15 @@ def batch_split(leaves: Sequence[Any], axes: Sequence[int | None]) -> Split | No
         if names:
             count = math.prod(sharding.mesh.shape[name] for name in names)
             if count > 1:
-                return Split(sharding.mesh, axis, names, count)
+                split = Split(sharding.mesh, axis, names, count)
+                return None if planned and not split.explicit else split
     return None
 
 
 def is_explicit(sharding: Any) -> bool:
     """Whether `sharding` is a `NamedSharding` over a mesh with explicit axes, which a
     traced array shows in its type."""
-    if not isinstance(sharding, NamedSharding):
-        return False
-    types = getattr(sharding.mesh, "axis_types", ())
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
+    return isinstance(sharding, NamedSharding) and _has_explicit_axes(sharding.mesh)
 
 
 def explicit_mesh(tree: Any) -> Any:
@@ -236,7 +247,7 @@ def run_sharded(
     inputs: Any,
     *,
     in_specs: Any = None,
-    out_specs: Any,
+    out_specs: Any = _WHOLE,
 ) -> Any:
     """Run `compute(share, inputs)` once per device of `split.mesh` inside one `shard_map`.
 
@@ -246,8 +257,9 @@ def run_sharded(
       first, when sharded over explicit axes), unless `in_specs` gives their specs.
     - `in_specs`: optionally, a function of the array part of `inputs` that returns its
       specs (for a batch each device reads its own part of).
-    - `out_specs`: a function of the array part of the result (shapes) that returns its
-      specs, a pytree prefix of it.
+    - `out_specs`: the specs of the array part of the result, a pytree prefix of it
+      (by default every output whole on each device); or, where they depend on the
+      outputs' ranks, a function of its shapes that returns them.
 
     The progress bars of the computation are drawn by the first device only.
     """
@@ -272,8 +284,9 @@ def run_sharded(
             body, mesh=split.mesh, in_specs=(specs_in,), out_specs=specs_out, check_vma=False
         )
 
-    # The specs of the outputs depend on their ranks: trace once to learn them (every
-    # output taken as whole on each device, which leaves its rank as it is).
-    shapes = eqx.filter_eval_shape(mapped(PartitionSpec()), arrays)
-    out_arrays = mapped(out_specs(shapes))(arrays)
+    if callable(out_specs):
+        # The specs depend on the outputs' ranks: trace once to learn them (every output
+        # taken as whole on each device, which leaves its rank as it is).
+        out_specs = out_specs(eqx.filter_eval_shape(mapped(_WHOLE), arrays))
+    out_arrays = mapped(out_specs)(arrays)
     return eqx.combine(out_arrays, kept[-1])

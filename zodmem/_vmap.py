@@ -197,10 +197,7 @@ class ChunkedVmap(AbstractBlocked):
         mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
         total = mapped.total or 0
         size = total if self.chunk_size is None else min(self.chunk_size, total)
-        split = batch_split(mapped.leaves, mapped.axes)
-        # A budget is planned per device where the planned call sees the split, which a
-        # traced array shows over explicit mesh axes only; else for the whole batch.
-        split = split if split is not None and split.explicit else None
+        split = batch_split(mapped.leaves, mapped.axes, planned=True)
         return Work(total, "elements", "output", size).per_device(split)
 
     def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
@@ -374,7 +371,7 @@ def _chunked_vmap(
         def whole(share, inputs):
             return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, None, progress)
 
-        return run_sharded(whole, everywhere(mesh), (args, kwargs), out_specs=_replicated)
+        return run_sharded(whole, everywhere(mesh), (args, kwargs))
     if split is None:
         return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, sink, progress)
     if sink is not None:
@@ -500,10 +497,6 @@ def _chunked_vmap_local(
         for i in unmapped_arrays:
             results[i] = block_leaves[i]
     return jax.tree_util.tree_unflatten(out_def, results)
-
-
-def _replicated(shapes: Any) -> PartitionSpec:
-    return PartitionSpec()
 
 
 def _reporting_axes(vectorised: Callable, output_axes: list, found: list) -> Callable:
