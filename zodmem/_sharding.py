@@ -18,7 +18,6 @@ own devices' shares.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -57,7 +56,8 @@ def _has_explicit_axes(mesh: Any) -> bool:
 
 class Split(NamedTuple):
     """How a result (or a batch) is spread: `dim`, its split axis (`None`: not split);
-    `axes`, the mesh axes that split it; `count`, the devices along them (its shares)."""
+    `axes`, the mesh axes that split it (when it is not split, every axis of the mesh,
+    along which the first device draws the progress bars); `count`, the shares."""
 
     mesh: Any
     dim: int | None
@@ -122,7 +122,7 @@ def split_of(sharding: NamedSharding, *, owner: str) -> Split:
             "e.g. PartitionSpec(('x', 'y'), None)."
         )
     if not split:
-        return Split(sharding.mesh, None, (), 1)
+        return everywhere(sharding.mesh)
     dim, axes = split[0]
     count = math.prod(sharding.mesh.shape[axis] for axis in axes)
     return Split(sharding.mesh, dim, axes, count)
@@ -272,8 +272,8 @@ def run_sharded(
     kept: list[Any] = []
 
     def body(arrays):
-        index = jax.lax.axis_index(split.axes) if split.axes else 0
-        with _progress.first_shard(index == 0) if split.axes else contextlib.nullcontext():
+        index = jax.lax.axis_index(split.axes)
+        with _progress.first_shard(index == 0):
             out = compute(Share(index, split.count), eqx.combine(arrays, static))
         out_arrays, out_static = eqx.partition(out, eqx.is_array)
         kept.append(out_static)

@@ -187,14 +187,18 @@ def test_budget_is_per_device():
     close(transform(w), jax.hessian(f)(w))
 
 
-def test_progress_bar_is_drawn_once(capfd):
-    sharding = NamedSharding(mesh_of(), P("d", None))
+@pytest.mark.parametrize("spec, rows", [(P("d", None), "2"), (P(), "8")])
+def test_progress_bar_is_drawn_once(capfd, spec, rows):
+    sharding = NamedSharding(mesh_of(), spec)
     params = make_params()
     zm.BatchedHessian(loss, batch_size=1, sharding=sharding, progress=True)(params, DATA)
     err = capfd.readouterr().err
     assert "BatchedHessian" in err
     totals = set(re.findall(r"(\d+)/(\d+)", err))
-    assert totals and all(total == "2" for _, total in totals), err  # 2 rows per device
+    assert totals and all(total == rows for _, total in totals), err  # rows per device
+    # One bar: its count of blocks done never goes back, as four bars' would.
+    done = [int(count) for count, _ in re.findall(r"(\d+)/(\d+)", err)]
+    assert done == sorted(done), err
 
 
 # ---------------------------------------------------------------------------------
