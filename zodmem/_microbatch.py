@@ -108,9 +108,13 @@ class Microbatcher(AbstractBlocked):
     where it lies: each device reduces its own part in microbatches, and the parts are
     combined once, by one all-reduce for `"sum"`, `"mean"` and `"running_mean"`, while
     `"concat"` leaves each device's rows where they are (the result is sharded along
-    axis 0). That needs built-in accumulators, every microbatch evaluated and, for
-    `"concat"`, a microbatch size that divides each device's part; otherwise every
-    device reduces the whole batch in order, as one device would.
+    axis 0). That needs built-in accumulators, every microbatch evaluated and a
+    microbatch size that divides each device's part, so that every device's
+    microbatches are microbatches of the whole batch; otherwise every device reduces
+    the whole batch in order, as one device would. Either way the result is the one
+    device's, whatever `fn` is (a mean or a maximum per microbatch included). Batch
+    arguments placed differently (one split along the batch, another replicated) are
+    all split as the first split one is.
 
     **Returns:**
 
@@ -426,7 +430,8 @@ def _microbatch(
     size = transform.microbatch_size
     # Each device reduces its own part of the batch, then the parts are combined once;
     # that gives the same result when the accumulators are built in and each device's
-    # microbatches are whole ones of the batch's (for "concat", which keeps their order).
+    # microbatches are the batch's own: `fn` need not be additive over examples (a mean
+    # per microbatch changes with how the examples are grouped).
     options = [
         resolve(kind)
         for kind in jax.tree_util.tree_leaves(transform.accumulator, is_leaf=is_accumulator_leaf)
@@ -434,7 +439,8 @@ def _microbatch(
     local_ok = (
         all(isinstance(kind, AccumulationType) for kind in options)
         and transform.num_real_microbatches is None
-        and (AccumulationType.CONCAT not in options or size is None or local % size == 0)
+        and size is not None
+        and local % size == 0
     )
     if not local_ok:
         # Every device reduces the whole batch, in order, as one device would.

@@ -417,3 +417,67 @@ def test_inputs_replicated_over_explicit_axes_work_unsharded(devices):
     close(zm.BatchedJacobian(jnp.sin, nbatches=3)(w), jax.jacfwd(jnp.sin)(plain))
     close(zm.ChunkedVmap(jnp.sin, chunk_size=3)(w), jnp.sin(plain))
     close(zm.Microbatcher(jnp.sum, microbatch_size=3)(w), jnp.sum(plain))
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize(
+    "fn, accumulator, microbatch_size",
+    [
+        (jnp.mean, "sum", 16),  # larger than a device's part of 8
+        (jnp.max, "mean", 16),
+        (jnp.mean, "sum", 3),  # does not divide a device's part
+        (jnp.max, "running_mean", 3),
+        (jnp.mean, "sum", 4),  # whole microbatches on each device
+    ],
+)
+def test_microbatcher_of_a_function_not_additive_keeps_the_batchs_microbatches(
+    kind, fn, accumulator, microbatch_size
+):
+    """Every device's microbatches must be microbatches of the whole batch: a mean (or a
+    maximum) per microbatch changes with how the examples are grouped."""
+    mesh = mesh_of(kind)
+    x = jnp.arange(32.0)
+    sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+    transform = zm.Microbatcher(fn, microbatch_size=microbatch_size, accumulator=accumulator)
+    starts = range(0, 32, microbatch_size)
+    values = [fn(x[s : s + microbatch_size]) for s in starts]
+    sizes = [min(microbatch_size, 32 - s) for s in starts]
+    expected = (
+        sum(values)
+        if accumulator == "sum"
+        else sum(v * n for v, n in zip(values, sizes, strict=True)) / 32
+    )
+    close(transform(x), expected)
+    close(transform(sharded), expected)
+
+
+def test_microbatcher_planned_on_a_sharded_batch_keeps_the_batchs_microbatches():
+    mesh = mesh_of("auto")
+    x = jnp.arange(32.0)
+    sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+    transform = zm.Microbatcher(jnp.mean, max_memory="50MB", accumulator="sum")
+    size = transform.plan(sharded).block_size
+    expected = sum(jnp.mean(x[s : s + size]) for s in range(0, 32, size))
+    close(transform(sharded), expected)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_batch_arguments_sharded_differently_are_mapped_and_reduced(kind):
+    """One batch argument split along its batch axis, another replicated: both mapped."""
+    mesh = mesh_of(kind)
+    x = jnp.linspace(-1, 1, 32).reshape(16, 2)
+    y = jnp.linspace(0, 2, 16)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+    ys = jax.device_put(y, NamedSharding(mesh, P()))
+
+    def f(x, y):
+        return jnp.sum(jnp.sin(x) * y[:, None])
+
+    reduced = zm.Microbatcher(f, microbatch_size=2, argnums=(0, 1))
+    close(reduced(xs, ys), f(x, y))
+
+    def g(x, y):
+        return jnp.sin(x) * y
+
+    mapped = zm.ChunkedVmap(g, chunk_size=3)
+    close(mapped(xs, ys), jax.vmap(g)(x, y))
