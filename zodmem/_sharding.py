@@ -222,6 +222,26 @@ def replicate(tree: Any, mesh: Any) -> Any:
     return jax.tree_util.tree_map(whole, tree, is_leaf=eqx.is_array)
 
 
+def _placed(arrays: Any, specs: Any, mesh: Any) -> Any:
+    """`arrays` placed as `specs` say, where they lie over explicit mesh axes: `shard_map`
+    takes such arrays only as its `in_specs` give them (a batch argument replicated beside
+    one split along the batch is split the same way here)."""
+
+    def place(spec, leaf):
+        sharding = _sharding_of(leaf)
+        if spec is None or not is_explicit(sharding):
+            return leaf
+        target = NamedSharding(mesh, spec)
+        if sharding.is_equivalent_to(target, np.ndim(leaf)):
+            return leaf
+        return jax.sharding.reshard(leaf, target)
+
+    def is_spec(node):
+        return node is None or isinstance(node, PartitionSpec)
+
+    return jax.tree_util.tree_map(place, specs, arrays, is_leaf=is_spec)
+
+
 def to_mesh(tree: Any, mesh: Any) -> Any:
     """`tree` with its concrete arrays made global arrays replicated over `mesh` when the
     mesh spans several processes (under `jax.distributed`, a computation over such a mesh
@@ -269,6 +289,7 @@ def run_sharded(
         specs_in = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays)
     else:
         specs_in = in_specs(arrays)
+        arrays = _placed(arrays, specs_in, split.mesh)
     kept: list[Any] = []
 
     def body(arrays):
