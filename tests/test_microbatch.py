@@ -567,6 +567,16 @@ def f(x):
         (dict(microbatch_size=2, accumulator=3), ValueError, "unknown accumulator 3"),
         (dict(microbatch_size=2, accumulator={}), ValueError, "holds none"),
         (dict(microbatch_size=2, num_real_microbatches=-1), ValueError, "non-negative"),
+        (
+            dict(max_memory="10MB", num_real_microbatches=2),
+            ValueError,
+            r"num_real_microbatches=2 counts microbatches of a size that max_memory='10MB'",
+        ),
+        (
+            dict(max_memory="auto", num_real_microbatches=jnp.asarray(2)),
+            ValueError,
+            "give `microbatch_size` with `num_real_microbatches`",
+        ),
         (dict(microbatch_size=2, num_real_microbatches=1.5), TypeError, "num_real_microbatches"),
         (dict(microbatch_size=2, num_real_microbatches=True), TypeError, "num_real_microbatches"),
         (dict(microbatch_size=2, num_real_microbatches=np.int64(-1)), ValueError, "non-negative"),

@@ -98,7 +98,8 @@ class Microbatcher(AbstractBlocked):
     - `num_real_microbatches`: optionally the number of microbatches to evaluate,
       counted from the first: an int or an integer scalar array, which may be
       traced (so one compiled function serves batches padded to a common size).
-      The other microbatches are not evaluated and do not contribute.
+      The other microbatches are not evaluated and do not contribute. It counts
+      microbatches of `microbatch_size`, so it is refused with `max_memory`.
     - `progress`: show a progress bar on stderr (microbatches done of the total, rate,
       time left), updated from inside the compiled loop after each microbatch;
       microbatches skipped by `num_real_microbatches` count as done when passed. Off by
@@ -208,6 +209,15 @@ class Microbatcher(AbstractBlocked):
         _check_in_axes(self.in_axes, len(self.batch_argnums) + len(self.batch_argnames))
         check_accumulator(self.accumulator)
         _check_num_real_microbatches(self.num_real_microbatches)
+        if self.max_memory is not None and self.num_real_microbatches is not None:
+            count = self.num_real_microbatches
+            shown = count if isinstance(count, int) else "(an array)"
+            raise ValueError(
+                f"{_OWNER}: num_real_microbatches={shown} counts microbatches of a size that "
+                f"max_memory={self.max_memory!r} would choose, so the examples evaluated would "
+                "change with the budget. To evaluate only the first examples of a batch, "
+                "give `microbatch_size` with `num_real_microbatches` (and no max_memory)."
+            )
         check_bool(self.progress, "progress", owner=_OWNER)
 
     @property
