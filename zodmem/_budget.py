@@ -54,7 +54,7 @@ import jax
 import numpy as np
 
 from ._memory import budget_bytes, format_bytes
-from ._sharding import is_explicit
+from ._sharding import is_explicit, placement
 
 __all__ = [
     "usable_bytes",
@@ -295,9 +295,13 @@ _MAX_PLANS = 256
 
 
 def _cache_key(tree: Any, budget: Any) -> Any:
+    # An array's placement is part of it: a batch split over explicit mesh axes is
+    # planned per device, the same batch on one device as a whole.
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     signature = tuple(
-        (np.shape(leaf), str(leaf.dtype)) if eqx.is_array(leaf) else ("constant", leaf)
+        (np.shape(leaf), str(leaf.dtype), placement(leaf))
+        if eqx.is_array(leaf)
+        else ("constant", leaf)
         for leaf in leaves
     )
     key = (treedef, signature, budget)

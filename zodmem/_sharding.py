@@ -41,6 +41,7 @@ __all__ = [
     "is_explicit",
     "explicit_mesh",
     "everywhere",
+    "placement",
 ]
 
 
@@ -152,6 +153,14 @@ def _sharding_of(leaf: Any) -> NamedSharding | None:
     except (AttributeError, TypeError):
         return None
     return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def placement(leaf: Any) -> Any:
+    """Where an array lies, as far as a computation on it can tell: a concrete array's
+    sharding, a traced array's when its mesh axes are explicit, else `None`."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        return leaf.sharding
+    return _sharding_of(leaf)
 
 
 def batch_split(

@@ -481,3 +481,20 @@ def test_batch_arguments_sharded_differently_are_mapped_and_reduced(kind):
 
     mapped = zm.ChunkedVmap(g, chunk_size=3)
     close(mapped(xs, ys), jax.vmap(g)(x, y))
+
+
+def test_plans_of_one_batch_sharded_and_whole_are_not_confused():
+    """A plan is cached per placement too: the per-device plan of a sharded batch is not
+    the plan of the same batch on one device."""
+    mesh = mesh_of()
+    x = jnp.linspace(-1, 1, 64).reshape(32, 2)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+    for transform in (
+        zm.ChunkedVmap(jnp.sin, max_memory="50MB"),
+        zm.Microbatcher(jnp.sum, max_memory="50MB"),
+    ):
+        assert transform.plan(xs).total == 8
+        assert transform.plan(x).total == 32
+        assert transform.plan(xs).total == 8
+        traced = jax.jit(lambda x, transform=transform: jnp.asarray(transform.plan(x).total))
+        assert int(traced(xs)) == 8 and int(traced(x)) == 32
