@@ -147,6 +147,38 @@ def test_has_aux():
 
 
 @pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_has_aux_with_checkpoint_and_leaves_that_are_not_arrays(mode, jit):
+    x = {"a": jnp.asarray([0.5, -1.5]), "b": jnp.asarray(0.25)}
+
+    def loss_and_aux(x, data):
+        value = jnp.sum(jnp.sin(x["a"] * data) * x["b"] ** 2)
+        return value, {"name": "loss", "count": 3, "value": value, "size": jnp.asarray(2)}
+
+    def loss_and_array_aux(x, data):
+        value, aux = loss_and_aux(x, data)
+        return value, eqx.filter(aux, eqx.is_array)
+
+    # jax.hessian takes only arrays in aux; the other leaves come back unchanged.
+    expected_H, expected_aux = jax.hessian(loss_and_array_aux, has_aux=True)(x, 0.5)
+    expected_H = jnp.block([[expected_H[i][j].reshape(x[i].size, x[j].size) for j in x] for i in x])
+    expected_aux = {**expected_aux, "name": "loss", "count": 3}
+    for strategy in ("linearize", "recompute"):
+        transform = zm.BatchedHessian(
+            loss_and_aux,
+            batch_size=2,
+            mode=mode,
+            strategy=strategy,
+            has_aux=True,
+            jit=jit,
+            checkpoint=True,
+        )
+        H, aux = transform(x, 0.5)
+        close(H, expected_H)
+        close(aux, expected_aux)
+
+
+@pytest.mark.parametrize("jit", [True, False])
 @pytest.mark.parametrize("checkpoint", [True, False])
 def test_jit_and_checkpoint(jit, checkpoint):
     x = TREES["nested"]()

@@ -212,9 +212,8 @@ def _hessian_share(
     """The Hessian, or with `share` the rows (or columns) of one device's share of it."""
     flat, variables = split_variables(x, owner="BatchedHessian")
     transform.check_variables(variables)
+    # Traced for its shapes only: a checkpoint here would refuse leaves of aux that are not arrays.
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
-    if transform.checkpoint:
-        fn_of_flat = jax.checkpoint(fn_of_flat)
     _check_scalar(transform, transform.output_shapes(fn_of_flat, flat, "value"))
     n = variables.size
     plan = plan_blocks(
