@@ -67,7 +67,9 @@ def _parse(value: Any) -> int | str | None:
         if not unit:
             raise ValueError(f"got {value!r}, which is no number of bytes with a known unit")
         size = float(match.group("number")) * unit
-        if not math.isfinite(size) or size < 1:
+        if not math.isfinite(size):
+            raise ValueError(f"got {value!r}, which is not a finite number of bytes")
+        if size < 1:
             raise ValueError(f"got {value!r}, which is less than one byte")
         return int(size)
     try:
