@@ -1,11 +1,13 @@
 """Progress bars: drawn from inside the compiled loops, one per call, and nothing at all
 (not even a callback in the program) when they are off."""
 
+import functools
 import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import check_init, close
 
@@ -260,3 +262,52 @@ def test_streamed_results_show_their_bar(tmp_path, capsys):
     _, err = stderr_of(capsys, lambda: zm.to_file(tmp_path / "v.npy", vmapped, w))
     assert bars(err, "ChunkedVmap", 4) == (1, 1), err
     assert not _progress._BARS
+
+
+def _failing_at_block(block):
+    """`jnp.sin` through a host function that raises on the given block (of 3 rows)."""
+
+    def host(x):
+        if x[0] >= 3 * block:
+            raise RuntimeError("the block failed")
+        return np.sin(x)
+
+    def fn(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(host, shape, x, vmap_method="broadcast_all")
+
+    return fn
+
+
+@pytest.mark.parametrize("stream", ["to_host", "to_file"])
+def test_a_failed_streamed_call_closes_its_bar(stream, tmp_path, capsys):
+    failing = zm.ChunkedVmap(_failing_at_block(1), chunk_size=3, progress=True)
+    xs = jnp.arange(9.0)
+    call = zm.to_host if stream == "to_host" else functools.partial(zm.to_file, tmp_path / "v.npy")
+    with pytest.raises(Exception, match="the block failed"):
+        call(failing, xs)
+    jax.effects_barrier()
+    assert not _progress._BARS
+    capsys.readouterr()
+    later = zm.ChunkedVmap(jnp.cos, chunk_size=3, progress=True)
+    _, err = stderr_of(capsys, lambda: zm.to_host(later, xs))
+    assert bars(err, "ChunkedVmap", 3) == (1, 1), err
+    assert "1/3" not in err  # the failed bar is not drawn again
+    assert not _progress._BARS
+
+
+def test_bars_opened_in_an_interrupted_call_are_closed(capsys):
+    bar = _progress.Progress("Loop", 3)
+    with pytest.raises(KeyboardInterrupt), _progress.closing_bars():
+        bar._open()
+        bar._done(jnp.asarray(1))
+        raise KeyboardInterrupt
+    assert not _progress._BARS
+    bar._done(jnp.asarray(2))  # the computation goes on a while: its updates draw nothing
+    assert not _progress._BARS
+    assert bars(capsys.readouterr().err, "Loop", 3) == (1, 0)
+    bar._open()  # the next run of the same loop has a bar of its own
+    for count in (1, 2, 3):
+        bar._done(jnp.asarray(count))
+    assert not _progress._BARS
+    assert bars(capsys.readouterr().err, "Loop", 3) == (1, 1)

@@ -17,6 +17,12 @@ shows one bar for all its lanes, never one per lane. No `lax.cond` guards a call
 (under `vmap` a `cond` with a mapped predicate runs both branches): the host decides
 what each call means. With progress off, `progress_bar` returns `NO_PROGRESS`, which
 stages nothing.
+
+A run that fails (an error in a block, a `KeyboardInterrupt`) stages no further call,
+so its bars would stay open, drawn above every later one. The host code that waits on
+a run wraps it in `closing_bars()`, which closes the bars opened inside when it ends
+with an exception, and has later updates of those bars (from a computation that goes
+on after the interrupted caller left) ignored until their loop opens again.
 """
 
 from __future__ import annotations
@@ -32,12 +38,17 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from tqdm import tqdm
 
-__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label", "first_shard"]
+__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label", "first_shard", "closing_bars"]
 
 # The bars open now, by loop; callbacks may come from the runtime's threads.
 _BARS: dict[int, tqdm] = {}
 _LOCK = threading.Lock()
 _KEYS = itertools.count()
+# When each open bar was opened, in the order of `_OPENINGS`; and the loops whose bars
+# a failed run left, whose updates are dropped until the loop opens a bar again.
+_OPENINGS = itertools.count()
+_OPENED_AT: dict[int, int] = {}
+_ABANDONED: set[int] = set()
 # While a computation spread over devices is traced: whether this device is the first
 # (traced), the one whose loops draw the bars.
 _FIRST_SHARD: list[Any] = []
@@ -52,6 +63,28 @@ def first_shard(is_first: Any) -> Any:
         yield
     finally:
         _FIRST_SHARD.pop()
+
+
+@contextlib.contextmanager
+def closing_bars() -> Any:
+    """Close the bars opened inside this context if it ends with an exception: the run
+    that drew them failed, and will never bring them to their total."""
+    with _LOCK:
+        since = next(_OPENINGS)
+    try:
+        yield
+    except BaseException:
+        with _LOCK:
+            for key in [k for k, opened in _OPENED_AT.items() if opened > since]:
+                _ABANDONED.add(key)
+                _close(key)
+        raise
+
+
+def _close(key: int) -> None:
+    """Close the open bar of loop `key` (with `_LOCK` held)."""
+    del _OPENED_AT[key]
+    _BARS.pop(key).close()
 
 
 def label(transform: Any) -> str | None:
@@ -79,30 +112,34 @@ class Progress:
         self._report(jnp.asarray(count, jnp.int32), _witness(after), self._drawn)
 
     def _new_bar(self) -> tqdm:
-        return tqdm(total=self.total, desc=self.label, unit=self.unit, leave=None)
+        """A bar for this loop, now open (with `_LOCK` held)."""
+        _OPENED_AT[self.key] = next(_OPENINGS)
+        bar = _BARS[self.key] = tqdm(total=self.total, desc=self.label, unit=self.unit, leave=None)
+        return bar
 
     def _open(self) -> None:
         with _LOCK:
-            stale = _BARS.pop(self.key, None)
-            if stale is not None:
-                stale.close()  # left open by a run that failed before its last block
-            _BARS[self.key] = self._new_bar()
+            _ABANDONED.discard(self.key)
+            if self.key in _BARS:
+                _close(self.key)  # left open by a run that failed before its last block
+            self._new_bar()
 
     def _done(self, count: Any) -> None:
         # An array (possibly with a lane axis, should the counter ever be mapped).
         count = int(np.max(np.asarray(count)))
         with _LOCK:
+            if self.key in _ABANDONED:
+                return  # the rest of a run whose caller has given up on it
             bar = _BARS.get(self.key)
             if bar is None:
                 if count >= self.total:
                     return  # a repeat of the last update, after the bar was closed
                 # The opening did not run: a pass that recomputes the loop (checkpoint).
-                bar = _BARS[self.key] = self._new_bar()
+                bar = self._new_bar()
             if count > bar.n:
                 bar.update(count - bar.n)
             if count >= self.total:
-                del _BARS[self.key]
-                bar.close()
+                _close(self.key)
 
 
 class _NoProgress:

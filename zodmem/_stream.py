@@ -31,6 +31,7 @@ from ._blocks import OutputSink
 from ._budget import make_plan
 from ._hessian import BatchedHessian
 from ._jacobian import BatchedJacobian
+from ._progress import closing_bars
 from ._serialise import SerialisationError
 from ._traceback import public
 from ._vmap import ChunkedVmap
@@ -297,8 +298,9 @@ def _run_streamed(
         streamed[:] = sink.leaves
         return out
 
-    returned = call(transform, args, kwargs, jnp.asarray(first_block, jnp.int32))
-    jax.effects_barrier()  # every block handed over before the caller reads them
+    with closing_bars():
+        returned = call(transform, args, kwargs, jnp.asarray(first_block, jnp.int32))
+        jax.effects_barrier()  # every block handed over before the caller reads them
     return returned, set(streamed)
 
 
