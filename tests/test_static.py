@@ -1,8 +1,11 @@
 """`Static`: a hashable value carried as a pytree with no leaves."""
 
 import dataclasses
+import math
 import re
 import textwrap
+import typing
+import warnings
 
 import equinox as eqx
 import jax
@@ -34,9 +37,12 @@ def test_no_leaves_and_the_value_in_the_structure(value):
 
 
 def same_value(a, b):
-    """Equal values of the same types, inside tuples and frozensets too."""
+    """Equal values of the same types, inside tuples and frozensets too; a float's sign
+    counts (0.0 and -0.0 differ)."""
     if type(a) is not type(b) or a != b:
         return False
+    if isinstance(a, float):
+        return math.copysign(1, a) == math.copysign(1, b)
     if isinstance(a, tuple):
         return all(same_value(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, frozenset):
@@ -84,6 +90,88 @@ def test_values_equal_in_python_but_of_other_types_stay_apart(first, second):
     assert jax.tree_util.tree_structure(zm.Static(first)) != jax.tree_util.tree_structure(
         zm.Static(second)
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    level: object
+    name: str = "a"
+
+
+class Pair(typing.NamedTuple):
+    first: object
+    second: object
+
+
+def traces_of(values):
+    """How often `jax.jit` traces a function called with `Static(value)` for each value."""
+    traces = []
+
+    @jax.jit
+    def read(x, how):
+        traces.append(how.value)
+        return x
+
+    for value in values:
+        read(jnp.zeros(()), zm.Static(value))
+    return len(traces)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (Setting(1), Setting(True)),
+        (Setting(1), Setting(1.0)),
+        (Setting((1, 1)), Setting((1, True))),
+        (0.0, -0.0),
+        ((0.0,), (-0.0,)),
+        (Setting(0.0), Setting(-0.0)),
+        (complex(0.0, 0.0), complex(0.0, -0.0)),
+        (Pair(1, 2), (1, 2)),
+        (Pair(1, 1), Pair(1, True)),
+        (np.int64(1), 1),
+        (np.int64(1), np.int32(1)),
+        (np.float32(1.5), 1.5),
+        (np.float64(1.5), 1.5),
+        (np.bool_(True), True),
+        (np.float64(0.0), np.float64(-0.0)),
+    ],
+)
+def test_values_equal_in_python_compile_apart(first, second):
+    assert zm.Static(first) != zm.Static(second)
+    assert hash(zm.Static(first)) != hash(zm.Static(second))
+    assert traces_of([first, second, first, second]) == 2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: float("nan"),
+        lambda: (1, float("nan")),
+        lambda: frozenset({float("nan")}),
+        lambda: Setting(float("nan")),
+        lambda: Pair(float("nan"), 0),
+        lambda: complex(float("nan"), 1.0),
+        lambda: np.float64("nan"),
+        lambda: np.float32("nan"),
+        lambda: np.int64(1),
+        lambda: Setting(np.int64(1)),
+        lambda: -0.0,
+    ],
+)
+def test_a_value_compiles_once(make):
+    assert zm.Static(make()) == zm.Static(make())
+    assert hash(zm.Static(make())) == hash(zm.Static(make()))
+    assert traces_of([make() for _ in range(3)]) == 1
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.float32(0.5), np.bool_(False), np.str_("a")])
+def test_numpy_scalars_are_kept_without_warnings(value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        static = zm.Static(value)
+        assert jax.tree_util.tree_leaves(static) == []
+    assert type(static.value) is type(value) and static.value == value
 
 
 def test_jit_tells_values_of_other_types_apart():

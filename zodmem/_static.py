@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 from typing import Any, Generic, TypeVar
 
-import equinox as eqx
+import jax
+import numpy as np
 
 from ._traceback import public
 
@@ -13,7 +16,8 @@ __all__ = ["Static"]
 T = TypeVar("T")
 
 
-class Static(eqx.Module, Generic[T]):
+@dataclasses.dataclass(frozen=True, eq=False)
+class Static(Generic[T]):
     """Wrap a hashable value so that JAX treats it as part of the pytree's structure.
 
     A `Static` is a pytree with no leaves: its `value` lives in the tree definition.
@@ -21,9 +25,12 @@ class Static(eqx.Module, Generic[T]):
     to hand a Python value (a string, a tuple of ints, a flag) to the function
     unchanged: it is never traced, never batched, never differentiated. Two `Static`s
     are equal, and hash alike, when their values are equal *and of the same types*
-    (inside tuples and frozensets too), so `jax.jit` compiles once per distinct
-    value: `Static(1)`, `Static(1.0)` and `Static(True)` are three values, although
-    `1 == 1.0 == True` in Python.
+    (inside tuples, frozensets and the fields of dataclasses too), so `jax.jit`
+    compiles once per distinct value: `Static(1)`, `Static(1.0)` and `Static(True)`
+    are three values, although `1 == 1.0 == True` in Python. Floats compare by their
+    bits: `Static(0.0)` and `Static(-0.0)` differ, and `Static(nan)` equals itself, so
+    it compiles once. A NumPy scalar is kept as it is, a value of its own type:
+    `Static(np.int64(1))` is not `Static(1)`.
 
     **Arguments:**
 
@@ -56,17 +63,12 @@ class Static(eqx.Module, Generic[T]):
         pass arrays as ordinary arguments.
     """
 
-    value: T = eqx.field(static=True)
-    # Part of the tree definition beside `value`: JAX compares and hashes both, so
-    # values that Python calls equal but that have other types stay apart.
-    types: Any = eqx.field(static=True, repr=False)
-
-    def __init__(self, value: T):
-        self.value = value
-        self.types = _types_of(value)
+    value: T
+    # What equality and hashing read: the value's types, and floats by their bits.
+    _identity: Any = dataclasses.field(init=False, repr=False)
 
     @public
-    def __check_init__(self):
+    def __post_init__(self):
         try:
             hash(self.value)
         except TypeError as error:
@@ -75,14 +77,40 @@ class Static(eqx.Module, Generic[T]):
                 f"{type(self.value).__name__} ({error}). Wrap an immutable value instead, "
                 "e.g. a tuple rather than a list, or pass arrays as ordinary arguments."
             ) from None
+        object.__setattr__(self, "_identity", _identity_of(self.value))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Static):
+            return NotImplemented
+        return self._identity == other._identity
+
+    def __hash__(self) -> int:
+        return hash(self._identity)
 
 
-def _types_of(value: Any) -> Any:
-    """The type of `value`, and of its items when it is a tuple or a frozenset, as a
-    hashable signature: equal values with equal signatures are interchangeable."""
+# Its own tree definition, so that JAX compares it by `_identity`, never by the value's `==`.
+jax.tree_util.register_pytree_node(Static, lambda static: ((), static), lambda static, _: static)
+
+
+def _identity_of(value: Any) -> Any:
+    """`(type, contents)` of `value`, recursively through tuples (named ones too),
+    frozensets and dataclasses compared by their fields: equal identities mean values
+    that behave alike. Floats are read by their bits, so 0.0 and -0.0 differ and a NaN
+    equals itself."""
+    kind = type(value)
+    if isinstance(value, np.generic):
+        return (kind, value.tobytes())
+    if isinstance(value, float):
+        return (kind, struct.pack("<d", value))
+    if isinstance(value, complex):
+        return (kind, struct.pack("<dd", value.real, value.imag))
     if isinstance(value, tuple):
-        return (type(value), tuple(_types_of(item) for item in value))
+        return (kind, tuple(_identity_of(item) for item in value))
     if isinstance(value, frozenset):
-        # Pair each item with its signature: a set's items have no order to align them by.
-        return (frozenset, frozenset((item, _types_of(item)) for item in value))
-    return type(value)
+        return (kind, frozenset(_identity_of(item) for item in value))
+    params = getattr(kind, "__dataclass_params__", None)
+    if params is not None and params.eq and not isinstance(value, type):
+        # The fields its own `==` compares, each by its identity.
+        fields = dataclasses.fields(value)
+        return (kind, tuple(_identity_of(getattr(value, f.name)) for f in fields if f.compare))
+    return (kind, value)

@@ -167,7 +167,7 @@ def _encode(value: Any, where: str) -> dict:
 
 def _constructor_fields(value: Any) -> list[str]:
     """The fields of a dataclass instance that its constructor takes back by name: a field
-    that a custom `__init__` derives (as `zm.Static` derives `types`) is left out."""
+    that the class derives itself (as `zm.Static` derives `_identity`) is left out."""
     names = [field.name for field in dataclasses.fields(value) if field.init]
     try:
         parameters = inspect.signature(type(value)).parameters.values()
