@@ -29,6 +29,17 @@ def float64():
     jax.config.update("jax_enable_x64", previous)
 
 
+@pytest.fixture
+def buffers_only(monkeypatch):
+    """Budgets that bound the compiled call's own buffers only, as on an accelerator: the
+    tens of MB a CPU process's compiles add beside them are left out of the plan, so that
+    the planner's search can be tested on calls of a few kB."""
+    from zodmem import _budget
+
+    monkeypatch.setattr(_budget, "resident_bytes", lambda: None)
+    monkeypatch.setattr(_budget, "RESERVE_CPU_BYTES", 0)
+
+
 # The multi-device tests need several devices, which JAX fixes when it starts: they run
 # in a process of their own (tests/test_multidevice.py starts it), never in this one.
 collect_ignore = [] if len(jax.devices()) >= 4 else ["multidevice"]

@@ -14,7 +14,9 @@ import zodmem as zm
 from zodmem._budget import abstract, compiled_memory
 from zodmem._memory import AUTO_MARGIN, budget_bytes, free_memory
 
-pytestmark = pytest.mark.usefixtures("float64")
+# The search on calls of a few kB: the process's own compile heap is tested apart
+# (test_budget_reserve.py).
+pytestmark = pytest.mark.usefixtures("float64", "buffers_only")
 
 
 def measured_peak(transform, *args, **kwargs):
@@ -120,6 +122,13 @@ def test_bad_budgets_are_refused_at_construction(name, value, error):
 def test_a_budget_replaces_the_count(name, option):
     with pytest.raises(ValueError, match=rf"{name}: give .*`max_memory`.*{option}=2"):
         TRANSFORMS[name](max_memory="1GB", **{option: 2})
+
+
+@pytest.mark.parametrize("name", ["BatchedJacobian", "BatchedHessian"])
+def test_a_budget_needs_the_compiled_call(name):
+    """The plan is made for the compiled call; op by op, memory follows no plan."""
+    with pytest.raises(ValueError, match=rf"{name}: max_memory='1GB' plans .* jit=False"):
+        TRANSFORMS[name](max_memory="1GB", jit=False)
 
 
 @pytest.mark.parametrize("name", ["ChunkedVmap", "Microbatcher"])

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -53,7 +54,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._memory import budget_bytes, format_bytes
+from ._memory import budget_bytes, format_bytes, format_bytes_up
 from ._sharding import is_explicit, placement
 
 __all__ = [
@@ -69,17 +70,42 @@ __all__ = [
 
 # What is kept of a budget for what the process allocates beside the call's own buffers:
 # blocks are planned to fit the rest. On a CPU the call's memory is the process's, and
-# the compiler's heap, the executable and the runtime's threads come to about 40 MB on
-# the reference Hessian (measured peak above floor less the compiled peak); on an
-# accelerator only the allocator's slack shares the device. Never more than a tenth.
+# compiling the call grows the heap by about what compiling a candidate grew it by while
+# planning (measured then, in the resident memory), plus the runtime's threads and the
+# executable, `RESERVE_RUNTIME_BYTES`; where the resident memory cannot be read, a fixed
+# `RESERVE_CPU_BYTES` stands for both. On an accelerator only the allocator's slack shares
+# the device: 2% of the budget, never more than a tenth.
 RESERVE_SHARE = 0.02
 RESERVE_CPU_BYTES = 40 * 10**6
+RESERVE_RUNTIME_BYTES = 10 * 10**6
+# A refusal suggests this much over the least budget that plans.
+SUGGESTION_MARGIN = 1.05
 
 
-def usable_bytes(budget: int, platform: str) -> int:
-    """The part of `budget` that the compiled call's peak may take."""
-    reserve = RESERVE_SHARE * budget + (RESERVE_CPU_BYTES if platform == "cpu" else 0)
-    return int(budget - min(reserve, 0.1 * budget))
+def usable_bytes(budget: int, platform: str, compile_bytes: int | None = None) -> int:
+    """The part of `budget` that the compiled call's peak may take; `compile_bytes` is what
+    compiling it adds to a CPU process (`None`: not measured)."""
+    if platform != "cpu":
+        return int(budget - min(RESERVE_SHARE * budget, 0.1 * budget))
+    extra = RESERVE_CPU_BYTES if compile_bytes is None else compile_bytes + RESERVE_RUNTIME_BYTES
+    return int(budget * (1 - RESERVE_SHARE) - extra)
+
+
+def least_budget(peak: int, platform: str, compile_bytes: int | None = None) -> int:
+    """The smallest budget whose usable part (`usable_bytes`) holds a call of `peak`."""
+    if platform != "cpu":
+        return math.ceil(peak / (1 - RESERVE_SHARE))
+    extra = RESERVE_CPU_BYTES if compile_bytes is None else compile_bytes + RESERVE_RUNTIME_BYTES
+    return math.ceil((peak + extra) / (1 - RESERVE_SHARE))
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux), or `None`."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 # On a CPU, the most temporaries a block is planned to make (see the module's docstring).
@@ -273,19 +299,23 @@ def search(
 
 
 def refusal(
-    owner: str, budget: int, least: int, *, output_bytes: int, output_what: str
+    owner: str, budget: int, least: int, *, output_bytes: int, output_what: str, suggested: int
 ) -> MemoryBudgetError:
-    """The error for a budget that cannot hold one item per block."""
-    way = f"a budget of at least {format_bytes(math.ceil(least * 1.05))}"
-    if output_bytes >= 0.5 * least:
+    """The error for a budget that cannot hold one item per block; `suggested` is the
+    least budget that holds a call of `least` bytes (`least_budget`)."""
+    way = f"a budget of at least {format_bytes_up(suggested)}"
+    if output_bytes >= 0.5 * suggested:
         way += (
             f", or less work per call (the {output_what} itself takes most of it: fewer "
             "variables or outputs per call, each call's result moved off the device)"
         )
+    beside = suggested - least
     return MemoryBudgetError(
         f"{owner}: max_memory={format_bytes(budget)} cannot hold even one item per block: "
         f"the call needs at least {format_bytes(least)}, of which the {output_what} alone is "
-        f"{format_bytes(output_bytes)}. More blocks are not enough; the way out is {way}."
+        f"{format_bytes(output_bytes)}, and compiling and running it takes about "
+        f"{format_bytes(beside)} more beside it. More blocks are not enough; the way out is "
+        f"{way}."
     )
 
 
@@ -330,17 +360,32 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
     work = transform._work(*args, **kwargs)  # traces fn for a derivative: after the cache
     shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
     measured: dict[Any, tuple[int, int]] = {}
+    platform = jax.default_backend()
+    # What compiling grows the heap by, from the heap as the call will find it (trimmed).
+    release_heap()
+    start = resident_bytes()
+    compile_bytes = None if start is None else 0
 
     def memory(strategy: Any, size: int | None) -> tuple[int, int]:
+        nonlocal compile_bytes
         if (strategy, size) not in measured:
             candidate = transform if size is None else transform._with_block_size(size, strategy)
             measured[strategy, size] = compiled_memory(
                 run, abstract(candidate), shapes[1], shapes[2]
             )
+            now = resident_bytes()
+            if start is not None and now is not None:
+                compile_bytes = max(compile_bytes or 0, now - start)
         return measured[strategy, size]
 
     budget = budget_bytes(transform.max_memory)
-    usable = None if budget is None else usable_bytes(budget, jax.default_backend())
+
+    def usable(strategy: Any) -> int:
+        if platform == "cpu":
+            # The search compiles both ends on a CPU anyway: the heap they grow is measured.
+            memory(strategy, 1)
+            memory(strategy, work.total)
+        return usable_bytes(budget, platform, compile_bytes)
 
     def plan_of(strategy: Any, size: int | None) -> Plan:
         peak, output = memory(strategy, size)
@@ -362,21 +407,24 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
         for strategy in transform._strategies:
 
             def refuse(least: int, strategy: Any = strategy) -> MemoryBudgetError:
+                # A little over the least: a new process's compile may grow the heap more.
+                suggested = least_budget(least, platform, compile_bytes) * SUGGESTION_MARGIN
                 return refusal(
                     owner,
                     budget,
                     least,
                     output_bytes=memory(strategy, 1)[1],
                     output_what=work.output_what,
+                    suggested=math.ceil(suggested),
                 )
 
             try:
                 size = search(
                     lambda size, strategy=strategy: memory(strategy, size)[0],
                     work.total,
-                    usable,
+                    usable(strategy),
                     refuse=refuse,
-                    block_bytes=CPU_BLOCK_BYTES if jax.default_backend() == "cpu" else None,
+                    block_bytes=CPU_BLOCK_BYTES if platform == "cpu" else None,
                 )
             except MemoryBudgetError as error:
                 refusals.append(error)

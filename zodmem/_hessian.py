@@ -76,7 +76,8 @@ class BatchedHessian(AbstractDerivative):
       variables are refused.
     - `has_aux`: `fn` returns `(value, aux)`; `aux` is returned unchanged (its
       leaves need not be arrays).
-    - `jit`: compile the whole computation with `eqx.filter_jit`.
+    - `jit`: compile the whole computation with `eqx.filter_jit`. A budget
+      (`max_memory`) plans the compiled call, so it needs `jit=True`.
     - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
       than its intermediates stored.
     - `sharding`: a `jax.sharding.NamedSharding` for the result, e.g.

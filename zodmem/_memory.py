@@ -21,6 +21,7 @@ __all__ = [
     "check_memory",
     "check_size_or_memory",
     "format_bytes",
+    "format_bytes_up",
     "free_memory",
 ]
 
@@ -134,3 +135,16 @@ def format_bytes(size: int | float) -> str:
             value = size / scale
             return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
     return f"{int(size)} B"
+
+
+def format_bytes_up(size: int | float) -> str:
+    """`size` as `format_bytes` writes it, rounded up, not to the nearest: a figure to
+    pass back as a budget that is never below `size`."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            value = size / scale
+            decimals = 0 if value >= 100 else 2 - int(math.floor(math.log10(value)))
+            step = 10.0**-decimals
+            rounded = math.ceil(round(value / step, 6)) * step
+            return f"{rounded:.{decimals}f} {unit}"
+    return f"{math.ceil(size)} B"

@@ -160,6 +160,12 @@ class AbstractDerivative(AbstractBlocked):
                 f"{owner}: give at most one of `nbatches`, `batch_size` and `max_memory`, "
                 f"got {given}={getattr(self, given)} and max_memory={self.max_memory!r}."
             )
+        if self.max_memory is not None and not self.jit:
+            raise ValueError(
+                f"{owner}: max_memory={self.max_memory!r} plans the blocks of the compiled "
+                "call, but with jit=False the call runs op by op, whose memory no plan "
+                "describes. Leave jit=True with a budget, or give nbatches or batch_size."
+            )
         check_choice(self.strategy, "strategy", ("auto", "linearize", "recompute"), owner=owner)
         check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
         for name in ("holomorphic", "has_aux", "jit", "checkpoint", "progress"):
