@@ -242,3 +242,46 @@ def test_pytree_results_go_to_a_directory(tmp_path):
     close(result, vmap(XS))
     names = sorted(os.listdir(tmp_path / "outputs"))
     assert names == ["blocks.journal", "odd_key_0.npy", "odd_key_1.npy", "out.npy"]
+
+
+def _function(body, constant):
+    """A `lambda` of the same name whatever its body and the array it closes over."""
+    if body == "square":
+        return lambda x: jnp.outer(x, x) * constant
+    return lambda x: jnp.outer(x, x) + constant
+
+
+@pytest.mark.parametrize("body, constant", [("square", 3.0), ("add", 2.0)], ids=["value", "body"])
+def test_files_of_other_functions_of_the_same_name_are_refused(body, constant, tmp_path):
+    path = tmp_path / "outer.npy"
+    made = zm.ChunkedVmap(_function("square", jnp.full(2, 2.0)), chunk_size=4)
+    zm.to_file(path, made, XS)
+    other = zm.ChunkedVmap(_function(body, jnp.full(2, constant)), chunk_size=4)
+    with pytest.raises(zm.SerialisationError, match="(?s)computation.*delete the file"):
+        zm.to_file(path, other, XS)
+    # The same refusal for a file cut short: no block of the other function is added.
+    journal = tmp_path / "outer.npy.journal"
+    journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[:2]))
+    with pytest.raises(zm.SerialisationError, match="(?s)computation.*delete the file"):
+        zm.to_file(path, other, XS)
+    again = zm.to_file(path, made, XS)
+    np.testing.assert_array_equal(again, made(XS))
+
+
+def test_a_finished_file_is_taken_by_the_same_script_in_another_process(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    path = str(tmp_path / "outer.npy")
+    counts = []
+    for seed in ("1", "2"):
+        environment = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run(
+            [sys.executable, str(script), path, "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=environment,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        counts.append(int(result.stdout.split()[-1]))
+    assert counts[0] > 0 and counts[1] == 0

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,6 +121,12 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
     crash (a `SIGKILL`, a power cut) continues at the first block not yet on disk; on a
     finished file it returns the file at once, computing nothing.
 
+    A call is known by its transform and configuration, the shapes, dtypes and values
+    of its inputs (the transform's arrays included), and what it computes: the program
+    JAX traces from it, with the values of the arrays its functions close over. A
+    function whose body or closed-over arrays changed is another call, whatever its
+    name, so a file never mixes blocks of two computations.
+
     **Arguments:**
 
     - `path`: where to write. An array result goes to this `.npy` file (`np.load(path,
@@ -139,9 +146,16 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
     **Raises:**
 
     `zm.SerialisationError` when the file was made by another call (another transform
-    or configuration, other shapes or dtypes, other input values: the message names
-    what differs), or when its journal or files are damaged. To start afresh, delete
-    the file and its journal.
+    or configuration, another computation, other shapes or dtypes, other input values:
+    the message names what differs), or when its journal or files are damaged. To
+    start afresh, delete the file and its journal.
+
+    !!! warning
+
+        A Python function called from inside the computation (`jax.pure_callback`,
+        `jax.debug.callback`) is known by its name only: after changing what such a
+        function returns, delete the file. The program is JAX's, so after upgrading
+        JAX an unfinished file is refused rather than resumed.
 
     !!! example
 
@@ -239,12 +253,13 @@ def _check_concrete(args: tuple, kwargs: dict, name: str) -> None:
 
 class _Layout(NamedTuple):
     """The result's leaves (shapes and dtypes, or non-array values) and structure,
-    without the auxiliary value."""
+    without the auxiliary value, and the traced program of the call."""
 
     treedef: Any
     leaves: list
     paths: list[str]
     has_aux: bool
+    program: Any
 
 
 def _layout(transform: Any, args: tuple, kwargs: dict) -> _Layout:
@@ -252,12 +267,15 @@ def _layout(transform: Any, args: tuple, kwargs: dict) -> _Layout:
         # Any block size gives the same result; the one the count options would give.
         size = max(transform._work(*args, **kwargs).block_size, 1)
         transform = transform._with_block_size(size, transform._strategies[0])
-    shapes = eqx.filter_eval_shape(lambda t, a, k: t._run(*a, **k), transform, args, kwargs)
+    program, dynamic, static = eqx.filter_make_jaxpr(lambda t, a, k: t._run(*a, **k))(
+        transform, args, kwargs
+    )
+    shapes = eqx.combine(dynamic, static)
     has_aux = bool(transform.config.get("has_aux", False))
     out = shapes[0] if has_aux else shapes
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(out)
     paths = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
-    return _Layout(treedef, [leaf for _, leaf in paths_leaves], paths, has_aux)
+    return _Layout(treedef, [leaf for _, leaf in paths_leaves], paths, has_aux, program)
 
 
 def _streamed_call(transform: Any, args: tuple, kwargs: dict) -> Any:
@@ -655,7 +673,8 @@ def _describe(value: Any) -> str:
 def _fingerprint(transform: Any, args: tuple, kwargs: dict, layout: _Layout) -> dict[str, str]:
     """What a file's journal compares to resume it: the transform and its configuration,
     the result's and the inputs' shapes and dtypes, the other leaves (functions, numbers,
-    static fields) and a hash of every input value (the transform's arrays included)."""
+    static fields), a hash of every input value (the transform's arrays included) and a
+    hash of what the call computes (its program and the constants it closes over)."""
     config = ", ".join(f"{k}={_describe(v)}" for k, v in transform.config.items())
     leaves, treedef = jax.tree_util.tree_flatten((transform, args, kwargs))
     digest = hashlib.sha256()
@@ -679,4 +698,34 @@ def _fingerprint(transform: Any, args: tuple, kwargs: dict, layout: _Layout) -> 
         + " | "
         + ", ".join(constants),
         "input values (sha256)": digest.hexdigest(),
+        "computation (sha256 of its program and constants)": _program_digest(layout.program),
     }
+
+
+def _program_digest(program: Any) -> str:
+    """A hash of a traced call: the text of its program, at every level of nesting, and
+    the values of the constants it holds (the arrays a function closes over). Two
+    functions of the same name that compute different things differ here; the text
+    names nothing by its address, so the same script gives the same hash in every
+    process."""
+    digest = hashlib.sha256(_ADDRESS.sub("", str(program)).encode())
+    for constant in _constants(program):
+        array = np.ascontiguousarray(np.asarray(constant))
+        digest.update(f"{array.dtype}{list(array.shape)}".encode())
+        digest.update(array.view(np.uint8).reshape(-1).data if array.size else b"")
+    return digest.hexdigest()
+
+
+def _constants(program: Any) -> Any:
+    """The constants of a `ClosedJaxpr` or `Jaxpr` and of the programs in its equations'
+    parameters (loop bodies, branches, inner `jit`s), literals included, in order."""
+    if isinstance(program, jax.extend.core.ClosedJaxpr):
+        yield from program.consts
+        program = program.jaxpr
+    for eqn in program.eqns:
+        yield from (v.val for v in eqn.invars if isinstance(v, jax.extend.core.Literal))
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                    yield from _constants(item)
+    yield from (v.val for v in program.outvars if isinstance(v, jax.extend.core.Literal))
