@@ -8,7 +8,14 @@ from helpers import close
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zodmem as zm
-from zodmem._checks import as_index, check_block_options, check_int, common_size
+from zodmem._checks import (
+    as_index,
+    as_int_or_bool,
+    check_block_options,
+    check_bool,
+    check_int,
+    common_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +44,27 @@ def test_numpy_integers_are_integers(value):
 @pytest.mark.parametrize("value", [True, False, 4.0, np.float64(4.0), "4", None])
 def test_as_index_leaves_non_integers_for_the_checks(value):
     assert as_index(value) is value
+
+
+@pytest.mark.parametrize(
+    "value, expected", [(np.True_, True), (np.False_, False), (True, True), (np.int64(3), 3)]
+)
+def test_as_int_or_bool_reads_numpy_bools_and_integers(value, expected):
+    assert type(as_int_or_bool(value)) is type(expected) and as_int_or_bool(value) == expected
+
+
+@pytest.mark.parametrize("value", [1.5, np.float32(2.0), "1", None])
+def test_as_int_or_bool_leaves_the_rest_for_the_checks(value):
+    assert as_int_or_bool(value) is value
+
+
+def test_messages_name_numpy_types_in_full():
+    with pytest.raises(TypeError, match=r"got np\.True_ of type numpy\.bool\.$"):
+        check_bool(np.True_, "flag", owner="Owner")
+    with pytest.raises(TypeError, match=r"got np\.float64\(2\.0\) of type numpy\.float64\.$"):
+        check_int(np.float64(2.0), "n", owner="Owner")
+    with pytest.raises(TypeError, match=r"got True of type bool\.$"):
+        check_int(True, "n", owner="Owner")
 
 
 def test_block_options_pair():

@@ -1,5 +1,6 @@
 """Reading `max_memory`: the forms a budget takes, and the messages for the others."""
 
+import numpy as np
 import pytest
 
 from zodmem._memory import budget_bytes, check_memory
@@ -33,3 +34,9 @@ def test_a_budget_under_one_byte(value):
 def test_a_budget_that_is_no_number_with_a_unit(value):
     with pytest.raises(ValueError, match=f"got {value!r}, which is no number of bytes with a"):
         check_memory(value, owner="Owner")
+
+
+def test_a_budget_of_another_type_is_named_in_full():
+    with pytest.raises(TypeError, match=r"got np\.float64\(1000\.0\) of type numpy\.float64\.$"):
+        check_memory(np.float64(1e3), owner="Owner")
+    assert budget_bytes(np.int64(2048)) == 2048

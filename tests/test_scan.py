@@ -126,6 +126,15 @@ def test_sliced_scan_unroll_keeps_values(length, step, unroll, reverse):
     assert_same(got, (want[0], take(want[1], np.s_[1::step])))
 
 
+@pytest.mark.parametrize("transform", [zm.SlicedScan, zm.CheckpointedScan])
+@pytest.mark.parametrize("unroll", [np.True_, np.False_])
+def test_numpy_bool_unroll_is_a_bool(transform, unroll):
+    scan = transform(tree_step, unroll=unroll)
+    assert type(scan.unroll) is bool and scan == transform(tree_step, unroll=bool(unroll))
+    init, xs = make_init(), make_xs(5)
+    assert_same(scan(init, xs), jax.lax.scan(tree_step, init, xs, unroll=unroll))
+
+
 def smooth_step(carry, x):
     h, total = carry
     h = jnp.tanh(h * x["w"] + x["b"])
@@ -374,8 +383,15 @@ def check_construction(cls, kwargs, error, match):
         ({"unroll": 0}, ValueError, r"`unroll` must be a positive int or a bool, got unroll=0"),
         ({"unroll": -3}, ValueError, r"got unroll=-3"),
         ({"unroll": 1.5}, TypeError, r"`unroll` must be a positive int or a bool, got 1\.5"),
+        (
+            {"unroll": np.float64(2.0)},
+            TypeError,
+            r"`unroll` must be a positive int or a bool, got np\.float64\(2\.0\) of type "
+            r"numpy\.float64\.",
+        ),
     ],
 )
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")
 def test_sliced_scan_construction_errors(kwargs, error, match):
     check_construction(zm.SlicedScan, kwargs, error, match)
 

@@ -3,7 +3,9 @@
 One convention for every message: it starts with the owner (the transform's class
 name, or the compat function's name), names the argument, shows the value and says
 what is allowed. Integer options are read with `operator.index`, so NumPy integers
-are welcome and floats and bools are refused.
+are welcome and floats and bools are refused. A value is shown by its `repr` and its
+type's full name (`numpy.float64`, not `float64`), so that NumPy's scalars, whose short
+names repeat Python's (`numpy.bool` is not `bool`), are told apart.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "as_index",
+    "as_int_or_bool",
     "check_bool",
     "check_callable",
     "check_choice",
     "check_int",
     "check_block_options",
     "common_size",
+    "described",
 ]
 
 
@@ -36,6 +42,27 @@ def as_index(value: Any) -> Any:
         return operator.index(value)
     except TypeError:
         return value
+
+
+def as_int_or_bool(value: Any) -> Any:
+    """`value` as a Python bool when it is a bool (a NumPy bool included), else as
+    `as_index` reads it: the converter of options that, like `lax.scan`'s `unroll`,
+    take an int or a bool."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return as_index(value)
+
+
+def described(value: Any) -> str:
+    """`value` and its type for a message: `np.True_ of type numpy.bool`, `2.0 of type
+    float`."""
+    kind = type(value)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    return f"{value!r} of type {name}"
 
 
 def _is_int(value: Any) -> bool:
@@ -69,10 +96,7 @@ def check_int(
         return None
     if not _is_int(value):
         allowed_types = allowed or (f"{kind} or None" if optional else kind)
-        raise TypeError(
-            f"{owner}: `{name}` must be {allowed_types}, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
+        raise TypeError(f"{owner}: `{name}` must be {allowed_types}, got {described(value)}.")
     value = operator.index(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{owner}: `{name}` must be {allowed or kind}, got {name}={value}.")
@@ -83,16 +107,13 @@ def check_callable(value: Any, name: str, *, owner: str) -> None:
     if not callable(value):
         raise TypeError(
             f"{owner}: `{name}` must be callable (a function or a module with __call__), "
-            f"got {value!r} of type {type(value).__name__}."
+            f"got {described(value)}."
         )
 
 
 def check_bool(value: Any, name: str, *, owner: str) -> None:
     if not isinstance(value, bool):
-        raise TypeError(
-            f"{owner}: `{name}` must be True or False, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
+        raise TypeError(f"{owner}: `{name}` must be True or False, got {described(value)}.")
 
 
 def check_choice(value: Any, name: str, choices: Iterable[Any], *, owner: str) -> None:

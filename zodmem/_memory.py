@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from ._checks import described
+
 __all__ = [
     "AUTO_MARGIN",
     "budget_bytes",
@@ -76,7 +78,7 @@ def _parse(value: Any) -> int | str | None:
     try:
         size = operator.index(value)
     except TypeError:
-        raise TypeError(f"got {value!r} of type {type(value).__name__}") from None
+        raise TypeError(f"got {described(value)}") from None
     if size < 1:
         raise ValueError(f"got {value!r}; a budget is a positive number of bytes")
     return size

@@ -15,7 +15,7 @@ from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import plan_blocks, scan_blocks, write_once
-from ._checks import as_index, check_bool, check_callable, check_int, common_size
+from ._checks import as_index, as_int_or_bool, check_bool, check_callable, check_int, common_size
 from ._progress import label, progress_bar
 from ._traceback import public
 from ._transform import AbstractTransform
@@ -91,7 +91,7 @@ class AbstractScan(AbstractTransform):
     fn: Callable[..., Any]
     length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
     reverse: bool = eqx.field(default=False, static=True, kw_only=True)
-    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
+    unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_int_or_bool)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     @public

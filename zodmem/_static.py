@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 import jax
 import numpy as np
 
+from ._checks import described
 from ._traceback import public
 
 __all__ = ["Static"]
@@ -73,9 +74,9 @@ class Static(Generic[T]):
             hash(self.value)
         except TypeError as error:
             raise TypeError(
-                f"Static: `value` must be hashable, got {self.value!r} of type "
-                f"{type(self.value).__name__} ({error}). Wrap an immutable value instead, "
-                "e.g. a tuple rather than a list, or pass arrays as ordinary arguments."
+                f"Static: `value` must be hashable, got {described(self.value)} ({error}). "
+                "Wrap an immutable value instead, e.g. a tuple rather than a list, or pass "
+                "arrays as ordinary arguments."
             ) from None
         object.__setattr__(self, "_identity", _identity_of(self.value))
 
