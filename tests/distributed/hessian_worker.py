@@ -141,7 +141,7 @@ def run_checks(mesh: jax.sharding.Mesh) -> int:
     transforms = [
         ("rows, batch_size=3", zm.BatchedHessian(loss, sharding=rows, batch_size=3)),
         ("columns, batch_size=3", zm.BatchedHessian(loss, sharding=columns, batch_size=3)),
-        ("rows, max_memory='50MB'", zm.BatchedHessian(loss, sharding=rows, max_memory="50MB")),
+        ("rows, max_memory='100MB'", zm.BatchedHessian(loss, sharding=rows, max_memory="100MB")),
     ]
     with_aux = zm.BatchedHessian(loss_with_aux, sharding=rows, batch_size=3, has_aux=True)
     passed = 0
