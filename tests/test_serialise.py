@@ -774,12 +774,39 @@ def test_configuration_rejected_by_constructor(tmp_path):
         zm.load(path)
     zm.save(path, zm.BatchedHessian(quadratic, nbatches=2))
     rewrite_header(path, lambda h: h["stack"]["config"].update(nbatches={"type": "mystery"}))
-    with pytest.raises(zm.SerialisationError, match=r"unknown type tag 'mystery'"):
+    with pytest.raises(
+        zm.SerialisationError,
+        match=r"^The file's value for `transform\.nbatches` \(of BatchedHessian\) has unknown "
+        r"type tag 'mystery'\.$",
+    ):
         zm.load(path)
     zm.save(path, zm.BatchedHessian(quadratic, nbatches=2))
     rewrite_header(path, lambda h: h["stack"]["children"]["fn"].update(kind="other"))
     with pytest.raises(zm.SerialisationError, match=r"malformed"):
         zm.load(path)
+
+
+def test_sharding_over_more_devices_than_present(tmp_path):
+    path = tmp_path / "h.zm"
+    mesh = jax.make_mesh((1,), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    zm.save(path, zm.BatchedHessian(quadratic, sharding=sharding))
+
+    def ask_for_more(header):
+        header["stack"]["config"]["sharding"]["axis_sizes"] = [64]
+
+    rewrite_header(path, ask_for_more)
+    with pytest.raises(zm.SerialisationError) as error:
+        zm.load(path)
+    message = str(error.value)
+    assert message.startswith(
+        "The file's `transform.sharding` (of BatchedHessian) is a sharding over a mesh of "
+        f"64 devices ('d': 64), but only {len(jax.devices())} "
+    )
+    assert "Load it where at least 64 devices are present." in message
+    # Every code span opens and closes with nothing nested inside it.
+    assert message.count("`") % 2 == 0 and "``" not in message
+    assert all(" " not in span for span in message.split("`")[1::2])
 
 
 def test_stack_that_is_not_a_transform(tmp_path):

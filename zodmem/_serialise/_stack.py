@@ -268,7 +268,7 @@ def _skeleton(node: Any, location: str, like: Any, single: Any) -> Any:
     if kind == "value":
         if "value" not in node:
             raise SerialisationError(f"The file is malformed: `{location}` has no value.")
-        return decode(node["value"], location)
+        return decode(node["value"], f"`{location}`")
     try:
         if kind == "array":
             return _placeholder_array(node)
@@ -294,7 +294,10 @@ def _skeleton(node: Any, location: str, like: Any, single: Any) -> Any:
     owner = cls.__name__
     recipe = _Recipe(
         cls,
-        {name: decode(value, f"{owner}.{name} at `{location}`") for name, value in config.items()},
+        {
+            name: decode(value, f"`{location}.{name}` (of {owner})")
+            for name, value in config.items()
+        },
         location,
     )
     fields = {}

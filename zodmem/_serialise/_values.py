@@ -47,7 +47,7 @@ def encode_faithfully(value: Any, name: str, where: str) -> dict:
             f"written, because {refusal.reason}."
         ) from None
     try:
-        decoded = decode(json.loads(json.dumps(encoded)), name)
+        decoded = decode(json.loads(json.dumps(encoded)), f"`{name}`")
     except SerialisationError as error:
         raise SerialisationError(
             f"zodmem.save cannot save {where}: its value {value!r} cannot be rebuilt from "
@@ -62,14 +62,15 @@ def encode_faithfully(value: Any, name: str, where: str) -> dict:
 
 
 def decode(data: Any, where: str) -> Any:
-    """The value that `data` (from `encode_faithfully`) describes; `where` names it in messages."""
+    """The value that `data` (from `encode_faithfully`) describes; `where` names it in
+    messages, with its own backticks around the path, as in `encode_faithfully`."""
     try:
         return _decode(data, where)
     except SerialisationError:
         raise
     except Exception as error:
         raise SerialisationError(
-            f"The file's value for `{where}` cannot be rebuilt ({type(error).__name__}: {error})."
+            f"The file's value for {where} cannot be rebuilt ({type(error).__name__}: {error})."
         ) from error
 
 
@@ -204,10 +205,10 @@ def _decode(data: Any, where: str) -> Any:
     if tag == "dict":
         return {_decode(key, where): _decode(item, where) for key, item in data["items"]}
     if tag == "namedtuple":
-        cls = resolve_class(data["class"], tuple, f"the named tuple at `{where}`")
+        cls = resolve_class(data["class"], tuple, f"the named tuple in {where}")
         return cls(*[_decode(item, where) for item in data["items"]])
     if tag == "enum":
-        cls = resolve_class(data["class"], enum.Enum, f"the enum at `{where}`")
+        cls = resolve_class(data["class"], enum.Enum, f"the enum in {where}")
         return cls[data["name"]]
     if tag == "partial":
         return functools.partial(
@@ -220,16 +221,16 @@ def _decode(data: Any, where: str) -> Any:
     if tag == "sharding":
         return _rebuild_sharding(data, where)
     if tag == "import":
-        return resolve(data["path"], f"the value of `{where}`")
+        return resolve(data["path"], f"the value of {where}")
     if tag == "dataclass":
-        cls = resolve_class(data["class"], object, f"the dataclass at `{where}`")
+        cls = resolve_class(data["class"], object, f"the dataclass in {where}")
         if not dataclasses.is_dataclass(cls):
             raise SerialisationError(
-                f"The file names `{data['class']}` as the dataclass at `{where}`, but it is "
+                f"The file names `{data['class']}` as the dataclass in {where}, but it is "
                 "not a dataclass."
             )
         return cls(**{name: _decode(item, where) for name, item in data["fields"]})
-    raise SerialisationError(f"The file's value for `{where}` has unknown type tag {tag!r}.")
+    raise SerialisationError(f"The file's value for {where} has unknown type tag {tag!r}.")
 
 
 def _spec_entry(entry: Any) -> Any:
@@ -247,10 +248,11 @@ def _rebuild_sharding(data: dict, where: str) -> jax.sharding.NamedSharding:
     present = len(jax.devices())
     if needed > present:
         shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True))
+        only = f"only {present} device is" if present == 1 else f"only {present} devices are"
         raise SerialisationError(
-            f"The file's `{where}` is a sharding over a mesh of {needed} devices ({shape}), "
-            f"but only {present} device(s) are present: the mesh is rebuilt with "
-            "jax.make_mesh on the devices present. Load it where that many are present."
+            f"The file's {where} is a sharding over a mesh of {needed} devices ({shape}), "
+            f"but {only} present, and the mesh is rebuilt with `jax.make_mesh` on the "
+            f"devices present. Load it where at least {needed} devices are present."
         )
     mesh = jax.make_mesh(sizes, names, axis_types=types, devices=jax.devices()[:needed])
     spec = [
