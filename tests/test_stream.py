@@ -62,6 +62,7 @@ def test_to_file_equals_the_call(transform, args, tmp_path):
     for leaf in jax.tree_util.tree_leaves(result):
         assert isinstance(leaf, np.memmap) and not leaf.flags.writeable
     close(result, transform(*args))
+    close(zm.to_file(path, transform, *args), result, exact=True)  # every block verified
     if isinstance(result, np.ndarray):
         close(np.load(path, mmap_mode="r"), transform(*args))
     else:  # a pytree: one .npy per leaf in a directory, named by key path
@@ -285,3 +286,60 @@ def test_a_finished_file_is_taken_by_the_same_script_in_another_process(tmp_path
         assert result.returncode == 0, result.stderr[-3000:]
         counts.append(int(result.stdout.split()[-1]))
     assert counts[0] > 0 and counts[1] == 0
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0x10]))
+
+
+# Files are read back in pieces of at most `_READ_SIZE` bytes: whole runs at a time, or
+# each block's part of a run when a run is longer.
+READ_SIZES = pytest.mark.parametrize("read_size", [None, 24], ids=["runs", "parts-of-runs"])
+
+
+@READ_SIZES
+def test_a_damaged_block_is_refused(read_size, tmp_path, monkeypatch):
+    if read_size:
+        monkeypatch.setattr(zm._stream, "_READ_SIZE", read_size)
+    path = tmp_path / "h.npy"
+    transform = zm.BatchedHessian(loss, nbatches=3)
+    zm.to_file(path, transform, W, DATA)
+    header = np.load(path, mmap_mode="r").offset
+    _flip_byte(path, header + 4 * 10 * 5 + 8)  # row 5 lies in block 1 (rows 4 to 7)
+    with pytest.raises(zm.SerialisationError, match=r"(?s)block 1 of .*h\.npy.*delete the file"):
+        zm.to_file(path, transform, W, DATA)
+
+
+@READ_SIZES
+def test_a_damaged_block_of_a_file_cut_short_is_refused(read_size, tmp_path, monkeypatch):
+    if read_size:
+        monkeypatch.setattr(zm._stream, "_READ_SIZE", read_size)
+    path = tmp_path / "v.npy"
+    vmap = zm.ChunkedVmap(lambda x: jnp.outer(x, x), chunk_size=3, out_axes=1)
+    journal = tmp_path / "v.npy.journal"
+
+    def cut_short():  # as if killed after the first record of blocks on disk
+        journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[:2]))
+
+    zm.to_file(path, vmap, XS)
+    cut_short()
+    close(zm.to_file(path, vmap, XS), vmap(XS), exact=True)  # its blocks check out
+    cut_short()
+    # The result is (2, 11, 2) with blocks along axis 1: item 1 of row 0 is in block 0.
+    _flip_byte(path, np.load(path, mmap_mode="r").offset + 4 * 2 + 1)
+    with pytest.raises(zm.SerialisationError, match=r"(?s)block 0 of .*v\.npy.*delete the file"):
+        zm.to_file(path, vmap, XS)
+
+
+def test_a_damaged_whole_leaf_is_refused(tmp_path):
+    vmap = zm.ChunkedVmap(lambda x: (x**2, jnp.arange(3.0)), chunk_size=3, out_axes=(0, None))
+    result = zm.to_file(tmp_path / "out", vmap, jnp.arange(8.0))
+    close(result, vmap(jnp.arange(8.0)))
+    leaf = tmp_path / "out" / "1.npy"
+    _flip_byte(leaf, np.load(leaf, mmap_mode="r").offset + 5)
+    with pytest.raises(zm.SerialisationError, match=r"(?s)1\.npy.*delete the file"):
+        zm.to_file(tmp_path / "out", vmap, jnp.arange(8.0))

@@ -6,10 +6,12 @@ offset (`to_file`); the device holds one block at a time, and `to_file`'s proces
 no more than a block or two.
 
 A file is resumable. Beside it, a journal of checksummed one-line records says what
-call made it (a fingerprint of the transform, the shapes and dtypes, and a hash of the
-input values) and how many blocks are on disk: a block is counted only once its bytes
-are flushed and fsynced, and its record is fsynced in turn, so a job killed at any
-instant restarts at the first block not on disk, and never reads a block that is not.
+call made it (a fingerprint of the transform, the shapes and dtypes, a hash of the
+input values and one of the traced program) and how many blocks are on disk, with the
+checksum of each block's bytes: a block is counted only once its bytes are flushed and
+fsynced, and its record is fsynced in turn, so a job killed at any instant restarts at
+the first block not on disk, and never reads a block that is not. Reopening a file
+checks every counted block against its checksum.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import os
 import re
 import threading
@@ -41,7 +44,9 @@ __all__ = ["to_host", "to_file"]
 
 _STREAMABLE = (BatchedJacobian, BatchedHessian, ChunkedVmap)
 _JOURNAL_FORMAT = "zodmem.to_file"
-_JOURNAL_VERSION = 1
+_JOURNAL_VERSION = 2
+_DIGEST_LENGTH = 32  # hex digits of sha256 kept per block: 128 bits
+_READ_SIZE = 8 << 20  # bytes read at a time when a file is verified
 
 
 @public
@@ -127,6 +132,11 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
     function whose body or closed-over arrays changed is another call, whatever its
     name, so a file never mixes blocks of two computations.
 
+    What is verified: the journal records a checksum (sha256) of the bytes each block
+    wrote, and reopening a file, finished or not, reads back every block the journal
+    counts and checks it, so a file changed or damaged on disk is refused rather than
+    returned or resumed.
+
     **Arguments:**
 
     - `path`: where to write. An array result goes to this `.npy` file (`np.load(path,
@@ -147,7 +157,8 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
 
     `zm.SerialisationError` when the file was made by another call (another transform
     or configuration, another computation, other shapes or dtypes, other input values:
-    the message names what differs), or when its journal or files are damaged. To
+    the message names what differs), or when its journal or files are damaged (a block
+    whose bytes are not those written: the message names the file and the block). To
     start afresh, delete the file and its journal.
 
     !!! warning
@@ -190,6 +201,13 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
             )
     files = _Files(path, layout)
     fingerprint = _fingerprint(transform, args, kwargs, layout)
+    return _write_or_resume(files, fingerprint, transform, args, kwargs)
+
+
+def _write_or_resume(
+    files: _Files, fingerprint: dict[str, str], transform: Any, args: tuple, kwargs: dict
+) -> Any:
+    """The body of `to_file`: open the journal, then write what is not on disk."""
     journal = _Journal(files.journal)
     header = journal.open(fingerprint, files)
     if header is not None and journal.complete:
@@ -209,17 +227,21 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
     try:
 
         def write(index, leaves, start, pieces, axes):
-            for leaf, piece, axis in zip(leaves, pieces, axes, strict=True):
+            regions = [
                 files.write_block(leaf, piece, axis, start)
-            syncer.written(index + 1)
+                for leaf, piece, axis in zip(leaves, pieces, axes, strict=True)
+            ]
+            syncer.written(index + 1, [index, [r for r in regions if r is not None]])
 
         returned, streamed = _run_streamed(planned, args, kwargs, write, journal.done)
         syncer.close()
-        for i, value in enumerate(_values(layout, returned)):
-            if i not in streamed:
-                files.write_whole(i, np.asarray(value))
+        whole = [
+            [i, files.write_whole(i, np.asarray(value))]
+            for i, value in enumerate(_values(files.layout, returned))
+            if i not in streamed
+        ]
         files.sync()
-        journal.append({"complete": True})
+        journal.append({"complete": True, "whole": whole})
     finally:
         syncer.close()
         files.close()
@@ -360,6 +382,26 @@ def _npy_header(shape: tuple, dtype: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    chunks = []
+    while length:
+        chunk = os.pread(fd, length, offset)
+        if not chunk:
+            raise SerialisationError(
+                f"zm.to_file: a file ended {length} bytes before its journal's blocks did, "
+                f"though its size was checked: it is being truncated. {_AFRESH}"
+            )
+        chunks.append(chunk)
+        length, offset = length - len(chunk), offset + len(chunk)
+    return b"".join(chunks)
+
+
+def _digest(array: np.ndarray) -> str:
+    """The checksum of a C-contiguous array's bytes, as the journal records it."""
+    data = array.view(np.uint8).reshape(-1).data if array.size else b""
+    return hashlib.sha256(data).hexdigest()[:_DIGEST_LENGTH]
+
+
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -437,9 +479,15 @@ class _Files:
     def open(self) -> None:
         self.fds = [os.open(path, os.O_RDWR) for path in self.paths]
 
-    def write_block(self, leaf: int, piece: Any, axis: int, start: int) -> None:
-        """Write a block at its offsets: one run of bytes per index of the axes before
-        `axis` (a single run when the block axis leads)."""
+    def write_block(self, leaf: int, piece: Any, axis: int, start: int) -> list | None:
+        """Write a block's new items at their offsets: one run of bytes per index of the
+        axes before `axis` (a single run when the block axis leads). Returns the region
+        written and its checksum, `[leaf, before, after, first, stop, digest]` (items
+        `first, ..., stop - 1` along the axis), or `None` when it is empty.
+
+        The engine's last block ends at the total, moved back over the one before it:
+        its items before the next multiple of the block size are that block's, on disk
+        already, so each item is written, and checksummed, by one block only."""
         dtype = np.dtype(self.layout.leaves[leaf].dtype)
         piece = np.ascontiguousarray(piece, dtype)
         size = self.layout.leaves[leaf].size
@@ -447,19 +495,107 @@ class _Files:
         before = math.prod(piece.shape[:axis])
         after = math.prod(piece.shape[axis + 1 :])
         if not count or not before or not after:
-            return
+            return None
+        first = -(-start // count) * count
         total = size // (before * after)
-        runs = piece.reshape(before, count * after)
+        runs = piece.reshape(before, count * after)[:, (first - start) * after :]
         base = len(self.headers[leaf])
         for p in range(before):
-            offset = base + (p * total + start) * after * dtype.itemsize
+            offset = base + (p * total + first) * after * dtype.itemsize
             _pwrite_all(self.fds[leaf], runs[p], offset)
+        digest = _digest(np.ascontiguousarray(runs))
+        return [leaf, before, after, first, start + count, digest]
 
-    def write_whole(self, leaf: int, value: Any) -> None:
+    def write_whole(self, leaf: int, value: Any) -> str:
+        """Write a leaf that was returned whole; returns its checksum."""
         dtype = np.dtype(self.layout.leaves[leaf].dtype)
         value = np.ascontiguousarray(value, dtype)
         if value.size:
             _pwrite_all(self.fds[leaf], value.reshape(-1), len(self.headers[leaf]))
+        return _digest(value)
+
+    def region(self, entry: Any) -> list:
+        """A block's region as a journal records it, checked to lie inside its file."""
+        leaf, before, after, first, stop, digest = entry
+        leaf, before, after, first, stop = map(operator.index, entry[:5])
+        size = self.layout.leaves[leaf].size if 0 <= leaf < len(self.paths) else 0
+        inside = before > 0 and after > 0 and not size % (before * after)
+        if not (inside and 0 <= first < stop <= size // (before * after)):
+            raise ValueError(f"a block's region {entry} lies outside its file")
+        if not isinstance(digest, str):
+            raise TypeError(f"a block's checksum {digest!r} is not a string")
+        return [leaf, before, after, first, stop, digest]
+
+    def whole_leaf(self, entry: Any) -> list:
+        """A leaf written whole and its checksum, as a journal records them, checked."""
+        leaf, digest = entry
+        if not 0 <= operator.index(leaf) < len(self.paths) or not isinstance(digest, str):
+            raise ValueError(f"a whole leaf {entry} is not one of the files")
+        return [leaf, digest]
+
+    def verify(self, blocks: dict[int, list], whole: list) -> None:
+        """Refuse files whose blocks (`{index: regions}`, as `write_block` returns them)
+        or whole leaves (`[leaf, digest]`) no longer hold the bytes written there."""
+        regions: dict[tuple[int, int, int], list] = {}
+        for index, entries in sorted(blocks.items()):
+            for leaf, before, after, first, stop, digest in entries:
+                regions.setdefault((leaf, before, after), []).append((index, first, stop, digest))
+        for leaf, digest in whole:
+            if not self.layout.leaves[leaf].size:
+                continue  # no bytes to check
+            regions.setdefault((leaf, 1, self.layout.leaves[leaf].size), []).append(
+                (None, 0, 1, digest)
+            )
+        for (leaf, before, after), spans in regions.items():
+            found = self._digests(leaf, before, after, [(a, b) for _, a, b, _ in spans])
+            for (index, first, stop, digest), actual in zip(spans, found, strict=True):
+                if actual == digest:
+                    continue
+                what = (
+                    f"block {index} of {self.paths[leaf]} (items {first} to {stop - 1} "
+                    "along its block axis)"
+                    if index is not None
+                    else self.paths[leaf]
+                )
+                raise SerialisationError(
+                    f"zm.to_file: {what} does not hold the bytes that were written there "
+                    f"(its checksum is not the one in the journal {self.journal}): the "
+                    f"file was changed or damaged after it was written. {_AFRESH}"
+                )
+
+    def _digests(self, leaf: int, before: int, after: int, spans: list) -> list[str]:
+        """The checksums of the items `a, ..., b - 1` of leaf `leaf` (seen as `before`
+        runs of `total * after` elements) for each `(a, b)` in `spans`, as written.
+
+        The file is read once in pieces of at most `_READ_SIZE` bytes: whole runs at a
+        time when a run is short (blocks of columns), else each span of each run."""
+        itemsize = np.dtype(self.layout.leaves[leaf].dtype).itemsize
+        total = self.layout.leaves[leaf].size // (before * after)
+        step, row, base = after * itemsize, total * after * itemsize, len(self.headers[leaf])
+        hashers = [hashlib.sha256() for _ in spans]
+        fd = os.open(self.paths[leaf], os.O_RDONLY)
+        try:
+            if row <= _READ_SIZE:
+                rows = _READ_SIZE // row
+                for p in range(0, before, rows):
+                    count = min(rows, before - p)
+                    data = np.frombuffer(_pread_all(fd, count * row, base + p * row), np.uint8)
+                    data = data.reshape(count, row)
+                    for hasher, (a, b) in zip(hashers, spans, strict=True):
+                        hasher.update(np.ascontiguousarray(data[:, a * step : b * step]).data)
+            else:
+                for hasher, (a, b) in zip(hashers, spans, strict=True):
+                    for p in range(before):
+                        offset, end = base + p * row + a * step, base + p * row + b * step
+                        while offset < end:
+                            length = min(_READ_SIZE, end - offset)
+                            hasher.update(_pread_all(fd, length, offset))
+                            offset += length
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read once, not kept
+        finally:
+            os.close(fd)
+        return [hasher.hexdigest()[:_DIGEST_LENGTH] for hasher in hashers]
 
     def sync(self) -> None:
         """Flush what was written, and drop it from the page cache: it counts as memory."""
@@ -493,14 +629,19 @@ def _record(record: dict[str, Any]) -> bytes:
 
 class _Journal:
     """The records beside a file: a header record (the call's fingerprint, the files,
-    the block size), then `{"done": k}` once blocks `0, ..., k - 1` are on disk, then
-    `{"complete": true}`. Each record is one line with a checksum; a torn last line (a
-    write cut short) is ignored, a damaged one before it is refused."""
+    the block size), then `{"done": k, "blocks": [[index, regions], ...]}` once blocks
+    `0, ..., k - 1` are on disk, listing the blocks new since the last such record with
+    the checksum of each region they wrote, then `{"complete": true, "whole": [[leaf,
+    checksum], ...]}` with the leaves written whole. Each record is one line with a
+    checksum; a torn last line (a write cut short) is ignored, a damaged one before it
+    is refused. Opening a journal verifies the blocks it counts against the files."""
 
     def __init__(self, path: str):
         self.path = path
         self.done = 0
         self.complete = False
+        self.blocks: dict[int, list] = {}
+        self.whole: list = []
 
     def open(self, fingerprint: dict[str, str], files: _Files) -> dict[str, Any] | None:
         """The header of an existing journal, checked against this call, or `None`
@@ -535,10 +676,16 @@ class _Journal:
                 f"zm.to_file: the journal {self.path} holds no readable header record. {_AFRESH}"
             )
         header = records[0]
-        if header.get("format") != _JOURNAL_FORMAT or header.get("version") != _JOURNAL_VERSION:
+        if header.get("format") != _JOURNAL_FORMAT:
             raise SerialisationError(
                 f"zm.to_file: {self.path} is not a journal of zm.to_file (format "
-                f"{header.get('format')!r}, version {header.get('version')!r}). {_AFRESH}"
+                f"{header.get('format')!r}). {_AFRESH}"
+            )
+        if header.get("version") != _JOURNAL_VERSION:
+            raise SerialisationError(
+                f"zm.to_file: the journal {self.path} was written by another version of "
+                f"zodmem (journal version {header.get('version')!r}; this one reads version "
+                f"{_JOURNAL_VERSION}), so its blocks cannot be checked. {_AFRESH}"
             )
         differs = [
             f"its {name} (the file: {header['fingerprint'].get(name)}; this call: {value})"
@@ -551,16 +698,24 @@ class _Journal:
                 f"by another call: {'; '.join(differs)} differ. A file resumes only the call "
                 f"that made it. {_AFRESH}"
             )
-        for record in records[1:]:
-            if "done" in record:
-                if not isinstance(record["done"], int) or record["done"] < self.done:
-                    raise SerialisationError(
-                        f"zm.to_file: the journal {self.path} records blocks out of order "
-                        f"({record}). {_AFRESH}"
-                    )
-                self.done = record["done"]
-            elif record.get("complete") is True:
-                self.complete = True
+        try:
+            for record in records[1:]:
+                if "done" in record:
+                    if not isinstance(record["done"], int) or record["done"] < self.done:
+                        raise ValueError("blocks out of order")
+                    self.done = record["done"]
+                    for index, regions in record["blocks"]:
+                        self.blocks[operator.index(index)] = [files.region(r) for r in regions]
+                elif record.get("complete") is True:
+                    self.complete = True
+                    self.whole = [files.whole_leaf(entry) for entry in record["whole"]]
+            if sorted(self.blocks) != list(range(self.done)):
+                raise ValueError(f"checksums of blocks {sorted(self.blocks)} for {self.done}")
+        except (KeyError, TypeError, ValueError) as error:
+            raise SerialisationError(
+                f"zm.to_file: the journal {self.path} does not record the blocks on disk "
+                f"in order with their checksums ({error}). {_AFRESH}"
+            ) from error
         if valid < len(data):
             with open(self.path, "r+b") as file:
                 file.truncate(valid)  # later records go after the last whole one
@@ -569,6 +724,7 @@ class _Journal:
             files.create()  # nothing counted yet: the files may not have been made
         else:
             files.check()
+            files.verify(self.blocks, self.whole)
         return header
 
     def create(self, fingerprint: dict[str, str], files: _Files, header: dict[str, Any]) -> None:
@@ -623,16 +779,19 @@ class _Syncer:
     def __init__(self, files: _Files, journal: _Journal):
         self._files, self._journal = files, journal
         self._pending: int | None = None
+        self._blocks: list = []
         self._closed = False
         self._error: BaseException | None = None
         self._condition = threading.Condition()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def written(self, count: int) -> None:
-        """Blocks `0, ..., count - 1` are written (not yet flushed)."""
+    def written(self, count: int, block: list) -> None:
+        """Blocks `0, ..., count - 1` are written (not yet flushed); the last of them is
+        `block`, `[index, regions]`."""
         with self._condition:
             self._pending = count
+            self._blocks.append(block)
             self._condition.notify()
 
     def _loop(self) -> None:
@@ -643,9 +802,10 @@ class _Syncer:
                 if self._pending is None:
                     return
                 count, self._pending = self._pending, None
+                blocks, self._blocks = self._blocks, []
             try:
                 self._files.sync()
-                self._journal.append({"done": count})
+                self._journal.append({"done": count, "blocks": blocks})
             except BaseException as error:  # raised again on the caller's thread
                 self._error = error
                 return
