@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import equinox as eqx
@@ -343,3 +344,62 @@ def test_a_damaged_whole_leaf_is_refused(tmp_path):
     _flip_byte(leaf, np.load(leaf, mmap_mode="r").offset + 5)
     with pytest.raises(zm.SerialisationError, match=r"(?s)1\.npy.*delete the file"):
         zm.to_file(tmp_path / "out", vmap, jnp.arange(8.0))
+
+
+def _held_at_first_block():
+    """A function whose first block waits for `release` (once `entered` is set)."""
+    entered, release, calls = threading.Event(), threading.Event(), []
+
+    def host(x):
+        calls.append(1)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(60)
+        return np.asarray(x)
+
+    def fn(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jnp.outer(jax.pure_callback(host, shape, x, vmap_method="broadcast_all"), x)
+
+    return fn, entered, release
+
+
+def test_a_second_writer_of_the_same_path_is_refused(tmp_path):
+    fn, entered, release = _held_at_first_block()
+    vmap = zm.ChunkedVmap(fn, chunk_size=4)
+    xs = XS.reshape(-1, 2)
+    path = tmp_path / "outer.npy"
+    results = []
+    first = threading.Thread(target=lambda: results.append(zm.to_file(path, vmap, xs)))
+    first.start()
+    try:
+        assert entered.wait(60)
+        with pytest.raises(zm.SerialisationError, match=r"(?s)outer\.npy is being written"):
+            zm.to_file(path, vmap, xs)
+    finally:
+        release.set()
+        first.join(60)
+    np.testing.assert_array_equal(results[0], jax.vmap(jnp.outer)(xs, xs))
+    np.testing.assert_array_equal(zm.to_file(path, vmap, xs), results[0])  # the lock is free
+
+
+def test_the_lock_is_released_when_the_call_fails(tmp_path):
+    failing = []
+
+    def host(x):
+        if failing:
+            raise RuntimeError("the block failed")
+        return np.asarray(x)
+
+    def fn(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jnp.outer(jax.pure_callback(host, shape, x, vmap_method="broadcast_all"), x)
+
+    vmap = zm.ChunkedVmap(fn, chunk_size=4)
+    path = tmp_path / "outer.npy"
+    failing.append(True)
+    with pytest.raises(Exception, match="the block failed"):
+        zm.to_file(path, vmap, XS)
+    failing.clear()
+    np.testing.assert_array_equal(zm.to_file(path, vmap, XS), jax.vmap(jnp.outer)(XS, XS))
+    assert sorted(os.listdir(tmp_path)) == ["outer.npy", "outer.npy.journal"]

@@ -11,11 +11,14 @@ input values and one of the traced program) and how many blocks are on disk, wit
 checksum of each block's bytes: a block is counted only once its bytes are flushed and
 fsynced, and its record is fsynced in turn, so a job killed at any instant restarts at
 the first block not on disk, and never reads a block that is not. Reopening a file
-checks every counted block against its checksum.
+checks every counted block against its checksum, and a lock on the path keeps a second
+writer out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -45,6 +48,7 @@ __all__ = ["to_host", "to_file"]
 _STREAMABLE = (BatchedJacobian, BatchedHessian, ChunkedVmap)
 _JOURNAL_FORMAT = "zodmem.to_file"
 _JOURNAL_VERSION = 2
+_LOCK_NAME = "blocks.lock"  # in a pytree result's directory; `<path>.lock` beside a file
 _DIGEST_LENGTH = 32  # hex digits of sha256 kept per block: 128 bits
 _READ_SIZE = 8 << 20  # bytes read at a time when a file is verified
 
@@ -135,7 +139,9 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
     What is verified: the journal records a checksum (sha256) of the bytes each block
     wrote, and reopening a file, finished or not, reads back every block the journal
     counts and checks it, so a file changed or damaged on disk is refused rather than
-    returned or resumed.
+    returned or resumed. While a call runs, it holds a lock on the path (`<path>.lock`,
+    or `blocks.lock` in a pytree result's directory, removed when the call ends): a
+    second call on the same path, from another process or thread, is refused at once.
 
     **Arguments:**
 
@@ -157,9 +163,10 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
 
     `zm.SerialisationError` when the file was made by another call (another transform
     or configuration, another computation, other shapes or dtypes, other input values:
-    the message names what differs), or when its journal or files are damaged (a block
-    whose bytes are not those written: the message names the file and the block). To
-    start afresh, delete the file and its journal.
+    the message names what differs), when its journal or files are damaged (a block
+    whose bytes are not those written: the message names the file and the block), or
+    when another call is writing the same path. To start afresh, delete the file and
+    its journal.
 
     !!! warning
 
@@ -201,13 +208,14 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
             )
     files = _Files(path, layout)
     fingerprint = _fingerprint(transform, args, kwargs, layout)
-    return _write_or_resume(files, fingerprint, transform, args, kwargs)
+    with _exclusive(files):
+        return _write_or_resume(files, fingerprint, transform, args, kwargs)
 
 
 def _write_or_resume(
     files: _Files, fingerprint: dict[str, str], transform: Any, args: tuple, kwargs: dict
 ) -> Any:
-    """The body of `to_file`: open the journal, then write what is not on disk."""
+    """The body of `to_file`, with the files' lock held."""
     journal = _Journal(files.journal)
     header = journal.open(fingerprint, files)
     if header is not None and journal.complete:
@@ -432,11 +440,13 @@ class _Files:
             self.directory = os.path.dirname(os.path.abspath(path))
             self.paths = [path]
             self.journal = path + ".journal"
+            self.lock = path + ".lock"
         else:
             self.directory = path
             taken: set[str] = set()
             self.paths = [os.path.join(path, _safe_name(key, taken)) for key in layout.paths]
             self.journal = os.path.join(path, "blocks.journal")
+            self.lock = os.path.join(path, _LOCK_NAME)
         self.headers = [_npy_header(leaf.shape, leaf.dtype) for leaf in layout.leaves]
         self.fds: list[int] = []
 
@@ -616,10 +626,47 @@ class _Files:
     def exists(self) -> bool:
         if self.single:
             return os.path.exists(self.paths[0])
-        return os.path.isdir(self.directory) and bool(os.listdir(self.directory))
+        return os.path.isdir(self.directory) and bool(
+            set(os.listdir(self.directory)) - {_LOCK_NAME}
+        )
 
 
 _AFRESH = "To start afresh, delete the file (and its journal) and call zm.to_file again."
+
+
+@contextlib.contextmanager
+def _exclusive(files: _Files) -> Any:
+    """Hold the lock of a result's files while the call reads and writes them: a second
+    call on the same path, in another process or in another thread, is refused."""
+    os.makedirs(os.path.dirname(os.path.abspath(files.lock)), exist_ok=True)
+    while True:
+        fd = os.open(files.lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            where = files.paths[0] if files.single else files.directory
+            raise SerialisationError(
+                f"zm.to_file: {where} is being written by another call (another process, "
+                f"or another thread of this one, holds its lock {files.lock}). Wait for "
+                "that call to end, then call zm.to_file again to resume or read the "
+                "result; or write to another path."
+            ) from None
+        try:
+            current = os.path.samestat(os.fstat(fd), os.stat(files.lock))
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # removed by the call that held it as it ended: lock the new file
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(files.lock)  # before the lock is let go, so no one locks it again
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def _record(record: dict[str, Any]) -> bytes:
