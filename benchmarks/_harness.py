@@ -303,6 +303,9 @@ def main(
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per case")
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON file")
     parser.add_argument(
+        "--save-as", default=None, help="the JSON file's name, for a run of some cases only"
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -343,13 +346,13 @@ def main(
             "results": results,
             "report": text,
         }
-        path = write_results(name + ("_quick" if args.quick else ""), payload)
+        path = write_results(args.save_as or name + ("_quick" if args.quick else ""), payload)
         print(f"\nwrote {os.path.relpath(path)}", file=sys.stderr)
 
 
 def _forwarded_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The options children need to build the same case: everything but the harness's own."""
-    own = {"cases", "timeout", "no_save", "repeat", "child", "help"}
+    own = {"cases", "timeout", "no_save", "save_as", "repeat", "child", "help"}
     forwarded: list[str] = []
     for action in parser._actions:
         if action.dest in own or not action.option_strings:

@@ -7,6 +7,12 @@ case that holds the same imports and inputs and computes nothing big:
   over 256 points (n = 12,577, H = 633 MB float32):
   `zm.BatchedHessian(loss, max_memory=B)` at B = 0.7, 0.8, 1.0, 1.5 GB and `"auto"`,
   beside the hand-picked `zm.BatchedHessian(loss, nbatches=k)` for k = 1 ... 512.
+- `small`: the budgets of a laptop's or a CI runner's job, on a small Hessian: the same
+  loss with `eqx.nn.MLP(32, 1, 40, 2)` (n = 3,001, H = 36 MB float32) at B = 50, 100
+  and 200 MB (and 80 MB, the least that the refusal of 50 MB names), beside
+  `nbatches` = 1, 4, 16, 64. On a CPU a budget also holds what
+  compiling the call adds to the process (tens of MB), so the smallest is refused: the
+  table says with which least budget.
 - `map`: `f(x) = sum(tanh(outer(x, x)) @ x)` over 64 vectors of 3,000 float32 (36 MB
   intermediate per element): `zm.ChunkedVmap(f, max_memory=B)` at B = 100, 250 and
   500 MB, beside the hand-picked `chunk_size` = 1, 2, 3, 4, 6, 8, 13.
@@ -31,6 +37,7 @@ The verdicts, per budgeted case:
     python benchmarks/budgets.py --repeat 2        # each case twice: max peak, median times
     python benchmarks/budgets.py --cases map/floor,map/budget-100MB,map/chunk-2
     python benchmarks/budgets.py --quick           # small sizes (budgets scaled alike), ~2 minutes
+    python benchmarks/budgets.py --cases small/floor,small/budget-50MB --save-as budgets_small
 
 Results go to `benchmarks/results/budgets.json` (`budgets_quick.json` with `--quick`).
 """
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from functools import partial
@@ -55,12 +63,16 @@ _GB = 1e9
 
 HESSIAN_BUDGETS = {"0.7GB": 0.7e9, "0.8GB": 0.8e9, "1.0GB": 1.0e9, "1.5GB": 1.5e9, "auto": None}
 HESSIAN_NBATCHES = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+SMALL_WIDTH = 40  # n = 3,001 variables, H = 36 MB (float32)
+SMALL_BUDGETS = {"50MB": 50e6, "80MB": 80e6, "100MB": 100e6, "200MB": 200e6}
+SMALL_NBATCHES = (1, 4, 16, 64)
 MAP_BUDGETS = {"100MB": 100e6, "250MB": 250e6, "500MB": 500e6}
 MAP_CHUNKS = (1, 2, 3, 4, 6, 8, 13)
 
 # Full-size outputs and intermediates, to scale the budgets of the --quick sizes alike.
 _FULL_HESSIAN_BYTES = 12_577**2 * 4
 _FULL_MAP_INTERMEDIATE_BYTES = 3000**2 * 4
+_FULL_SMALL_HESSIAN_BYTES = 3001**2 * 4
 
 # Targets: (a) the budget holds; (b) the planned block is about as fast as the best knob
 # that fits; (c) the plan predicts the peak.
@@ -101,10 +113,21 @@ def _budgeted_case(transform: Any, call_args: tuple, info: dict[str, Any], args:
     """A case whose first call plans (timed on its own) and then runs on the cached plan."""
     planned = []
 
+    import numpy as np
+
+    import zodmem as zm
+
     def compute():
+        if info.get("tool") == "refused":
+            return np.zeros(1)
         if not planned:
             start = time.perf_counter()
-            plan = transform.plan(*call_args)
+            try:
+                plan = transform.plan(*call_args)
+            except zm.MemoryBudgetError as error:
+                # A budget too small to honour is refused before anything runs.
+                info.update(tool="refused", refusal=str(error))
+                return np.zeros(1)
             info["plan_s"] = time.perf_counter() - start
             # What planning alone left: its compiles' heap, before the call allocates.
             info["peak_after_plan_bytes"] = _status_bytes("VmHWM")
@@ -177,6 +200,59 @@ def hessian_xla(args: argparse.Namespace) -> _harness.Case:
 
 
 # ----------------------------------------------------------------------------------
+# small: the budgets a laptop's or a CI runner's job gives, on a 3,001-variable Hessian
+
+
+def _small_problem(args: argparse.Namespace) -> dict[str, Any]:
+    import zodmem  # noqa: F401
+
+    small = argparse.Namespace(**{**vars(args), "width": SMALL_WIDTH})
+    p = hessian_memory._problem(small)
+    p["info"] = {**p["info"], "group": "small"}
+    p["scale"] = p["info"]["hessian_bytes"] / _FULL_SMALL_HESSIAN_BYTES
+    return p
+
+
+def small_floor(args: argparse.Namespace) -> _harness.Case:
+    return _harness.Case(None, {**_small_problem(args)["info"], "tool": "floor"})
+
+
+def small_budget(args: argparse.Namespace, label: str) -> _harness.Case:
+    import zodmem as zm
+
+    p = _small_problem(args)
+    budget = _budget(label, SMALL_BUDGETS, p["scale"])
+    transform = zm.BatchedHessian(p["loss"], max_memory=budget)
+    info = {**p["info"], "tool": "budget", "max_memory": budget}
+    return _budgeted_case(transform, (p["model"], p["xs"], p["ys"]), info, args)
+
+
+def small_knob(args: argparse.Namespace, nbatches: int) -> _harness.Case:
+    import zodmem as zm
+
+    p = _small_problem(args)
+    transform = zm.BatchedHessian(p["loss"], nbatches=nbatches)
+    n = p["info"]["n"]
+    info = {
+        **p["info"],
+        "tool": "knob",
+        "nbatches": nbatches,
+        "block_size": -(-n // nbatches),
+        "num_blocks": nbatches,
+    }
+    call = (p["model"], p["xs"], p["ys"])
+    return _harness.Case(lambda: transform(*call), info, repeats=args.steady_calls)
+
+
+def small_xla(args: argparse.Namespace) -> _harness.Case:
+    import zodmem as zm
+
+    p = _small_problem(args)
+    transforms = {k: zm.BatchedHessian(p["loss"], nbatches=k) for k in SMALL_NBATCHES}
+    return _xla_case(transforms, (p["model"], p["xs"], p["ys"]), p["info"])
+
+
+# ----------------------------------------------------------------------------------
 # map
 
 
@@ -231,6 +307,10 @@ CASES = {
     **{f"hessian/budget-{b}": partial(hessian_budget, label=b) for b in HESSIAN_BUDGETS},
     **{f"hessian/nbatches-{k}": partial(hessian_knob, nbatches=k) for k in HESSIAN_NBATCHES},
     "hessian/xla": hessian_xla,
+    "small/floor": small_floor,
+    **{f"small/budget-{b}": partial(small_budget, label=b) for b in SMALL_BUDGETS},
+    **{f"small/nbatches-{k}": partial(small_knob, nbatches=k) for k in SMALL_NBATCHES},
+    "small/xla": small_xla,
     "map/floor": map_floor,
     **{f"map/budget-{b}": partial(map_budget, label=b) for b in MAP_BUDGETS},
     **{f"map/chunk-{c}": partial(map_knob, chunk=c) for c in MAP_CHUNKS},
@@ -311,6 +391,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             what = "process floor" if info["tool"] == "floor" else "compiled only"
             rows.append([name, what] + [""] * (len(headers) - 2))
             continue
+        if info.get("tool") == "refused":
+            least = re.search(r"a budget of at least ([0-9.]+ [kMG]?B)", info["refusal"])
+            what = "refused" + (f": needs {least.group(1)}" if least else "")
+            rows.append([name, _mb(info.get("max_memory")), what] + [""] * (len(headers) - 3))
+            continue
         above = _above_floor(r, by_case)
         predicted = _predicted(r, by_case)
         rows.append(
@@ -358,6 +443,13 @@ def _problem_lines(by_case: dict[str, Any]) -> str:
         lines.append(
             f"- hessian: eqx.nn.MLP(32, 1, {h['width']}, {h['depth']}) mean-squared loss over "
             f"{h['points']} points: n = {h['n']:,}, H = {h['hessian_bytes'] / _MB:,.0f} MB "
+            "(float32)."
+        )
+    s = next((r["info"] for n, r in by_case.items() if n.startswith("small/")), None)
+    if s:
+        lines.append(
+            f"- small: eqx.nn.MLP(32, 1, {s['width']}, {s['depth']}) mean-squared loss over "
+            f"{s['points']} points: n = {s['n']:,}, H = {s['hessian_bytes'] / _MB:,.0f} MB "
             "(float32)."
         )
     m = next((r["info"] for n, r in by_case.items() if n.startswith("map/")), None)

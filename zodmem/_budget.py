@@ -361,22 +361,28 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
     shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
     measured: dict[Any, tuple[int, int]] = {}
     platform = jax.default_backend()
-    # What compiling grows the heap by, from the heap as the call will find it (trimmed).
-    release_heap()
-    start = resident_bytes()
-    compile_bytes = None if start is None else 0
+    # What compiling grows the heap by, from the heap as the call will find it (trimmed
+    # before each candidate): the least growth of the candidates after the first, whose
+    # compile also pays the process's one-time set-up, which stays and is not the call's.
+    growths: list[int] = []
 
     def memory(strategy: Any, size: int | None) -> tuple[int, int]:
-        nonlocal compile_bytes
         if (strategy, size) not in measured:
             candidate = transform if size is None else transform._with_block_size(size, strategy)
+            release_heap()
+            before = resident_bytes()
             measured[strategy, size] = compiled_memory(
                 run, abstract(candidate), shapes[1], shapes[2]
             )
-            now = resident_bytes()
-            if start is not None and now is not None:
-                compile_bytes = max(compile_bytes or 0, now - start)
+            after = resident_bytes()
+            if before is not None and after is not None:
+                growths.append(max(0, after - before))
         return measured[strategy, size]
+
+    def compile_bytes() -> int | None:
+        if not growths:
+            return None
+        return min(growths[1:]) if len(growths) > 1 else growths[0]
 
     budget = budget_bytes(transform.max_memory)
 
@@ -385,7 +391,7 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
             # The search compiles both ends on a CPU anyway: the heap they grow is measured.
             memory(strategy, 1)
             memory(strategy, work.total)
-        return usable_bytes(budget, platform, compile_bytes)
+        return usable_bytes(budget, platform, compile_bytes())
 
     def plan_of(strategy: Any, size: int | None) -> Plan:
         peak, output = memory(strategy, size)
@@ -408,7 +414,7 @@ def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]
 
             def refuse(least: int, strategy: Any = strategy) -> MemoryBudgetError:
                 # A little over the least: a new process's compile may grow the heap more.
-                suggested = least_budget(least, platform, compile_bytes) * SUGGESTION_MARGIN
+                suggested = least_budget(least, platform, compile_bytes()) * SUGGESTION_MARGIN
                 return refusal(
                     owner,
                     budget,
