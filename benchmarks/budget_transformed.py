@@ -73,7 +73,7 @@ def measure():
             fn, scalar = case[which], case["scalar"]
             figures[which] = {
                 "alone": peak(fn, one),
-                "grad": peak(jax.grad(lambda s, fn=fn: scalar(fn(s))), one),
+                "grad": peak(jax.grad(lambda s, fn=fn, scalar=scalar: scalar(fn(s))), one),
                 "vmap": peak(jax.vmap(fn), many),
             }
         c, p = figures["call"], figures["plain"]
