@@ -311,3 +311,31 @@ def test_bars_opened_in_an_interrupted_call_are_closed(capsys):
         bar._done(jnp.asarray(count))
     assert not _progress._BARS
     assert bars(capsys.readouterr().err, "Loop", 3) == (1, 1)
+
+
+@pytest.mark.parametrize("name", ["ChunkedVmap", "Microbatcher", "SlicedScan"])
+def test_a_failed_call_closes_its_bar(name, capsys):
+    failing = _failing_at_block(1)
+
+    def scan_of(fn):
+        # Steps of 3 rows each, the second failing: a bar of 3 steps.
+        return zm.SlicedScan(lambda c, x: (c, fn(x)), progress=True)
+
+    make = {
+        "ChunkedVmap": lambda fn: zm.ChunkedVmap(fn, chunk_size=3, progress=True),
+        "Microbatcher": lambda fn: zm.Microbatcher(
+            fn, microbatch_size=3, accumulator="concat", progress=True
+        ),
+        "SlicedScan": scan_of,
+    }[name]
+    xs = jnp.arange(9.0).reshape(3, 3) if name == "SlicedScan" else jnp.arange(9.0)
+    call = (lambda t: t(0.0, xs)) if name == "SlicedScan" else (lambda t: t(xs))
+    with pytest.raises(Exception, match="the block failed"):
+        jax.block_until_ready(call(make(failing)))
+    jax.effects_barrier()
+    assert not _progress._BARS
+    capsys.readouterr()
+    _, err = stderr_of(capsys, lambda: call(make(jnp.cos)))
+    assert bars(err, name, 3) == (1, 1), err
+    assert "1/3" not in err  # the failed bar is not drawn again
+    assert not _progress._BARS

@@ -123,7 +123,7 @@ class BatchedHessian(AbstractDerivative):
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
-        return self._planned((x, *args), kwargs)._run(x, *args, **kwargs)
+        return self._call((x, *args), kwargs)
 
     def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _hessian_jit if self.jit else _hessian

@@ -123,7 +123,7 @@ class BatchedJacobian(AbstractDerivative):
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
-        return self._planned((x, *args), kwargs)._run(x, *args, **kwargs)
+        return self._call((x, *args), kwargs)
 
     def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _jacobian_jit if self.jit else _jacobian

@@ -239,7 +239,7 @@ class Microbatcher(AbstractBlocked):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-        return self._planned(args, kwargs)._run(*args, **kwargs)
+        return self._call(args, kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         # Read here, where the arrays are concrete: traced, an array shows its sharding

@@ -16,7 +16,7 @@ from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import plan_blocks, scan_blocks, write_once
 from ._checks import as_index, as_int_or_bool, check_bool, check_callable, check_int, common_size
-from ._progress import label, progress_bar
+from ._progress import closing_bars, label, progress_bar
 from ._traceback import public
 from ._transform import AbstractTransform
 
@@ -192,7 +192,8 @@ class SlicedScan(AbstractScan):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
-        return _sliced_scan_jit(self, init, xs)
+        with closing_bars():  # a failed run's bar is closed, not left open
+            return _sliced_scan_jit(self, init, xs)
 
 
 def _sliced_scan(transform: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
@@ -396,7 +397,8 @@ class CheckpointedScan(AbstractScan):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
-        return _checkpointed_scan_jit(self, init, xs)
+        with closing_bars():  # a failed run's bar is closed, not left open
+            return _checkpointed_scan_jit(self, init, xs)
 
 
 def _checkpointed_scan(transform: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, Any]:

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from ._budget import Plan, Work, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
 from ._memory import check_memory
+from ._progress import closing_bars
 from ._pytree import Variables
 from ._sharding import Split, check_sharding, split_of, to_mesh
 from ._traceback import public
@@ -94,6 +95,12 @@ class AbstractBlocked(AbstractTransform):
         """This transform without a progress bar, for planning: the candidates it compiles
         need no callback, and one plan serves the call with and without a bar."""
         return dataclasses.replace(self, progress=False) if self.progress else self
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        """The call: planned from the budget (if any), then run. The bars of a run that
+        fails are closed, not left for the next run to draw beneath."""
+        with closing_bars():
+            return self._planned(args, kwargs)._run(*args, **kwargs)
 
     def _planned(self, args: tuple, kwargs: dict) -> AbstractBlocked:
         """This transform with the block size (and strategy) that its budget allows."""
