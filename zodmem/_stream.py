@@ -35,17 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._blocks import OutputSink
-from ._budget import make_plan
-from ._hessian import BatchedHessian
-from ._jacobian import BatchedJacobian
 from ._progress import closing_bars
 from ._serialise import SerialisationError
 from ._traceback import public
-from ._vmap import ChunkedVmap
+from ._transform import AbstractStreamable
 
 __all__ = ["to_host", "to_file"]
 
-_STREAMABLE = (BatchedJacobian, BatchedHessian, ChunkedVmap)
 _JOURNAL_FORMAT = "zodmem.to_file"
 _JOURNAL_VERSION = 2
 _LOCK_NAME = "blocks.lock"  # in a pytree result's directory; `<path>.lock` beside a file
@@ -257,7 +253,7 @@ def _write_or_resume(
 
 
 def _check_transform(transform: Any, name: str) -> None:
-    if not isinstance(transform, _STREAMABLE):
+    if not isinstance(transform, AbstractStreamable):
         raise TypeError(
             f"zm.{name}: the transform must be a zm.BatchedJacobian, zm.BatchedHessian or "
             f"zm.ChunkedVmap, whose results are cut into blocks, but got {transform!r} of "
@@ -319,12 +315,7 @@ def _keep_nothing(*_: Any) -> None:
 
 def _planned(transform: Any, args: tuple, kwargs: dict) -> Any:
     """The transform with the block size its budget allows for the streamed call."""
-    if transform.max_memory is None:
-        return transform
-    plan = make_plan(transform, args, kwargs, run=_streamed_call)
-    if plan.total == 0:
-        return transform
-    return transform._with_block_size(plan.block_size, plan.strategy)
+    return transform._planned(args, kwargs, run=_streamed_call)
 
 
 def _block_size(planned: Any, args: tuple, kwargs: dict) -> tuple[int, Any]:

@@ -24,6 +24,7 @@ from ._traceback import public
 __all__ = [
     "AbstractTransform",
     "AbstractBlocked",
+    "AbstractStreamable",
     "AbstractDerivative",
     "product_function",
     "split_aux",
@@ -102,11 +103,18 @@ class AbstractBlocked(AbstractTransform):
         with closing_bars():
             return self._planned(args, kwargs)._run(*args, **kwargs)
 
-    def _planned(self, args: tuple, kwargs: dict) -> AbstractBlocked:
-        """This transform with the block size (and strategy) that its budget allows."""
+    def _planned(
+        self, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
+    ) -> AbstractBlocked:
+        """This transform with the block size (and strategy) that its budget allows for
+        `run(transform, args, kwargs)`, the call planned (by default, `_run`)."""
         if self.max_memory is None:
             return self
-        plan = make_plan(self._quiet, args, kwargs)
+        plan = (
+            make_plan(self._quiet, args, kwargs)
+            if run is None
+            else make_plan(self._quiet, args, kwargs, run=run)
+        )
         if plan.total == 0:
             return self
         return self._with_block_size(plan.block_size, plan.strategy)
@@ -129,7 +137,19 @@ class AbstractBlocked(AbstractTransform):
         """The call, in the blocks the count or size option gives."""
 
 
-class AbstractDerivative(AbstractBlocked):
+class AbstractStreamable(AbstractBlocked):
+    """A blocked transform whose result can leave the device block by block, as
+    `zm.to_host` and `zm.to_file` take it: each block is handed to a sink instead of
+    being written into a result held on the device."""
+
+    @abc.abstractmethod
+    def _streamed(self, sink: Any, *args: Any, **kwargs: Any) -> Any:
+        """The call in the blocks the count or size option gives, handing each block of
+        the result to `sink` (an `OutputSink`); returns the result with `None` at the
+        leaves handed over."""
+
+
+class AbstractDerivative(AbstractStreamable):
     """The configuration shared by `BatchedJacobian` and `BatchedHessian`.
 
     Both differentiate `fn` with respect to its first argument, in blocks of

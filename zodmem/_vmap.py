@@ -30,7 +30,7 @@ from ._sharding import (
     to_mesh,
 )
 from ._traceback import public
-from ._transform import AbstractBlocked
+from ._transform import AbstractStreamable
 
 __all__ = ["ChunkedVmap"]
 
@@ -45,7 +45,7 @@ def _axis_spec(spec: Any) -> Any:
     return jax.tree_util.tree_map(as_index, spec, is_leaf=_is_none)
 
 
-class ChunkedVmap(AbstractBlocked):
+class ChunkedVmap(AbstractStreamable):
     """Vectorise `fn` like `eqx.filter_vmap`, but at most `chunk_size` elements at a time.
 
     Use it where `jax.vmap` / `eqx.filter_vmap` of a function with large
