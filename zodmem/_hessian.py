@@ -127,7 +127,7 @@ class BatchedHessian(AbstractDerivative):
 
     def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _hessian_jit if self.jit else _hessian
-        return compute(self, *self.on_mesh(x, args, kwargs))
+        return compute(self, *self._on_mesh(x, args, kwargs))
 
     def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
         return _hessian(self, x, args, kwargs, sink=sink)
@@ -136,7 +136,7 @@ class BatchedHessian(AbstractDerivative):
         n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
         total = n.shape[0]
         plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
-        return Work(total, "variables", "Hessian", plan.block_size).per_device(self.split)
+        return Work(total, "variables", "Hessian", plan.block_size).per_device(self._split)
 
 
 def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
@@ -198,7 +198,7 @@ def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
     """The mode that makes the split axis's items: rows by VJPs, columns by JVPs."""
     if split.dim is None:
         return None
-    return transform.split_mode("rev" if split.dim == 0 else "fwd", "Hessian")
+    return transform._split_mode("rev" if split.dim == 0 else "fwd", "Hessian")
 
 
 def _hessian_share(
@@ -212,10 +212,10 @@ def _hessian_share(
 ) -> Any:
     """The Hessian, or with `share` the rows (or columns) of one device's share of it."""
     flat, variables = split_variables(x, owner="BatchedHessian")
-    transform.check_variables(variables)
+    transform._check_variables(variables)
     # Traced for its shapes only: a checkpoint here would refuse leaves of aux that are not arrays.
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
-    _check_scalar(transform, transform.output_shapes(fn_of_flat, flat, "value"))
+    _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
     n = variables.size
     plan = plan_blocks(
         n,
@@ -270,14 +270,14 @@ def _hessian_share(
         # H is symmetric, so row i is the VJP of the gradient with e_i (for a
         # holomorphic function too: H is then complex symmetric, and JAX's VJPs
         # transpose without conjugating).
-        _, vjp, aux = transform.products(gradient, leaves_of(flat), reverse=True)
+        _, vjp, aux = transform._products(gradient, leaves_of(flat), reverse=True)
 
         def block(start):
             return gather(jax.vmap(lambda v: vjp(leaves_of(v)))(basis(start)))
 
         axis = 0
     else:
-        _, hvp, aux = transform.products(lambda z: gradient(leaves_of(z)), flat, reverse=False)
+        _, hvp, aux = transform._products(lambda z: gradient(leaves_of(z)), flat, reverse=False)
 
         def block(start):
             # Column j is the JVP with e_j, as in `jax.hessian`; written as columns, the

@@ -127,7 +127,7 @@ class BatchedJacobian(AbstractDerivative):
 
     def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         compute = _jacobian_jit if self.jit else _jacobian
-        return compute(self, *self.on_mesh(x, args, kwargs))
+        return compute(self, *self._on_mesh(x, args, kwargs))
 
     def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
         return _jacobian(self, x, args, kwargs, sink=sink)
@@ -180,7 +180,7 @@ def _prepare(
 ) -> _Prepared:
     """`fn` as a function of the flat variables, checked, and the mode it is taken in."""
     flat, variables = split_variables(x, owner="BatchedJacobian")
-    transform.check_variables(variables)
+    transform._check_variables(variables)
     fn_of_flat = _with_array_outputs(
         flat_function(transform.fn, variables, args, kwargs), transform.has_aux
     )
@@ -189,13 +189,13 @@ def _prepare(
         fn_of_flat, restore_aux = split_aux(fn_of_flat)
     if transform.checkpoint:
         fn_of_flat = jax.checkpoint(fn_of_flat)
-    shapes = transform.output_shapes(fn_of_flat, flat, "output")
-    transform.check_outputs(shapes, "output")
+    shapes = transform._output_shapes(fn_of_flat, flat, "output")
+    transform._check_outputs(shapes, "output")
     out_leaves = jax.tree_util.tree_leaves(shapes)
     m = sum(math.prod(leaf.shape) for leaf in out_leaves)
     complex_outputs = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in out_leaves)
     if split is None:
-        split = transform.split
+        split = transform._split
     mode = None if split is None else _split_mode(transform, split, out_leaves)
     if mode == "rev" and complex_outputs and not transform.holomorphic:
         raise TypeError(
@@ -221,7 +221,7 @@ def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work
     total = prepared.n if prepared.mode == "fwd" else prepared.m
     what = "variables" if prepared.mode == "fwd" else "output elements"
     plan = plan_blocks(total, nbatches=transform.nbatches, batch_size=transform.batch_size)
-    return Work(total, what, "Jacobian", plan.block_size).per_device(transform.split)
+    return Work(total, what, "Jacobian", plan.block_size).per_device(transform._split)
 
 
 def _jacobian(
@@ -237,7 +237,7 @@ def _jacobian(
     if mesh is not None:  # inputs on a mesh with explicit axes: worked out on each device
         split, spec = everywhere(mesh), PartitionSpec()
     else:
-        split = transform.split
+        split = transform._split
         spec = transform.sharding.spec  # exactly the one asked for, on every output leaf
 
     def compute(share, inputs):
@@ -274,7 +274,7 @@ def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> s
             "the rows of others; one sharding must split the same kind of axis of each."
         )
     (mode,) = modes
-    return transform.split_mode(mode, "Jacobian")
+    return transform._split_mode(mode, "Jacobian")
 
 
 def _jacobian_share(
@@ -321,7 +321,7 @@ def _forward(
         check_divides(n, split, owner="BatchedJacobian", what="columns (variables)")
         plan = plan_blocks(n // split.count, batch_size=plan.block_size)
         offset = share.offset(n)
-    out, jvp, aux = transform.products(fn_of_flat, flat, reverse=False)
+    out, jvp, aux = transform._products(fn_of_flat, flat, reverse=False)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
         return jax.tree_util.tree_map(lambda o: jnp.zeros((*o.shape, 0), o.dtype), out), aux
 
@@ -366,7 +366,7 @@ def _reverse(
         owner="BatchedJacobian",
         context=why,
     )
-    out, vjp, aux = transform.products(fn_of_flat, flat, reverse=True)
+    out, vjp, aux = transform._products(fn_of_flat, flat, reverse=True)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
 
     jacobians = []

@@ -212,13 +212,13 @@ class AbstractDerivative(AbstractStreamable):
         )
 
     @property
-    def split(self) -> Split | None:
+    def _split(self) -> Split | None:
         """How `sharding` spreads the result over devices (`None`: not at all)."""
         if self.sharding is None:
             return None
         return split_of(self.sharding, owner=type(self).__name__)
 
-    def split_mode(self, mode: str, what: str) -> str:
+    def _split_mode(self, mode: str, what: str) -> str:
         """`mode`, the one that makes the axis `sharding` splits (rows by VJPs: `"rev"`,
         columns by JVPs: `"fwd"`), unless the transform was given the other."""
         if self.mode not in ("auto", mode):
@@ -232,14 +232,14 @@ class AbstractDerivative(AbstractStreamable):
             )
         return mode
 
-    def on_mesh(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    def _on_mesh(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
         """The call's arguments as the sharded computation takes them: global arrays when
         the mesh spans several processes."""
         if self.sharding is None:
             return x, args, kwargs
         return to_mesh((x, args, kwargs), self.sharding.mesh)
 
-    def products(self, fn: Callable[[Any], Any], primal: Any, *, reverse: bool) -> tuple:
+    def _products(self, fn: Callable[[Any], Any], primal: Any, *, reverse: bool) -> tuple:
         """`(out, product, aux)` of `product_function` with this transform's `has_aux`
         and strategy (`"auto"` keeps one linearisation)."""
         return product_function(
@@ -250,7 +250,7 @@ class AbstractDerivative(AbstractStreamable):
             recompute=self.strategy == "recompute",
         )
 
-    def check_variables(self, variables: Variables) -> None:
+    def _check_variables(self, variables: Variables) -> None:
         """Refuse complex variables unless `holomorphic`, and real ones with it, as
         `jax.jacfwd`/`jax.jacrev`/`jax.hessian` do."""
         owner = type(self).__name__
@@ -270,7 +270,7 @@ class AbstractDerivative(AbstractStreamable):
                     "not holomorphic, split the variables into real and imaginary parts."
                 )
 
-    def output_shapes(self, fn_of_flat: Callable[[Any], Any], flat: Any, what: str) -> Any:
+    def _output_shapes(self, fn_of_flat: Callable[[Any], Any], flat: Any, what: str) -> Any:
         """The shapes of what `fn` returns (without `aux`), checking that it returns a pair
         `(what, aux)` when `has_aux`. Leaves that are not arrays are kept as they are."""
         shapes = eqx.filter_eval_shape(fn_of_flat, flat)
@@ -283,7 +283,7 @@ class AbstractDerivative(AbstractStreamable):
             shapes = shapes[0]
         return shapes
 
-    def check_outputs(self, outputs: Any, what: str) -> None:
+    def _check_outputs(self, outputs: Any, what: str) -> None:
         """Refuse outputs that cannot be differentiated: integer ones, and real ones with
         `holomorphic=True` (as `jax.jacfwd(holomorphic=True)` does)."""
         owner = type(self).__name__
