@@ -35,6 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._blocks import OutputSink
+from ._files import (
+    append_durably,
+    drop_cached,
+    fsync_directory,
+    pread_all,
+    pwrite_all,
+    write_atomically,
+)
 from ._progress import closing_bars
 from ._serialise import SerialisationError
 from ._traceback import public
@@ -381,44 +389,20 @@ def _npy_header(shape: tuple, dtype: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _pread_all(fd: int, length: int, offset: int) -> bytes:
-    chunks = []
-    while length:
-        chunk = os.pread(fd, length, offset)
-        if not chunk:
-            raise SerialisationError(
-                f"zm.to_file: a file ended {length} bytes before its journal's blocks did, "
-                f"though its size was checked: it is being truncated. {_AFRESH}"
-            )
-        chunks.append(chunk)
-        length, offset = length - len(chunk), offset + len(chunk)
-    return b"".join(chunks)
+def _pread_exactly(fd: int, length: int, offset: int) -> bytes:
+    data = pread_all(fd, length, offset)
+    if len(data) < length:
+        raise SerialisationError(
+            f"zm.to_file: a file ended {length - len(data)} bytes before its journal's "
+            f"blocks did, though its size was checked: it is being truncated. {_AFRESH}"
+        )
+    return data
 
 
 def _digest(array: np.ndarray) -> str:
     """The checksum of a C-contiguous array's bytes, as the journal records it."""
     data = array.view(np.uint8).reshape(-1).data if array.size else b""
     return hashlib.sha256(data).hexdigest()[:_DIGEST_LENGTH]
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _fsync_directory(path: str) -> None:
-    try:
-        fd = os.open(path or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class _Files:
@@ -455,7 +439,7 @@ class _Files:
                 file.truncate(len(header) + leaf.size * np.dtype(leaf.dtype).itemsize)
                 file.flush()
                 os.fsync(file.fileno())
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
 
     def check(self) -> None:
         """Refuse files that are missing, or whose header or size is not the journal's."""
@@ -503,7 +487,7 @@ class _Files:
         base = len(self.headers[leaf])
         for p in range(before):
             offset = base + (p * total + first) * after * dtype.itemsize
-            _pwrite_all(self.fds[leaf], runs[p], offset)
+            pwrite_all(self.fds[leaf], runs[p], offset)
         digest = _digest(np.ascontiguousarray(runs))
         return [leaf, before, after, first, start + count, digest]
 
@@ -512,7 +496,7 @@ class _Files:
         dtype = np.dtype(self.layout.leaves[leaf].dtype)
         value = np.ascontiguousarray(value, dtype)
         if value.size:
-            _pwrite_all(self.fds[leaf], value.reshape(-1), len(self.headers[leaf]))
+            pwrite_all(self.fds[leaf], value.reshape(-1), len(self.headers[leaf]))
         return _digest(value)
 
     def region(self, entry: Any) -> list:
@@ -580,7 +564,7 @@ class _Files:
                 rows = _READ_SIZE // row
                 for p in range(0, before, rows):
                     count = min(rows, before - p)
-                    data = np.frombuffer(_pread_all(fd, count * row, base + p * row), np.uint8)
+                    data = np.frombuffer(_pread_exactly(fd, count * row, base + p * row), np.uint8)
                     data = data.reshape(count, row)
                     for hasher, (a, b) in zip(hashers, spans, strict=True):
                         hasher.update(np.ascontiguousarray(data[:, a * step : b * step]).data)
@@ -590,10 +574,9 @@ class _Files:
                         offset, end = base + p * row + a * step, base + p * row + b * step
                         while offset < end:
                             length = min(_READ_SIZE, end - offset)
-                            hasher.update(_pread_all(fd, length, offset))
+                            hasher.update(_pread_exactly(fd, length, offset))
                             offset += length
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read once, not kept
+            drop_cached(fd)  # read once, not kept
         finally:
             os.close(fd)
         return [hasher.hexdigest()[:_DIGEST_LENGTH] for hasher in hashers]
@@ -602,8 +585,7 @@ class _Files:
         """Flush what was written, and drop it from the page cache: it counts as memory."""
         for fd in self.fds:
             os.fsync(fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_cached(fd)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -775,28 +757,11 @@ class _Journal:
             "files": files.describe(),
             **header,
         }
-        temporary = self.path + ".tmp"
-        with open(temporary, "wb") as file:
-            file.write(_record(record))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.path)
-        _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+        write_atomically(self.path, [_record(record)])
         files.create()
 
     def append(self, record: dict[str, Any]) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        try:
-            _pwrite_all_append(fd, _record(record))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _pwrite_all_append(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+        append_durably(self.path, _record(record))
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""The file format: a signed JSON header followed by the arrays, written atomically.
+"""The file format: a signed JSON header followed by the arrays, written atomically
+(by `zodmem._files.write_atomically`).
 
 ```
 zodmem <sha256 of the header line, 64 hex digits>\\n
@@ -15,15 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 import equinox as eqx
 import jax
 
+from .._files import write_atomically
 from ._error import SerialisationError
 
 __all__ = ["corrupt", "read_file", "write_file"]
@@ -49,7 +48,7 @@ def write_file(path: str, contents: dict[str, Any], payload: bytes) -> None:
     }
     header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("ascii")
     digest_line = _SIGNATURE + hashlib.sha256(header_bytes).hexdigest().encode() + b"\n"
-    _write_atomically(path, [digest_line, header_bytes, b"\n", payload])
+    write_atomically(path, [digest_line, header_bytes, b"\n", payload])
 
 
 def read_file(path: str) -> tuple[dict[str, Any], bytes]:
@@ -121,51 +120,6 @@ def corrupt(reason: str) -> SerialisationError:
         f"The file is truncated or corrupted: {reason}. It cannot be loaded; save the "
         "transform again."
     )
-
-
-def _write_atomically(path: str, chunks: Iterable[bytes]) -> None:
-    """Write a whole file or nothing: a temporary file beside `path` is filled, flushed
-    to disk and renamed over `path`, so a crash leaves the previous file as it was."""
-    directory = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
-    try:
-        _write_and_rename(temporary, path, chunks)
-    except OSError as error:
-        # The temporary name is ours: the caller asked for `path`, so the error names it.
-        if temporary not in (error.filename, error.filename2):
-            raise
-        renamed = type(error)(error.errno, error.strerror, path)
-        raise renamed.with_traceback(error.__traceback__) from None
-    try:  # make the rename itself durable
-        directory_descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory_descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(directory_descriptor)
-
-
-def _write_and_rename(temporary: str, path: str, chunks: Iterable[bytes]) -> None:
-    # 0o666 lets the umask decide the permissions, as for any new file.
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            for chunk in chunks:
-                file.write(chunk)
-            file.flush()
-            os.fsync(file.fileno())
-        if os.path.exists(path):
-            os.chmod(temporary, os.stat(path).st_mode & 0o7777)
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _zodmem_version() -> str:
