@@ -38,7 +38,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from tqdm import tqdm
 
-__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label", "first_shard", "closing_bars"]
+__all__ = ["Progress", "NO_PROGRESS", "progress_bar", "label", "closing_bars"]
 
 # The bars open now, by loop; callbacks may come from the runtime's threads.
 _BARS: dict[int, tqdm] = {}
@@ -49,22 +49,6 @@ _KEYS = itertools.count()
 _OPENINGS = itertools.count()
 _OPENED_AT: dict[int, int] = {}
 _ABANDONED: set[int] = set()
-# While a computation spread over devices is traced: whether this device is the first
-# (traced), the one whose loops draw the bars.
-_FIRST_SHARD: list[Any] = []
-
-
-@contextlib.contextmanager
-def first_shard(is_first: Any) -> Any:
-    """Bars staged inside this context are drawn only where `is_first` (a traced bool) is
-    true: inside a `shard_map`, every device runs the same loop, and one draws it."""
-    _FIRST_SHARD.append(is_first)
-    try:
-        yield
-    finally:
-        _FIRST_SHARD.pop()
-
-
 @contextlib.contextmanager
 def closing_bars() -> Any:
     """Close the bars opened inside this context if it ends with an exception: the run
@@ -87,6 +71,13 @@ def _close(key: int) -> None:
     _BARS.pop(key).close()
 
 
+def _first_device() -> Any:
+    """Whether this device draws the bars: inside a `shard_map` every device runs the same
+    loop, and the first along the mapped mesh axes (traced) draws it; elsewhere, `True`."""
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    return jax.lax.axis_index(manual) == 0 if manual else True
+
+
 def label(transform: Any) -> str | None:
     """The label of a transform's bars (its class name), or `None` with progress off."""
     return type(transform).__name__ if transform.progress else None
@@ -101,7 +92,7 @@ class Progress:
         self.total = total
         self.unit = unit
         self._report = _reporter(self._done)
-        self._drawn = jnp.asarray(_FIRST_SHARD[-1] if _FIRST_SHARD else True)
+        self._drawn = jnp.asarray(_first_device())
 
     def start(self) -> None:
         """Stage the opening of the bar (traced, before the loop)."""

@@ -27,8 +27,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _progress
-
 __all__ = [
     "Share",
     "Split",
@@ -42,6 +40,7 @@ __all__ = [
     "explicit_mesh",
     "everywhere",
     "placement",
+    "Kept",
 ]
 
 
@@ -270,6 +269,13 @@ def to_mesh(tree: Any, mesh: Any) -> Any:
     return jax.tree_util.tree_map(place, tree, is_leaf=eqx.is_array)
 
 
+class Kept(eqx.Module):
+    """A value carried out of a traced function in its output's structure, not as a leaf
+    (the leaves of a result that are not arrays, say)."""
+
+    value: Any = eqx.field(static=True)
+
+
 def run_sharded(
     compute: Callable[..., Any],
     split: Split,
@@ -290,7 +296,8 @@ def run_sharded(
       (by default every output whole on each device); or, where they depend on the
       outputs' ranks, a function of its shapes that returns them.
 
-    The progress bars of the computation are drawn by the first device only.
+    The progress bars of the computation are drawn by the first device only (see
+    `_progress`).
     """
     arrays, static = eqx.partition(inputs, eqx.is_array)
     if in_specs is None:
@@ -299,24 +306,26 @@ def run_sharded(
     else:
         specs_in = in_specs(arrays)
         arrays = _placed(arrays, specs_in, split.mesh)
-    kept: list[Any] = []
 
     def body(arrays):
         index = jax.lax.axis_index(split.axes)
-        with _progress.first_shard(index == 0):
-            out = compute(Share(index, split.count), eqx.combine(arrays, static))
+        out = compute(Share(index, split.count), eqx.combine(arrays, static))
         out_arrays, out_static = eqx.partition(out, eqx.is_array)
-        kept.append(out_static)
-        return out_arrays
+        # The leaves that are not arrays leave the trace in the output's structure.
+        return out_arrays, Kept(out_static)
 
     def mapped(specs_out):
         return jax.shard_map(
-            body, mesh=split.mesh, in_specs=(specs_in,), out_specs=specs_out, check_vma=False
+            body,
+            mesh=split.mesh,
+            in_specs=(specs_in,),
+            out_specs=(specs_out, _WHOLE),
+            check_vma=False,
         )
 
     if callable(out_specs):
         # The specs depend on the outputs' ranks: trace once to learn them (every output
         # taken as whole on each device, which leaves its rank as it is).
-        out_specs = out_specs(eqx.filter_eval_shape(mapped(_WHOLE), arrays))
-    out_arrays = mapped(out_specs)(arrays)
-    return eqx.combine(out_arrays, kept[-1])
+        out_specs = out_specs(eqx.filter_eval_shape(mapped(_WHOLE), arrays)[0])
+    out_arrays, kept = mapped(out_specs)(arrays)
+    return eqx.combine(out_arrays, kept.value)
