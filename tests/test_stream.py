@@ -306,7 +306,7 @@ READ_SIZES = pytest.mark.parametrize("read_size", [None, 24], ids=["runs", "part
 @READ_SIZES
 def test_a_damaged_block_is_refused(read_size, tmp_path, monkeypatch):
     if read_size:
-        monkeypatch.setattr(zm._stream, "_READ_SIZE", read_size)
+        monkeypatch.setattr(zm._npy, "_READ_SIZE", read_size)
     path = tmp_path / "h.npy"
     transform = zm.BatchedHessian(loss, nbatches=3)
     zm.to_file(path, transform, W, DATA)
@@ -319,7 +319,7 @@ def test_a_damaged_block_is_refused(read_size, tmp_path, monkeypatch):
 @READ_SIZES
 def test_a_damaged_block_of_a_file_cut_short_is_refused(read_size, tmp_path, monkeypatch):
     if read_size:
-        monkeypatch.setattr(zm._stream, "_READ_SIZE", read_size)
+        monkeypatch.setattr(zm._npy, "_READ_SIZE", read_size)
     path = tmp_path / "v.npy"
     vmap = zm.ChunkedVmap(lambda x: jnp.outer(x, x), chunk_size=3, out_axes=1)
     journal = tmp_path / "v.npy.journal"

@@ -1,0 +1,162 @@
+"""The journal of a streamed result's files: checksummed one-line records of what call
+made them and which blocks are on disk.
+
+Each record is a line `<first 16 hex digits of the sha256 of the JSON> <JSON>`, so a
+line cut short by a crash, or changed on disk, is told from a whole one. A record is
+appended, and fsynced, only once the bytes it counts are on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+from typing import TYPE_CHECKING, Any
+
+from ._files import append_durably, write_atomically
+from ._npy import AFRESH
+from ._serialise import SerialisationError
+
+if TYPE_CHECKING:
+    from ._npy import ResultFiles
+
+__all__ = ["Journal"]
+
+_JOURNAL_FORMAT = "zodmem.to_file"
+_JOURNAL_VERSION = 2
+
+
+def _record(record: dict[str, Any]) -> bytes:
+    """A record as the line the journal holds."""
+    body = json.dumps(record, separators=(",", ":"), sort_keys=True)
+    return f"{hashlib.sha256(body.encode()).hexdigest()[:16]} {body}\n".encode()
+
+
+class Journal:
+    """The records beside a file: a header record (the call's fingerprint, the files,
+    the block size), then `{"done": k, "blocks": [[index, regions], ...]}` once blocks
+    `0, ..., k - 1` are on disk, listing the blocks new since the last such record with
+    the checksum of each region they wrote, then `{"complete": true, "whole": [[leaf,
+    checksum], ...]}` with the leaves written whole. Each record is one line with a
+    checksum; a torn last line (a write cut short) is ignored, a damaged one before it
+    is refused. Opening a journal verifies the blocks it counts against the files."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.done = 0
+        self.complete = False
+        self.blocks: dict[int, list] = {}
+        self.whole: list = []
+
+    def open(self, fingerprint: dict[str, str], files: ResultFiles) -> dict[str, Any] | None:
+        """The header of an existing journal, checked against this call, or `None`
+        when there is none (and no file in the way)."""
+        if not os.path.exists(self.path):
+            if files.exists():
+                raise SerialisationError(
+                    f"zm.to_file: {files.where} exists but has no journal ({self.path}): it was "
+                    "not written by zm.to_file, or its journal was removed, so its blocks "
+                    "cannot be trusted. Delete it, or choose another path, to start afresh."
+                )
+            return None
+        with open(self.path, "rb") as file:
+            data = file.read()
+        records, valid = [], 0
+        lines = data.split(b"\n")
+        for number, line in enumerate(lines[:-1], start=1):
+            record = _parse(line)
+            if record is None:
+                last = number == len(lines) - 1 and not lines[-1]
+                if last and records:
+                    break  # a record cut short by a crash: its block is not counted
+                raise SerialisationError(
+                    f"zm.to_file: record {number} of the journal {self.path} is damaged "
+                    f"(its checksum does not match). {AFRESH}"
+                )
+            records.append(record)
+            valid += len(line) + 1
+        if not records:
+            raise SerialisationError(
+                f"zm.to_file: the journal {self.path} holds no readable header record. {AFRESH}"
+            )
+        header = records[0]
+        if header.get("format") != _JOURNAL_FORMAT:
+            raise SerialisationError(
+                f"zm.to_file: {self.path} is not a journal of zm.to_file (format "
+                f"{header.get('format')!r}). {AFRESH}"
+            )
+        if header.get("version") != _JOURNAL_VERSION:
+            raise SerialisationError(
+                f"zm.to_file: the journal {self.path} was written by another version of "
+                f"zodmem (journal version {header.get('version')!r}; this one reads version "
+                f"{_JOURNAL_VERSION}), so its blocks cannot be checked. {AFRESH}"
+            )
+        differs = [
+            f"its {name} (the file: {header['fingerprint'].get(name)}; this call: {value})"
+            for name, value in fingerprint.items()
+            if header["fingerprint"].get(name) != value
+        ]
+        if differs:
+            raise SerialisationError(
+                f"zm.to_file: {files.where} was made by another call: {'; '.join(differs)} "
+                f"differ. A file resumes only the call that made it. {AFRESH}"
+            )
+        try:
+            for record in records[1:]:
+                if "done" in record:
+                    if not isinstance(record["done"], int) or record["done"] < self.done:
+                        raise ValueError("blocks out of order")
+                    self.done = record["done"]
+                    for index, regions in record["blocks"]:
+                        self.blocks[operator.index(index)] = [files.region(r) for r in regions]
+                elif record.get("complete") is True:
+                    self.complete = True
+                    self.whole = [files.whole_leaf(entry) for entry in record["whole"]]
+            if sorted(self.blocks) != list(range(self.done)):
+                raise ValueError(f"checksums of blocks {sorted(self.blocks)} for {self.done}")
+        except (KeyError, TypeError, ValueError) as error:
+            raise SerialisationError(
+                f"zm.to_file: the journal {self.path} does not record the blocks on disk "
+                f"in order with their checksums ({error}). {AFRESH}"
+            ) from error
+        if valid < len(data):
+            with open(self.path, "r+b") as file:
+                file.truncate(valid)  # later records go after the last whole one
+                os.fsync(file.fileno())
+        if self.done == 0 and not self.complete:
+            files.create()  # nothing counted yet: the files may not have been made
+        else:
+            files.check()
+            files.verify(self.blocks, self.whole)
+        return header
+
+    def create(
+        self, fingerprint: dict[str, str], files: ResultFiles, header: dict[str, Any]
+    ) -> None:
+        """A new journal (written whole, then renamed into place), then the files."""
+        os.makedirs(files.directory, exist_ok=True)
+        record = {
+            "format": _JOURNAL_FORMAT,
+            "version": _JOURNAL_VERSION,
+            "fingerprint": fingerprint,
+            "files": files.describe(),
+            **header,
+        }
+        write_atomically(self.path, [_record(record)])
+        files.create()
+
+    def append(self, record: dict[str, Any]) -> None:
+        append_durably(self.path, _record(record))
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """The record of a line, or `None` when its checksum or JSON is damaged."""
+    checksum, _, body = line.partition(b" ")
+    if hashlib.sha256(body).hexdigest()[:16].encode() != checksum:
+        return None
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
