@@ -209,17 +209,13 @@ def _prepare(
 
 
 def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work:
-    found = []
-
     def count(x, args, kwargs):
         prepared = _prepare(transform, x, args, kwargs)
-        found.append(prepared)
-        return prepared.flat
+        return prepared.n, prepared.m, prepared.mode  # not arrays: returned as they are
 
-    eqx.filter_eval_shape(count, x, args, kwargs)
-    (prepared,) = found
-    total = prepared.n if prepared.mode == "fwd" else prepared.m
-    what = "variables" if prepared.mode == "fwd" else "output elements"
+    n, m, mode = eqx.filter_eval_shape(count, x, args, kwargs)
+    total = n if mode == "fwd" else m
+    what = "variables" if mode == "fwd" else "output elements"
     plan = plan_blocks(total, nbatches=transform.nbatches, batch_size=transform.batch_size)
     return Work(total, what, "Jacobian", plan.block_size).per_device(transform._split)
 

@@ -455,7 +455,6 @@ def _microbatch(
     if not local_ok:
         # Every device reduces the whole batch, in order, as one device would.
         return run_sharded(_whole_batch(transform), everywhere(split.mesh), (args, kwargs))
-    kinds: list[list] = []
     positions = [*transform.batch_argnums, *transform.batch_argnames]
 
     def specs_of(value, axes):
@@ -465,10 +464,9 @@ def _microbatch(
         args, kwargs = inputs
         result = _microbatch_local(transform, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(result)
-        kinds.append(_kinds_per_leaf(transform, result))
         combined = [
             leaf if _ACROSS_DEVICES[kind] is None else _ACROSS_DEVICES[kind](leaf, split.axes)
-            for leaf, kind in zip(leaves, kinds[-1], strict=True)
+            for leaf, kind in zip(leaves, _kinds_per_leaf(transform, result), strict=True)
         ]
         return jax.tree_util.tree_unflatten(treedef, combined)
 
@@ -486,7 +484,7 @@ def _microbatch(
         leaves, treedef = jax.tree_util.tree_flatten(shapes)
         specs = [
             split.spec(leaf.ndim, 0) if kind is AccumulationType.CONCAT else PartitionSpec()
-            for leaf, kind in zip(leaves, kinds[-1], strict=True)
+            for leaf, kind in zip(leaves, _kinds_per_leaf(transform, shapes), strict=True)
         ]
         return jax.tree_util.tree_unflatten(treedef, specs)
 

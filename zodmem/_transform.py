@@ -18,7 +18,7 @@ from ._checks import as_index, check_block_options, check_bool, check_callable, 
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
-from ._sharding import Split, check_sharding, split_of, to_mesh
+from ._sharding import Kept, Split, check_sharding, split_of, to_mesh
 from ._traceback import public
 
 __all__ = [
@@ -304,13 +304,12 @@ class AbstractDerivative(AbstractStreamable):
 
 
 def split_aux(fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Callable, Callable]:
-    """`fn` returning `(out, aux)`, as a function whose `aux` holds only arrays, and a
-    function that puts the other leaves of the last `aux` traced back.
+    """`fn` returning `(out, aux)`, as a function whose `aux` holds only arrays (the
+    other leaves ride in its structure, as `Kept`), and the function that puts them back.
 
     JAX's transforms and loops carry arrays only; a string, an int or `None` in `aux`
-    is kept aside while `fn` is traced and returned unchanged, as `jax.jacrev` does.
+    is returned unchanged, as `jax.jacrev` does.
     """
-    kept: list[Any] = []
 
     def arrays_only(z):
         result = fn(z)
@@ -318,11 +317,11 @@ def split_aux(fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Callable, Callable]
             return result  # not a pair: refused by the caller, with what it returned
         out, aux = result
         arrays, others = eqx.partition(aux, eqx.is_array)
-        kept.append(others)
-        return out, arrays
+        return out, (arrays, Kept(others))
 
-    def restore(arrays: Any) -> Any:
-        return eqx.combine(arrays, kept[-1])
+    def restore(aux: Any) -> Any:
+        arrays, others = aux
+        return eqx.combine(arrays, others.value)
 
     return arrays_only, restore
 
