@@ -36,9 +36,9 @@ def call_fingerprint(transform: Any, args: tuple, kwargs: dict, layout: Layout) 
     shapes, constants = [], []
     for leaf in leaves:
         if eqx.is_array(leaf):
-            array = np.ascontiguousarray(np.asarray(leaf))
-            shapes.append(f"{array.dtype}{list(array.shape)}")
-            digest.update(array.view(np.uint8).reshape(-1).data if array.size else b"")
+            described, data = _array_bytes(leaf)
+            shapes.append(described)
+            digest.update(data)
         else:
             constants.append(_describe(leaf))
     output = ", ".join(
@@ -64,6 +64,14 @@ def _describe(value: Any) -> str:
     return _ADDRESS.sub("", repr(value))
 
 
+def _array_bytes(value: Any) -> tuple[str, Any]:
+    """An array's dtype and shape as text (`float32[3, 4]`), and its bytes in C order."""
+    array = np.ascontiguousarray(np.asarray(value))
+    return f"{array.dtype}{list(array.shape)}", (
+        array.view(np.uint8).reshape(-1).data if array.size else b""
+    )
+
+
 def _program_digest(program: Any) -> str:
     """A hash of a traced call: the text of its program, at every level of nesting, and
     the values of the constants it holds (the arrays a function closes over). Two
@@ -72,9 +80,9 @@ def _program_digest(program: Any) -> str:
     process."""
     digest = hashlib.sha256(_ADDRESS.sub("", str(program)).encode())
     for constant in _constants(program):
-        array = np.ascontiguousarray(np.asarray(constant))
-        digest.update(f"{array.dtype}{list(array.shape)}".encode())
-        digest.update(array.view(np.uint8).reshape(-1).data if array.size else b"")
+        described, data = _array_bytes(constant)
+        digest.update(described.encode())
+        digest.update(data)
     return digest.hexdigest()
 
 
