@@ -24,4 +24,26 @@ from ._stream import to_file as to_file, to_host as to_host
 from ._transform import AbstractTransform as AbstractTransform
 from ._vmap import ChunkedVmap as ChunkedVmap
 
+__all__ = [
+    "AbstractTransform",
+    "AccumulationType",
+    "Accumulator",
+    "BatchedHessian",
+    "BatchedJacobian",
+    "CheckpointedScan",
+    "ChunkedVmap",
+    "MemoryBudgetError",
+    "Microbatcher",
+    "Plan",
+    "SerialisationError",
+    "SlicedScan",
+    "Static",
+    "hessian_to_pytree",
+    "jacobian_to_pytree",
+    "load",
+    "save",
+    "to_file",
+    "to_host",
+]
+
 __version__ = "0.1.0"
