@@ -4,42 +4,48 @@ A transform with `max_memory` cuts its work (`total` items: variables, output
 elements, batch elements) into blocks, like one given a count or a size; the planner
 here chooses the size. It compiles the transform's whole call at candidate block sizes
 and reads XLA's own account of the call's buffers (`memory_analysis()`): the output
-plus the temporaries, which is what the budget bounds. Nothing runs to plan, except
-for the few one-block timings described below.
+plus the temporaries, which is what the budget bounds. Nothing runs to plan.
 
-How it searches, in few compiles (each costs about as much as the call's own compile):
+How `search` finds a size, in few compiles (each costs about as much as the call's own):
 
-1. the whole work in one block: if it fits, that is the plan;
-2. one item per block: if even that does not fit (and no other size does, below), the
-   call is refused with `MemoryBudgetError` before anything runs;
-3. between the two, the peak grows about linearly with the block size, so a secant step
-   (the line through the largest size known to fit and the smallest known not to) guesses
-   the largest size that fits; each guess is compiled and checked, and the search stops
-   when the next guess would gain less than a sixteenth. Sizes are taken as
-   `ceil(total / num_blocks)`, the smallest size for a number of blocks.
+1. the largest size it considers: on a CPU, the largest whose temporaries stay within
+   `CPU_BLOCK_BYTES` (the temporaries per item are the slope of the compiled peaks
+   between one item per block and the whole work; one item at least), since there a
+   block whose temporaries outgrow the caches runs slower per item; on an accelerator,
+   where a wider block keeps more of the device busy, the whole work. If it fits, it
+   is the plan;
+2. one item per block: if that does not fit either, a ladder of sizes (the largest
+   considered, halved up to eight times, down to 2) is compiled, since XLA may form a
+   large block's products as one matrix product with fewer temporaries than a few
+   separate products take. If none of them fits the call is refused with
+   `MemoryBudgetError` before anything runs; otherwise the search goes on from the
+   largest that fits;
+3. between a size known to fit and one known not to, the peak grows about linearly with
+   the block size, so a secant step guesses the largest size that fits; each guess is
+   compiled and checked, and the search stops when the two sizes are within a
+   sixteenth of the one that fits. Sizes are taken as `ceil(total / num_blocks)`, the
+   smallest size for a number of blocks, so the blocks come out even.
 
-The peak need not grow with the block size everywhere: XLA may form a large block's
-products as one matrix product, with fewer temporaries than a few separate products
-take. So when one item per block does not fit, a ladder of sizes (halves of the total,
-down to 2) is compiled before the call is refused, and the search goes on from the
-largest of them that fits.
+For a derivative with `strategy="auto"`, `make_plan` tries one linearisation kept for
+every block first, then `fn` evaluated again inside each block, and takes the first that
+plans; the call is refused when none does.
 
-Blocks are planned to fit the budget less a reserve (`usable_bytes`: 2% of it, and on a
-CPU 40 MB more, never more than a tenth) for what the process allocates beside the
-call's buffers; and once the candidates are compiled, the heap the compiler freed is
-handed back to the system, so that planning does not raise the process's peak memory.
+Blocks are planned to fit the budget less a reserve for what the process allocates
+beside the call's buffers (`usable_bytes`). On an accelerator it is 2% of the budget,
+for the allocator's slack. On a CPU, where the call's memory is the process's own, it is
+2% of the budget, plus the most that compiling any candidate grew the process's
+resident memory while planning (measured around each compile, from a trimmed heap: the
+call's own compile grows it about as much again), plus `RESERVE_RUNTIME_BYTES` (10 MB)
+for the executable and the runtime's threads; where the resident memory cannot be read,
+`RESERVE_CPU_BYTES` (40 MB) stands for the compile and the runtime together. The
+reserve has no cap: a budget too small to hold it is refused rather than exceeded. A
+refusal names a budget `SUGGESTION_MARGIN` (15%) over the least that plans in this
+process (`least_budget`), since another process's compile may grow the heap more.
 
-Which of the sizes that fit runs fastest is a property of the machine. On a CPU, a
-block whose temporaries outgrow the caches runs slower per item (each block also touches
-fresh pages): on the reference Hessian, blocks of 25 products (15 MB of temporaries) ran
-2.56 s, 99 products 3.08 s, one block of all 12,577 products 5.9 s; on the reference map,
-one element per chunk (36 MB) ran fastest. So on a CPU the planner takes the largest size
-that fits whose temporaries stay within `CPU_BLOCK_BYTES`, one item per block at least;
-the temporaries per item are the slope of the compiled peaks between one item per block
-and the whole work, which the search measures anyway. On an accelerator, where a wider
-block keeps more of the device busy, it takes the largest size that fits. Plans are
-cached per transform, argument shapes and dtypes, and budget, so the cost is paid by the
-first call only.
+The heap the compiler frees is handed back to the system before each candidate is
+compiled and once planning ends (`release_heap`), so that planning does not raise the
+process's peak memory. Plans are cached per transform, argument shapes, dtypes and
+placements, budget and planned call, so the cost is paid by the first call only.
 """
 
 from __future__ import annotations
