@@ -351,6 +351,37 @@ def _mapped_inputs(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> _Mapped:
     return _Mapped(input_axes, input_def, leaves, axes, total)
 
 
+def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
+    """The output axis of each leaf of `fn`'s output (`None`: unmapped), resolved on one
+    element's output as `eqx.filter_vmap` does, and made non-negative for the mapped
+    output (which has one more axis); as a pytree like the output."""
+
+    def element_of(leaf, axis):
+        if axis is None or not eqx.is_array(leaf):
+            return leaf
+        shape = tuple(d for i, d in enumerate(jnp.shape(leaf)) if i != axis)
+        return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+    element = mapped.input_def.unflatten(
+        [element_of(leaf, axis) for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)]
+    )
+
+    def resolve(inputs):
+        element_args, element_kwargs = inputs
+        out = fn(*element_args, **element_kwargs)
+        resolved = _axes_per_leaf(out_axes, out, "out_axes")
+        _check_out_axes(out, resolved)
+        # Axes are ints and Nones: returned as they are, not as shapes.
+        return jax.tree_util.tree_map(
+            lambda leaf, a: None if a is None else a % (jnp.ndim(leaf) + 1),
+            out,
+            resolved,
+            is_leaf=_is_none,
+        )
+
+    return eqx.filter_eval_shape(resolve, element)
+
+
 def _chunked_vmap(
     fn: Callable[..., Any],
     chunk_size: int,
@@ -384,13 +415,11 @@ def _chunked_vmap(
         PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
         for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
     ]
-    found: list[list] = []
+    axes_of_output = _output_axes(fn, out_axes, mapped)
 
     def compute(share, inputs):
         args, kwargs = inputs
-        return _chunked_vmap_local(
-            fn, chunk_size, in_axes, out_axes, args, kwargs, None, progress, found
-        )
+        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, None, progress)
 
     def in_specs(arrays):
         specs = [
@@ -403,7 +432,7 @@ def _chunked_vmap(
         leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_none)
         specs = [
             PartitionSpec() if leaf is None or axis is None else split.spec(leaf.ndim, axis)
-            for leaf, axis in zip(leaves, found[-1], strict=True)
+            for leaf, axis in zip(leaves, treedef.flatten_up_to(axes_of_output), strict=True)
         ]
         return jax.tree_util.tree_unflatten(treedef, specs)
 
@@ -419,27 +448,18 @@ def _chunked_vmap_local(
     kwargs: dict,
     sink: OutputSink | None = None,
     progress: str | None = None,
-    found: list | None = None,
 ) -> Any:
-    """The chunked map of the batch on this device; `found`, when given, gets the output
-    axis of each output leaf (`None`: unmapped), non-negative."""
+    """The chunked map of the batch on this device."""
     inputs = (args, kwargs)
-    input_axes, input_def, leaves, axes, total = _mapped_inputs(fn, in_axes, args, kwargs)
-
-    # The output axes are resolved on one element's output, as filter_vmap does.
-    output_axes = []
+    mapped = _mapped_inputs(fn, in_axes, args, kwargs)
+    input_axes, input_def, leaves, axes, total = mapped
+    axes_of_output = _output_axes(fn, out_axes, mapped)  # checked before any map is traced
 
     def one_element(inputs):
         element_args, element_kwargs = inputs
-        out = fn(*element_args, **element_kwargs)
-        resolved = _axes_per_leaf(out_axes, out, "out_axes")
-        _check_out_axes(out, resolved)
-        output_axes.append(resolved)
-        return out
+        return fn(*element_args, **element_kwargs)
 
     vectorised = eqx.filter_vmap(one_element, in_axes=(input_axes,), out_axes=out_axes)
-    if found is not None:
-        vectorised = _reporting_axes(vectorised, output_axes, found)
     if total is None or total == 0:
         return vectorised(inputs)
     # No chunk size (a budget whose plan found nothing to cut): every element at once.
@@ -469,7 +489,7 @@ def _chunked_vmap_local(
     first = jnp.asarray(0, jnp.int32)
     shapes = eqx.filter_eval_shape(lambda start: block(read(start)), first)
     out_leaves, out_def = jax.tree_util.tree_flatten(shapes)
-    out_axes_per_leaf = out_def.flatten_up_to(output_axes[-1])
+    out_axes_per_leaf = out_def.flatten_up_to(axes_of_output)
     mapped = [i for i, a in enumerate(out_axes_per_leaf) if a is not None]
     unmapped_arrays = [
         i
@@ -497,25 +517,6 @@ def _chunked_vmap_local(
         for i in unmapped_arrays:
             results[i] = block_leaves[i]
     return jax.tree_util.tree_unflatten(out_def, results)
-
-
-def _reporting_axes(vectorised: Callable, output_axes: list, found: list) -> Callable:
-    """`vectorised`, appending to `found` the output axis of each of its result's leaves
-    (made non-negative) every time it is traced."""
-
-    def reporting(inputs):
-        out = vectorised(inputs)
-        leaves, treedef = jax.tree_util.tree_flatten(out)
-        axes = treedef.flatten_up_to(output_axes[-1])
-        found.append(
-            [
-                None if a is None else a % jnp.ndim(leaf)
-                for leaf, a in zip(leaves, axes, strict=True)
-            ]
-        )
-        return out
-
-    return reporting
 
 
 _chunked_vmap_jit = eqx.filter_jit(_chunked_vmap)
