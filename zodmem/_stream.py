@@ -328,17 +328,16 @@ def _run_streamed(
 ) -> tuple[Any, set[int]]:
     """Run the streamed call from `first_block`: returns what it returned (`None` at the
     leaves handed to `write`) and the indices of those leaves."""
-    streamed: list[int] = []
 
     @eqx.filter_jit
     def call(transform, args, kwargs, first):
         sink = OutputSink(write, first)
         out = transform._streamed(sink, *args, **kwargs)
-        streamed[:] = sink.leaves
-        return out
+        return out, tuple(sink.leaves)  # not arrays: returned as they are
 
     with closing_bars():
-        returned = call(transform, args, kwargs, jnp.asarray(first_block, jnp.int32))
+        first = jnp.asarray(first_block, jnp.int32)
+        returned, streamed = call(transform, args, kwargs, first)
         jax.effects_barrier()  # every block handed over before the caller reads them
     return returned, set(streamed)
 
