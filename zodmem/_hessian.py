@@ -15,15 +15,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import (
-    Share,
-    Split,
-    check_divides,
-    everywhere,
-    explicit_mesh,
-    run_sharded,
-    split_of,
-)
+from ._sharding import Share, Split, check_divides, dispatch
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -171,27 +163,21 @@ def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
 def _hessian(
     transform: BatchedHessian, x: Any, args: tuple, kwargs: dict, sink: OutputSink | None = None
 ) -> Any:
-    mesh = None if transform.sharding is not None else explicit_mesh((x, args, kwargs))
-    if transform.sharding is None and (mesh is None or sink is not None):
-        return _hessian_share(transform, x, args, kwargs, sink)
-    if mesh is not None:  # inputs on a mesh with explicit axes: worked out on each device
-        split, spec = everywhere(mesh), PartitionSpec()
-    else:
-        split = split_of(transform.sharding, owner="BatchedHessian")
+    split, out_specs = transform._split, None
+    if split is not None:
         spec = transform.sharding.spec  # exactly the one asked for
-    if len(spec) > 2:
-        raise ValueError(
-            f"BatchedHessian: `sharding` has the spec {transform.sharding.spec}, for "
-            f"{len(transform.sharding.spec)} axes, but the Hessian has 2: split its rows, "
-            "PartitionSpec('d', None), or its columns, PartitionSpec(None, 'd')."
-        )
+        if len(spec) > 2:
+            raise ValueError(
+                f"BatchedHessian: `sharding` has the spec {spec}, for {len(spec)} axes, but "
+                "the Hessian has 2: split its rows, PartitionSpec('d', None), or its "
+                "columns, PartitionSpec(None, 'd')."
+            )
+        out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
 
-    def compute(share, inputs):
-        x, args, kwargs = inputs
-        return _hessian_share(transform, x, args, kwargs, None, share, split)
+    def compute(share, split, inputs):
+        return _hessian_share(transform, *inputs, sink, share, split)
 
-    out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
-    return run_sharded(compute, split, (x, args, kwargs), out_specs=out_specs)
+    return dispatch(compute, (x, args, kwargs), split, here=sink is not None, out_specs=out_specs)
 
 
 def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:

@@ -17,7 +17,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import Share, Split, check_divides, everywhere, explicit_mesh, run_sharded
+from ._sharding import Share, Split, check_divides, dispatch
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -227,21 +227,15 @@ def _jacobian(
     kwargs: dict,
     sink: OutputSink | None = None,
 ) -> Any:
-    mesh = None if transform.sharding is not None else explicit_mesh((x, args, kwargs))
-    if transform.sharding is None and (mesh is None or sink is not None):
-        return _jacobian_share(transform, x, args, kwargs, sink)
-    if mesh is not None:  # inputs on a mesh with explicit axes: worked out on each device
-        split, spec = everywhere(mesh), PartitionSpec()
-    else:
-        split = transform._split
+    split, out_specs = transform._split, None
+    if split is not None:
         spec = transform.sharding.spec  # exactly the one asked for, on every output leaf
+        out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
 
-    def compute(share, inputs):
-        x, args, kwargs = inputs
-        return _jacobian_share(transform, x, args, kwargs, None, share, split)
+    def compute(share, split, inputs):
+        return _jacobian_share(transform, *inputs, sink, share, split)
 
-    out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
-    return run_sharded(compute, split, (x, args, kwargs), out_specs=out_specs)
+    return dispatch(compute, (x, args, kwargs), split, here=sink is not None, out_specs=out_specs)
 
 
 def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> str | None:

@@ -30,9 +30,8 @@ from ._sharding import (
     Split,
     batch_split,
     check_divides,
+    dispatch,
     everywhere,
-    explicit_mesh,
-    run_sharded,
     to_mesh,
 )
 from ._traceback import public
@@ -430,11 +429,7 @@ def _microbatch(
     if split is None:
         split = _batch_split(batch)
     if split is None:
-        mesh = explicit_mesh((args, kwargs))
-        if mesh is None:
-            return _microbatch_local(transform, args, kwargs)
-        # Inputs on a mesh with explicit axes, the batch not split: reduced on each device.
-        return run_sharded(_whole_batch(transform), everywhere(mesh), (args, kwargs))
+        return dispatch(_whole_batch(transform), (args, kwargs))
     check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
     local = _batch_size(batch) // split.count
     size = transform.microbatch_size
@@ -454,13 +449,13 @@ def _microbatch(
     )
     if not local_ok:
         # Every device reduces the whole batch, in order, as one device would.
-        return run_sharded(_whole_batch(transform), everywhere(split.mesh), (args, kwargs))
+        return dispatch(_whole_batch(transform), (args, kwargs), everywhere(split.mesh))
     positions = [*transform.batch_argnums, *transform.batch_argnames]
 
     def specs_of(value, axes):
         return jax.tree_util.tree_map(lambda leaf, a: split.spec(jnp.ndim(leaf), a), value, axes)
 
-    def compute(share, inputs):
+    def compute(share, split, inputs):
         args, kwargs = inputs
         result = _microbatch_local(transform, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(result)
@@ -488,11 +483,11 @@ def _microbatch(
         ]
         return jax.tree_util.tree_unflatten(treedef, specs)
 
-    return run_sharded(compute, split, (args, kwargs), in_specs=in_specs, out_specs=out_specs)
+    return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
 
 
 def _whole_batch(transform: Microbatcher) -> Any:
-    def whole(share, inputs):
+    def whole(share, split, inputs):
         return _microbatch_local(transform, *inputs)
 
     return whole

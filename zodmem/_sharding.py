@@ -34,6 +34,7 @@ __all__ = [
     "split_of",
     "batch_split",
     "run_sharded",
+    "dispatch",
     "to_mesh",
     "replicate",
     "is_explicit",
@@ -267,6 +268,39 @@ def to_mesh(tree: Any, mesh: Any) -> Any:
         return jax.make_array_from_process_local_data(replicated, np.asarray(leaf))
 
     return jax.tree_util.tree_map(place, tree, is_leaf=eqx.is_array)
+
+
+def dispatch(
+    compute: Callable[..., Any],
+    inputs: Any,
+    split: Split | None = None,
+    *,
+    here: bool = False,
+    in_specs: Any = None,
+    out_specs: Any = _WHOLE,
+) -> Any:
+    """Run `compute(share, split, inputs)` where its work lies; every blocked transform's
+    computation goes through here.
+
+    - With `split`, one share per device of its mesh (`run_sharded`, with `in_specs` and
+      `out_specs`), `compute` getting each device's `Share` and the `split`.
+    - Without, on a mesh with explicit axes that some input lies on (unless `here`): the
+      whole work on every device of it (traced arrays there carry the mesh in their
+      type, and the block engine's outputs, made without one, could not take them).
+    - Otherwise here, as one device: `compute(None, None, inputs)`. `here` keeps the
+      work here even on a mesh (a result streamed to the host, in order).
+    """
+    if split is None and not here:
+        mesh = explicit_mesh(inputs)
+        if mesh is not None:
+            split, in_specs, out_specs = everywhere(mesh), None, _WHOLE
+    if split is None:
+        return compute(None, None, inputs)
+
+    def share_of(share, inputs):
+        return compute(share, split, inputs)
+
+    return run_sharded(share_of, split, inputs, in_specs=in_specs, out_specs=out_specs)
 
 
 class Kept(eqx.Module):

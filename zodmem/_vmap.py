@@ -23,10 +23,8 @@ from ._sharding import (
     Split,
     batch_split,
     check_divides,
-    everywhere,
-    explicit_mesh,
+    dispatch,
     replicate,
-    run_sharded,
     to_mesh,
 )
 from ._traceback import public
@@ -396,19 +394,16 @@ def _chunked_vmap(
     mapped = _mapped_inputs(fn, in_axes, args, kwargs)
     if split is None and mapped.total:
         split = batch_split(mapped.leaves, mapped.axes)
-    mesh = explicit_mesh((args, kwargs)) if split is None and sink is None else None
-    if mesh is not None:
-        # Inputs on a mesh with explicit axes, the batch not split: mapped on each device.
-        def whole(share, inputs):
-            return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, None, progress)
-
-        return run_sharded(whole, everywhere(mesh), (args, kwargs))
-    if split is None:
-        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, sink, progress)
-    if sink is not None:
+    if split is not None and sink is not None:
         # Streamed to the host in order: the batch is made whole on every device first.
         args, kwargs = replicate((args, kwargs), split.mesh)
-        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, sink, progress)
+        split = None
+    if split is None:
+
+        def whole(share, split, inputs):
+            return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, sink, progress)
+
+        return dispatch(whole, (args, kwargs), here=sink is not None)
     # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
     check_divides(mapped.total, split, owner=_OWNER, what="elements of the batch")
     leaf_specs = [
@@ -417,9 +412,8 @@ def _chunked_vmap(
     ]
     axes_of_output = _output_axes(fn, out_axes, mapped)
 
-    def compute(share, inputs):
-        args, kwargs = inputs
-        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, args, kwargs, None, progress)
+    def compute(share, split, inputs):
+        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, None, progress)
 
     def in_specs(arrays):
         specs = [
@@ -436,7 +430,7 @@ def _chunked_vmap(
         ]
         return jax.tree_util.tree_unflatten(treedef, specs)
 
-    return run_sharded(compute, split, (args, kwargs), in_specs=in_specs, out_specs=out_specs)
+    return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
 
 
 def _chunked_vmap_local(
