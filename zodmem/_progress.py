@@ -49,6 +49,8 @@ _KEYS = itertools.count()
 _OPENINGS = itertools.count()
 _OPENED_AT: dict[int, int] = {}
 _ABANDONED: set[int] = set()
+
+
 @contextlib.contextmanager
 def closing_bars() -> Any:
     """Close the bars opened inside this context if it ends with an exception: the run
