@@ -15,7 +15,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import Share, Split, check_divides, dispatch
+from ._sharding import Share, Split, check_divides
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -117,12 +117,19 @@ class BatchedHessian(AbstractDerivative):
     ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
         return self._call((x, *args), kwargs)
 
-    def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        compute = _hessian_jit if self.jit else _hessian
-        return compute(self, *self._on_mesh(x, args, kwargs))
+    def _share(
+        self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        return _hessian_share(self, x, args, kwargs, sink, share, split)
 
-    def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return _hessian(self, x, args, kwargs, sink=sink)
+    def _result_specs(self, spec: PartitionSpec) -> Any:
+        if len(spec) > 2:
+            raise ValueError(
+                f"BatchedHessian: `sharding` has the spec {spec}, for {len(spec)} axes, but "
+                "the Hessian has 2: split its rows, PartitionSpec('d', None), or its "
+                "columns, PartitionSpec(None, 'd')."
+            )
+        return super()._result_specs(spec)
 
     def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
@@ -158,26 +165,6 @@ def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
             "outputs'). For a holomorphic function of complex variables, pass "
             "holomorphic=True."
         )
-
-
-def _hessian(
-    transform: BatchedHessian, x: Any, args: tuple, kwargs: dict, sink: OutputSink | None = None
-) -> Any:
-    split, out_specs = transform._split, None
-    if split is not None:
-        spec = transform.sharding.spec  # exactly the one asked for
-        if len(spec) > 2:
-            raise ValueError(
-                f"BatchedHessian: `sharding` has the spec {spec}, for {len(spec)} axes, but "
-                "the Hessian has 2: split its rows, PartitionSpec('d', None), or its "
-                "columns, PartitionSpec(None, 'd')."
-            )
-        out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
-
-    def compute(share, split, inputs):
-        return _hessian_share(transform, *inputs, sink, share, split)
-
-    return dispatch(compute, (x, args, kwargs), split, here=sink is not None, out_specs=out_specs)
 
 
 def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
@@ -286,6 +273,3 @@ def _hessian_share(
     if restore_aux is None:
         return hessian
     return hessian, restore_aux(aux)
-
-
-_hessian_jit = eqx.filter_jit(_hessian)

@@ -10,14 +10,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import Share, Split, check_divides, dispatch
+from ._sharding import Share, Split, check_divides
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -125,12 +124,10 @@ class BatchedJacobian(AbstractDerivative):
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
         return self._call((x, *args), kwargs)
 
-    def _run(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        compute = _jacobian_jit if self.jit else _jacobian
-        return compute(self, *self._on_mesh(x, args, kwargs))
-
-    def _streamed(self, sink: OutputSink, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return _jacobian(self, x, args, kwargs, sink=sink)
+    def _share(
+        self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        return _jacobian_share(self, x, args, kwargs, sink, share, split)
 
     def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         return _work(self, x, args, kwargs)
@@ -218,24 +215,6 @@ def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work
     what = "variables" if mode == "fwd" else "output elements"
     plan = plan_blocks(total, nbatches=transform.nbatches, batch_size=transform.batch_size)
     return Work(total, what, "Jacobian", plan.block_size).per_device(transform._split)
-
-
-def _jacobian(
-    transform: BatchedJacobian,
-    x: Any,
-    args: tuple,
-    kwargs: dict,
-    sink: OutputSink | None = None,
-) -> Any:
-    split, out_specs = transform._split, None
-    if split is not None:
-        spec = transform.sharding.spec  # exactly the one asked for, on every output leaf
-        out_specs = (spec, PartitionSpec()) if transform.has_aux else spec
-
-    def compute(share, split, inputs):
-        return _jacobian_share(transform, *inputs, sink, share, split)
-
-    return dispatch(compute, (x, args, kwargs), split, here=sink is not None, out_specs=out_specs)
 
 
 def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> str | None:
@@ -392,6 +371,3 @@ def _reverse(
         rows_of_leaf = map_blocks(rows, leaf_plan, axis=0, progress=label(transform))
         jacobians.append(rows_of_leaf.reshape(*rows_shape, n))
     return jax.tree_util.tree_unflatten(out_def, jacobians), aux
-
-
-_jacobian_jit = eqx.filter_jit(_jacobian)

@@ -11,20 +11,21 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._budget import Plan, Work, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
-from ._sharding import Kept, Split, check_sharding, split_of, to_mesh
+from ._sharding import Kept, Share, Split, check_sharding, dispatch, split_of, to_mesh
 from ._traceback import public
 
 __all__ = [
     "AbstractTransform",
     "AbstractBlocked",
     "AbstractStreamable",
+    "AbstractSharded",
     "AbstractDerivative",
     "product_function",
     "split_aux",
@@ -149,7 +150,61 @@ class AbstractStreamable(AbstractBlocked):
         leaves handed over."""
 
 
-class AbstractDerivative(AbstractStreamable):
+class AbstractSharded(AbstractStreamable):
+    """A streamable transform whose result `sharding` may spread over devices.
+
+    The base runs the call: compiled (with `jit`), as global arrays when the mesh spans
+    processes, here or over the devices (`dispatch`), kept or streamed. A concrete
+    transform says what its work is (`_work`), how to fix its block size
+    (`_with_block_size`) and how to compute one device's share of the result
+    (`_share`); `_result_specs` may say how the result's parts are placed.
+    """
+
+    sharding: eqx.AbstractVar[NamedSharding | None]
+    jit: eqx.AbstractVar[bool]
+
+    @abc.abstractmethod
+    def _share(
+        self, sink: Any, share: Share | None, split: Split | None, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The result (with `share`, of `split`, the part one device makes of it), its
+        blocks handed to `sink` when it is not `None` (an `OutputSink`)."""
+
+    def _result_specs(self, spec: PartitionSpec) -> Any:
+        """The `out_specs` of the result when `sharding` has the spec `spec`."""
+        return spec
+
+    @property
+    def _split(self) -> Split | None:
+        """How `sharding` spreads the result over devices (`None`: not at all)."""
+        if self.sharding is None:
+            return None
+        return split_of(self.sharding, owner=type(self).__name__)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sharding is not None:  # under jax.distributed: the inputs as global arrays
+            args, kwargs = to_mesh((args, kwargs), self.sharding.mesh)
+        return (_sharded_jit if self.jit else _sharded)(self, args, kwargs)
+
+    def _streamed(self, sink: Any, *args: Any, **kwargs: Any) -> Any:
+        return _sharded(self, args, kwargs, sink)
+
+
+def _sharded(transform: AbstractSharded, args: tuple, kwargs: dict, sink: Any = None) -> Any:
+    split = transform._split
+    out_specs = None if split is None else transform._result_specs(transform.sharding.spec)
+
+    def compute(share, split, inputs):
+        args, kwargs = inputs
+        return transform._share(sink, share, split, *args, **kwargs)
+
+    return dispatch(compute, (args, kwargs), split, here=sink is not None, out_specs=out_specs)
+
+
+_sharded_jit = eqx.filter_jit(_sharded)
+
+
+class AbstractDerivative(AbstractSharded):
     """The configuration shared by `BatchedJacobian` and `BatchedHessian`.
 
     Both differentiate `fn` with respect to its first argument, in blocks of
@@ -211,12 +266,8 @@ class AbstractDerivative(AbstractStreamable):
             self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
         )
 
-    @property
-    def _split(self) -> Split | None:
-        """How `sharding` spreads the result over devices (`None`: not at all)."""
-        if self.sharding is None:
-            return None
-        return split_of(self.sharding, owner=type(self).__name__)
+    def _result_specs(self, spec: PartitionSpec) -> Any:
+        return (spec, PartitionSpec()) if self.has_aux else spec
 
     def _split_mode(self, mode: str, what: str) -> str:
         """`mode`, the one that makes the axis `sharding` splits (rows by VJPs: `"rev"`,
@@ -231,13 +282,6 @@ class AbstractDerivative(AbstractStreamable):
                 f"mode={mode!r} or 'auto' with this sharding."
             )
         return mode
-
-    def _on_mesh(self, x: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-        """The call's arguments as the sharded computation takes them: global arrays when
-        the mesh spans several processes."""
-        if self.sharding is None:
-            return x, args, kwargs
-        return to_mesh((x, args, kwargs), self.sharding.mesh)
 
     def _products(self, fn: Callable[[Any], Any], primal: Any, *, reverse: bool) -> tuple:
         """`(out, product, aux)` of `product_function` with this transform's `has_aux`
