@@ -15,7 +15,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import Share, Split, check_divides
+from ._sharding import Share, Split, share_of
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -197,14 +197,8 @@ def _hessian_share(
         what="variables",
         owner="BatchedHessian",
     )
-    offset = 0
-    if split is not None and split.dim is not None:
-        check_divides(
-            n, split, owner="BatchedHessian", what="rows" if split.dim == 0 else "columns"
-        )
-        # The block size the options give for the whole Hessian, over this share's items.
-        plan = plan_blocks(n // split.count, batch_size=plan.block_size)
-        offset = share.offset(n)
+    what = "rows" if split is not None and split.dim == 0 else "columns"
+    plan, offset = share_of(n, plan, share, split, owner="BatchedHessian", what=what)
 
     def fn_of_leaves(leaves):
         return transform.fn(variables.fill(leaves), *args, **kwargs)

@@ -16,7 +16,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
-from ._sharding import Share, Split, check_divides
+from ._sharding import Share, Split, check_divides, share_of
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
 
@@ -285,11 +285,9 @@ def _forward(
         owner="BatchedJacobian",
         context=" (mode 'fwd' makes one column per variable)",
     )
-    offset = 0
-    if share is not None and split.dim is not None:
-        check_divides(n, split, owner="BatchedJacobian", what="columns (variables)")
-        plan = plan_blocks(n // split.count, batch_size=plan.block_size)
-        offset = share.offset(n)
+    plan, offset = share_of(
+        n, plan, share, split, owner="BatchedJacobian", what="columns (variables)"
+    )
     out, jvp, aux = transform._products(fn_of_flat, flat, reverse=False)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
         return jax.tree_util.tree_map(lambda o: jnp.zeros((*o.shape, 0), o.dtype), out), aux

@@ -27,10 +27,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._blocks import plan_blocks
+
 __all__ = [
     "Share",
     "Split",
     "check_sharding",
+    "share_of",
     "split_of",
     "batch_split",
     "run_sharded",
@@ -140,6 +143,19 @@ def check_divides(total: int, split: Split, *, owner: str, what: str) -> None:
             "split axes the devices divide. Use a mesh axis whose size divides "
             f"{total}, or split the other axis."
         )
+
+
+def share_of(
+    total: int, plan: Any, share: Share | None, split: Split | None, *, owner: str, what: str
+) -> tuple[Any, Any]:
+    """`(plan, offset)`: the blocks of one device's share of `total` items (the same block
+    size as `plan`, over `total // split.count` items) and the first of its items; with no
+    split axis, `plan` and 0. `what` names the items for the refusal of a split whose
+    devices do not divide them."""
+    if share is None or split is None or split.dim is None:
+        return plan, 0
+    check_divides(total, split, owner=owner, what=what)
+    return plan_blocks(total // split.count, batch_size=plan.block_size), share.offset(total)
 
 
 def _sharding_of(leaf: Any) -> NamedSharding | None:

@@ -98,6 +98,12 @@ class AbstractBlocked(AbstractTransform):
         need no callback, and one plan serves the call with and without a bar."""
         return dataclasses.replace(self, progress=False) if self.progress else self
 
+    @public
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The transform's call: planned from `max_memory` (if any), then run. Concrete
+        transforms may restate it with their own annotations."""
+        return self._call(args, kwargs)
+
     def _call(self, args: tuple, kwargs: dict) -> Any:
         """The call: planned from the budget (if any), then run. The bars of a run that
         fails are closed, not left for the next run to draw beneath."""

@@ -1,0 +1,60 @@
+"""A new blocked transform is the abstract methods of the protocol: `BlockedGram`
+(tests/gram.py) gets budgets, plans, progress bars and streaming to the host and to a
+file from the base classes, and equals the plain JAX answer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gram import BlockedGram
+from helpers import close
+
+import zodmem as zm
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def features(x):
+    return jnp.stack([jnp.sin(x), jnp.cos(2 * x), x**2], axis=1)
+
+
+X = jnp.linspace(-1.0, 1.0, 12)
+EXPECTED = features(X) @ features(X).T
+
+
+@pytest.mark.parametrize("batch_size", [None, 1, 5, 12])
+def test_blocks_of_rows_equal_the_matrix(batch_size):
+    gram = BlockedGram(features, batch_size=batch_size)
+    close(gram(X), EXPECTED)
+    close(jax.jit(gram)(X), EXPECTED)
+    assert gram(X).dtype == EXPECTED.dtype
+    if batch_size is not None:
+        assert gram.plan(X).num_blocks == -(-12 // batch_size)
+
+
+@pytest.mark.usefixtures("buffers_only")  # a call of a few kB: the compile heap left out
+def test_a_budget_plans_the_blocks():
+    x = jnp.linspace(-1.0, 1.0, 60)
+    peaks = [BlockedGram(features, batch_size=b).plan(x).peak_bytes for b in (1, 5, 30, 60)]
+    budget = sorted(peaks)[1]  # some block sizes fit, others do not
+    gram = BlockedGram(features, max_memory=budget)
+    plan = gram.plan(x)
+    assert plan.fits and plan.peak_bytes <= budget and plan.what == "rows"
+    close(gram(x), features(x) @ features(x).T)
+    with pytest.raises(zm.MemoryBudgetError, match="BlockedGram: .* the Gram matrix alone"):
+        BlockedGram(features, max_memory=100).plan(X)
+
+
+def test_progress_bar(capfd):
+    BlockedGram(features, batch_size=4, progress=True)(X)
+    err = capfd.readouterr().err
+    assert "BlockedGram" in err and "3/3" in err
+
+
+def test_streamed_to_host_and_to_file(tmp_path):
+    gram = BlockedGram(features, batch_size=5)
+    host = zm.to_host(gram, X)
+    assert isinstance(host, np.ndarray)
+    close(host, EXPECTED)
+    close(zm.to_file(tmp_path / "gram.npy", gram, X), EXPECTED)
+    close(zm.to_file(tmp_path / "gram.npy", gram, X), EXPECTED)  # finished: read back
