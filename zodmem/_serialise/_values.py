@@ -78,9 +78,7 @@ def _encode(value: Any, where: str) -> dict:
     if value is None:
         return {"type": "none"}
     if isinstance(value, enum.Enum):
-        path, why = import_path(type(value))
-        if path is None:
-            raise _Refusal(value, where, f"its enum class cannot be imported: {why}")
+        path = _class_path(value, where, "enum class")
         return {"type": "enum", "class": path, "name": value.name}
     kind = type(value)
     if kind is bool:
@@ -107,12 +105,9 @@ def _encode(value: Any, where: str) -> dict:
             ],
         }
     if isinstance(value, tuple) and hasattr(kind, "_fields"):
-        path, why = import_path(kind)
-        if path is None:
-            raise _Refusal(value, where, f"its named-tuple class cannot be imported: {why}")
         return {
             "type": "namedtuple",
-            "class": path,
+            "class": _class_path(value, where, "named-tuple class"),
             "items": [
                 _encode(item, f"{where}.{name}")
                 for name, item in zip(kind._fields, value, strict=True)
@@ -152,18 +147,23 @@ def _encode(value: Any, where: str) -> dict:
         return {"type": "import", "path": path}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Described by its class and constructor arguments, e.g. `eqx.if_array(0)`.
-        class_path, class_why = import_path(kind)
-        if class_path is None:
-            raise _Refusal(value, where, f"its dataclass cannot be imported: {class_why}")
         return {
             "type": "dataclass",
-            "class": class_path,
+            "class": _class_path(value, where, "dataclass"),
             "fields": [
                 [name, _encode(getattr(value, name), f"{where}.{name}")]
                 for name in _constructor_fields(value)
             ],
         }
     raise _Refusal(value, where, why)
+
+
+def _class_path(value: Any, where: str, what: str) -> str:
+    """The import path of `value`'s class (`what` it is), or the refusal of `value`."""
+    path, why = import_path(type(value))
+    if path is None:
+        raise _Refusal(value, where, f"its {what} cannot be imported: {why}")
+    return path
 
 
 def _constructor_fields(value: Any) -> list[str]:
