@@ -177,7 +177,7 @@ def test_derivative_budgets_fit_and_give_the_same_answer(name):
     assert plan.peak_bytes == measured_peak(transform, w)
     assert plan.what == ("output elements" if name == "jacobian-rev" else "variables")
     assert repr(plan).endswith("fits)")
-    close(transform(w), reference(fn)(w))
+    close(transform(w), jax.jit(reference(fn))(w))
 
 
 def test_maps_and_microbatches_fit():
@@ -188,7 +188,7 @@ def test_maps_and_microbatches_fit():
     # The largest chunk that fits is 4; a smaller one may be chosen if it timed faster.
     assert plan.fits and plan.block_size <= 4 and plan.what == "elements"
     assert plan.peak_bytes <= 4.5 * one
-    close(transform(xs), jax.vmap(heavy)(xs))
+    close(transform(xs), jax.jit(jax.vmap(heavy))(xs))
 
     def loss(w, x):
         return jnp.mean(jax.vmap(heavy)(x * w))
@@ -197,7 +197,7 @@ def test_maps_and_microbatches_fit():
     grad = zm.Microbatcher(jax.grad(loss), max_memory=int(4.5 * one), argnums=1, accumulator="mean")
     plan = grad.plan(w, xs)
     assert plan.fits and plan.what == "examples" and plan.num_blocks > 1
-    close(grad(w, xs), jax.grad(loss)(w, xs))
+    close(grad(w, xs), jax.jit(jax.grad(loss))(w, xs))
 
 
 def test_too_small_a_budget_is_refused_before_anything_runs():
@@ -224,7 +224,7 @@ def test_inside_jit_and_filter_jit():
     w = jnp.linspace(-1, 1, 60)
     whole = zm.BatchedHessian(outer_loss).plan(w).peak_bytes
     transform = zm.BatchedHessian(outer_loss, max_memory=int(0.7 * whole))
-    expected = jax.hessian(outer_loss)(w)
+    expected = jax.jit(jax.hessian(outer_loss))(w)
     close(jax.jit(transform)(w), expected)
     close(eqx.filter_jit(lambda t, w: t(w))(transform, w), expected)
     # Planning under a trace sees the same shapes, so it plans the same blocks.
@@ -250,7 +250,7 @@ def test_a_budget_on_the_outer_transform_bounds_the_stack():
     stack = dataclasses.replace(per_example, chunk_size=None, max_memory=int(4.5 * one))
     plan = stack.plan(w, data)
     assert plan.fits and plan.peak_bytes <= 4.5 * one and plan.block_size > 1
-    close(stack(w, data), jax.vmap(jax.hessian(smooth_loss), in_axes=(None, 0))(w, data))
+    close(stack(w, data), jax.jit(jax.vmap(jax.hessian(smooth_loss), in_axes=(None, 0)))(w, data))
 
 
 def test_budgets_on_both_layers():
@@ -259,7 +259,7 @@ def test_budgets_on_both_layers():
     inner = zm.BatchedHessian(smooth_loss, max_memory="40kB")
     stack = zm.ChunkedVmap(inner, in_axes=(None, 0), max_memory="400kB")
     assert stack.plan(w, data).fits
-    close(stack(w, data), jax.vmap(jax.hessian(smooth_loss), in_axes=(None, 0))(w, data))
+    close(stack(w, data), jax.jit(jax.vmap(jax.hessian(smooth_loss), in_axes=(None, 0)))(w, data))
 
 
 # --- the second strategy: fn evaluated again inside each block ---------------------------
@@ -280,11 +280,16 @@ def test_recompute_gives_the_same_answer(mode):
     x = jnp.linspace(-0.5, 0.5, 16)
     for strategy in ("linearize", "recompute"):
         J = zm.BatchedJacobian(long_simulation, mode=mode, strategy=strategy, nbatches=4)(x)
-        close(J, jax.jacfwd(long_simulation)(x), rtol=1e-10, atol=1e-12)
+        close(J, jax.jit(jax.jacfwd(long_simulation))(x), rtol=1e-10, atol=1e-12)
     H = zm.BatchedHessian(
         lambda x: jnp.sum(long_simulation(x) ** 2), mode=mode, strategy="recompute", nbatches=3
     )(x)
-    close(H, jax.hessian(lambda x: jnp.sum(long_simulation(x) ** 2))(x), rtol=1e-9, atol=1e-10)
+    close(
+        H,
+        jax.jit(jax.hessian(lambda x: jnp.sum(long_simulation(x) ** 2)))(x),
+        rtol=1e-9,
+        atol=1e-10,
+    )
 
 
 def test_the_planner_recomputes_when_the_residuals_do_not_fit():
@@ -297,7 +302,7 @@ def test_the_planner_recomputes_when_the_residuals_do_not_fit():
     transform = zm.BatchedJacobian(long_simulation, mode="fwd", max_memory=budget)
     plan = transform.plan(x)
     assert plan.strategy == "recompute" and plan.fits
-    close(transform(x), jax.jacfwd(long_simulation)(x), rtol=1e-10, atol=1e-12)
+    close(transform(x), jax.jit(jax.jacfwd(long_simulation))(x), rtol=1e-10, atol=1e-12)
     with pytest.raises(zm.MemoryBudgetError):
         zm.BatchedJacobian(
             long_simulation, mode="fwd", max_memory=budget, strategy="linearize"
