@@ -128,7 +128,7 @@ def test_a_size_written_rounded_up_is_at_least_the_size_and_less_than_a_digit_ov
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compile heap of a CPU process")
 def test_a_budget_below_the_process_extra_is_refused_with_one_that_plans():
-    # The 360 kB Hessian fits a budget of 5 MB by XLA's count, but compiling it alone
+    # The 14.4 kB Hessian fits a budget of 5 MB by XLA's count, but compiling it alone
     # grows a CPU process by more than that.
     transform = zm.BatchedHessian(loss, max_memory="5MB")
     with pytest.raises(zm.MemoryBudgetError) as info:
