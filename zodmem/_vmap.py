@@ -174,22 +174,10 @@ class ChunkedVmap(AbstractStreamable):
         split = batch_split(mapped.leaves, mapped.axes) if mapped.total else None
         if split is not None:  # under jax.distributed: the other inputs as global arrays
             args, kwargs = to_mesh((args, kwargs), split.mesh)
-        return self._mapped(_chunked_vmap_jit, args, kwargs, split=split)
+        return _chunked_vmap_jit(self, args, kwargs, split=split)
 
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
-        return self._mapped(_chunked_vmap, args, kwargs, sink=sink)
-
-    def _mapped(self, compute: Callable[..., Any], args: tuple, kwargs: dict, **extra: Any) -> Any:
-        return compute(
-            self.fn,
-            self.chunk_size,
-            self.in_axes,
-            self.out_axes,
-            args,
-            kwargs,
-            progress=label(self),
-            **extra,
-        )
+        return _chunked_vmap(self, args, kwargs, sink=sink)
 
     def _work(self, *args: Any, **kwargs: Any) -> Work:
         mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
@@ -381,17 +369,14 @@ def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
 
 
 def _chunked_vmap(
-    fn: Callable[..., Any],
-    chunk_size: int,
-    in_axes: Any,
-    out_axes: Any,
+    transform: ChunkedVmap,
     args: tuple,
     kwargs: dict,
     sink: OutputSink | None = None,
-    progress: str | None = None,
     split: Split | None = None,
 ) -> Any:
-    mapped = _mapped_inputs(fn, in_axes, args, kwargs)
+    fn, out_axes = transform.fn, transform.out_axes
+    mapped = _mapped_inputs(fn, transform.in_axes, args, kwargs)
     if split is None and mapped.total:
         split = batch_split(mapped.leaves, mapped.axes)
     if split is not None and sink is not None:
@@ -401,7 +386,8 @@ def _chunked_vmap(
     if split is None:
 
         def whole(share, split, inputs):
-            return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, sink, progress)
+            # The inputs as they are here, or whole on each device: the layout holds.
+            return _chunked_vmap_local(transform, *inputs, sink, mapped if share is None else None)
 
         return dispatch(whole, (args, kwargs), here=sink is not None)
     # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
@@ -413,7 +399,7 @@ def _chunked_vmap(
     axes_of_output = _output_axes(fn, out_axes, mapped)
 
     def compute(share, split, inputs):
-        return _chunked_vmap_local(fn, chunk_size, in_axes, out_axes, *inputs, None, progress)
+        return _chunked_vmap_local(transform, *inputs)
 
     def in_specs(arrays):
         specs = [
@@ -434,18 +420,18 @@ def _chunked_vmap(
 
 
 def _chunked_vmap_local(
-    fn: Callable[..., Any],
-    chunk_size: int,
-    in_axes: Any,
-    out_axes: Any,
+    transform: ChunkedVmap,
     args: tuple,
     kwargs: dict,
     sink: OutputSink | None = None,
-    progress: str | None = None,
+    mapped: _Mapped | None = None,
 ) -> Any:
-    """The chunked map of the batch on this device."""
+    """The chunked map of the batch on this device; `mapped`, the inputs' layout when the
+    caller has it."""
+    fn, out_axes, progress = transform.fn, transform.out_axes, label(transform)
     inputs = (args, kwargs)
-    mapped = _mapped_inputs(fn, in_axes, args, kwargs)
+    if mapped is None:
+        mapped = _mapped_inputs(fn, transform.in_axes, args, kwargs)
     input_axes, input_def, leaves, axes, total = mapped
     axes_of_output = _output_axes(fn, out_axes, mapped)  # checked before any map is traced
 
@@ -457,7 +443,7 @@ def _chunked_vmap_local(
     if total is None or total == 0:
         return vectorised(inputs)
     # No chunk size (a budget whose plan found nothing to cut): every element at once.
-    plan = plan_blocks(total, batch_size=chunk_size, what="elements")
+    plan = plan_blocks(total, batch_size=transform.chunk_size, what="elements")
     if plan.num_blocks == 1 and sink is None:
         bar = progress_bar(progress, 1)  # one chunk, no loop: still a bar that shows 1/1
         bar.start()
