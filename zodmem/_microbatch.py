@@ -429,7 +429,7 @@ def _microbatch(
     if split is None:
         split = _batch_split(batch)
     if split is None:
-        return dispatch(_whole_batch(transform), (args, kwargs))
+        return dispatch(_whole_batch(transform, batch), (args, kwargs))
     check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
     local = _batch_size(batch) // split.count
     size = transform.microbatch_size
@@ -449,7 +449,7 @@ def _microbatch(
     )
     if not local_ok:
         # Every device reduces the whole batch, in order, as one device would.
-        return dispatch(_whole_batch(transform), (args, kwargs), everywhere(split.mesh))
+        return dispatch(_whole_batch(transform, batch), (args, kwargs), everywhere(split.mesh))
     positions = [*transform.batch_argnums, *transform.batch_argnames]
 
     def specs_of(value, axes):
@@ -486,16 +486,23 @@ def _microbatch(
     return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
 
 
-def _whole_batch(transform: Microbatcher) -> Any:
+def _whole_batch(transform: Microbatcher, batch: list) -> Any:
+    """The reduction of the whole batch, by one device or by each of a mesh's; `batch`,
+    the inputs' layout here, is that of the one device's inputs (a device of a mesh reads
+    its own)."""
+
     def whole(share, split, inputs):
-        return _microbatch_local(transform, *inputs)
+        return _microbatch_local(transform, *inputs, batch if share is None else None)
 
     return whole
 
 
-def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:
+def _microbatch_local(
+    transform: Microbatcher, args: tuple, kwargs: dict, batch: list | None = None
+) -> Any:
     """The reduction of the batch as this device holds it, microbatch by microbatch."""
-    batch = _batch_of(transform, args, kwargs)
+    if batch is None:
+        batch = _batch_of(transform, args, kwargs)
     positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     plan = plan_blocks(
         _batch_size(batch), batch_size=transform.microbatch_size, batch_size_name="microbatch_size"
