@@ -6,6 +6,8 @@ from jaxtyping import install_import_hook
 with install_import_hook("zodmem", "beartype.beartype"):
     import zodmem  # noqa: F401
 
+from pathlib import Path
+
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
@@ -40,6 +42,30 @@ def buffers_only(monkeypatch):
     monkeypatch.setattr(_budget, "RESERVE_CPU_BYTES", 0)
 
 
-# The multi-device tests need several devices, which JAX fixes when it starts: they run
-# in a process of their own (tests/test_multidevice.py starts it), never in this one.
-collect_ignore = [] if len(jax.devices()) >= 4 else ["multidevice"]
+# Two suites run as steps of their own in `.ci/run`, and only when named on the command
+# line (pytest collects a path it is given even where `collect_ignore` names it):
+# - tests/multidevice needs 4 devices, which JAX fixes when it starts: it runs in a process
+#   started with `XLA_FLAGS=--xla_force_host_platform_device_count=4`, and a run with
+#   fewer devices leaves it out;
+# - tests/distributed starts two processes of its own under `jax.distributed`.
+MULTIDEVICE_DEVICES = 4
+collect_ignore = ["distributed"]
+if len(jax.devices()) < MULTIDEVICE_DEVICES:
+    collect_ignore.append("multidevice")
+
+
+def pytest_configure(config):
+    """Refuse to run tests/multidevice, named on the command line, with too few devices:
+    every test there would fail on one device, for a reason its own failure does not say."""
+    if len(jax.devices()) >= MULTIDEVICE_DEVICES:
+        return
+    multidevice = Path(__file__).resolve().parent / "multidevice"
+    root = config.invocation_params.dir
+    for arg in config.args:
+        path = (root / arg.split("::")[0]).resolve()
+        if path == multidevice or multidevice in path.parents:
+            raise pytest.UsageError(
+                f"{arg} needs {MULTIDEVICE_DEVICES} devices and JAX has "
+                f"{len(jax.devices())}: run it as `XLA_FLAGS=--xla_force_host_platform_"
+                f"device_count={MULTIDEVICE_DEVICES} python -m pytest tests/multidevice`."
+            )
