@@ -13,9 +13,10 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-n", "auto", "tests", *session.posargs)
 
 
-# The tests `oldest` runs: the transforms against plain JAX, and the sharded engine, whose
-# use of explicit mesh axes sets the oldest jax. tests/test_budget.py is left out: one of
-# its budgets is sized from a map's compiled peak, which XLA fuses away in jax 0.10.0.
+# The tests `oldest` runs: the transforms against plain JAX, then the sharded engine on 4
+# CPU devices (its use of explicit mesh axes sets the oldest jax). tests/test_budget.py is
+# left out: one of its budgets is sized from a map's compiled peak, which XLA fuses away
+# in jax 0.10.0.
 OLDEST_TESTS = [
     "tests/test_hessian.py",
     "tests/test_jacobian.py",
@@ -23,7 +24,6 @@ OLDEST_TESTS = [
     "tests/test_microbatch.py",
     "tests/test_scan.py",
     "tests/test_checks.py",
-    "tests/test_multidevice.py",
 ]
 
 
@@ -31,7 +31,7 @@ OLDEST_TESTS = [
 def oldest(session: nox.Session) -> None:
     """Run a quick part of the tests on the oldest versions pyproject.toml allows: every
     dependency pinned to its lower bound, on the oldest Python (name test files as
-    arguments to choose)."""
+    arguments to choose the single-device ones)."""
     dependencies = nox.project.load_toml("pyproject.toml")["project"]["dependencies"]
     pins = [requirement.replace(">=", "==") for requirement in dependencies]
     if any("==" not in pin for pin in pins):
@@ -39,6 +39,9 @@ def oldest(session: nox.Session) -> None:
     session.install(*pins, "pytest", "pytest-xdist", "hypothesis")
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", "-n", "auto", *(session.posargs or OLDEST_TESTS))
+    # JAX fixes its devices when it starts: the multi-device tests get a process of their own.
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    session.run("python", "-m", "pytest", "-n", "auto", "tests/multidevice", env=devices)
 
 
 @nox.session
