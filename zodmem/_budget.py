@@ -357,8 +357,8 @@ def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
 def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] = _run) -> Plan:
     """The plan of `transform(*args, **kwargs)`: with a budget, the block size (and, for
     derivatives, the strategy) whose compiled call fits it, fastest first; without one,
-    the blocks its options give, with the memory they take. Nothing runs, except the
-    one-block timings of long maps. The arguments may be arrays or tracers. `run(candidate,
+    the blocks its options give, with the memory they take. Nothing runs: candidates are
+    compiled, not called. The arguments may be arrays or tracers. `run(candidate,
     args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
     holds no output on the device)."""
     owner = type(transform).__name__

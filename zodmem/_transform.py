@@ -38,6 +38,19 @@ class AbstractTransform(eqx.Module):
     `fn` is an ordinary field, so when it is a module (an Equinox model or another
     transform) its arrays are leaves of the transform. Every other field is static
     configuration, validated when the transform is built.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        hessian = zm.BatchedHessian(lambda w: jnp.sum(w**3), nbatches=2)
+        assert isinstance(hessian, zm.AbstractTransform)
+        assert hessian.config["nbatches"] == 2  # the static configuration, by name
+        per_example = zm.ChunkedVmap(hessian, chunk_size=2)  # a transform wraps another
+        assert per_example(jnp.ones((4, 3))).shape == (4, 3, 3)
+        ```
     """
 
     fn: eqx.AbstractVar[Callable[..., Any]]

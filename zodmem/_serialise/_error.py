@@ -19,4 +19,20 @@ class SerialisationError(ValueError):
     transform, the file's contents or `like`) is unacceptable, so code that already
     catches `ValueError` around loading keeps working. `load` never returns a
     partly built transform: it either returns the whole stack or raises.
+
+    !!! example
+
+        ```python
+        import os
+        import tempfile
+
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        path = os.path.join(tempfile.mkdtemp(), "hessian.eqx")
+        try:  # a lambda has no import path to be loaded back from
+            zm.save(path, zm.BatchedHessian(lambda w: jnp.sum(w**3)))
+        except zm.SerialisationError as error:
+            print(error)
+        ```
     """
