@@ -40,3 +40,14 @@ def test_a_budget_of_another_type_is_named_in_full():
     with pytest.raises(TypeError, match=r"got np\.float64\(1000\.0\) of type numpy\.float64\.$"):
         check_memory(np.float64(1e3), owner="Owner")
     assert budget_bytes(np.int64(2048)) == 2048
+
+
+def test_decimal_budgets_are_read_exactly_and_written_up():
+    """A figure a refusal writes reads back as at least the bytes it stands for: decimal
+    fractions are not cut by binary rounding, and nothing is written rounded down."""
+    from zodmem._memory import format_bytes_up
+
+    assert budget_bytes("4.06 kB") == 4060 and budget_bytes("19.3MB") == 19_300_000
+    for size in (4060, 1_500_000_001, 999_999, 19_310_000, 123_456_789):
+        assert budget_bytes(format_bytes_up(size)) >= size
+    assert format_bytes_up(1_500_000_001) == "1.51 GB"

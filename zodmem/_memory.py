@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from decimal import Decimal
 import re
 from typing import Any
 
@@ -74,7 +75,8 @@ def _parse(value: Any) -> int | str | None:
             raise ValueError(f"got {value!r}, which is not a finite number of bytes")
         if size < 1:
             raise ValueError(f"got {value!r}, which is less than one byte")
-        return int(size)
+        # In decimal, not binary: "4.06kB" is 4060 bytes, not 4059.99... cut to 4059.
+        return int(Decimal(match.group("number")) * unit)
     try:
         size = operator.index(value)
     except TypeError:
@@ -142,11 +144,12 @@ def format_bytes(size: int | float) -> str:
 def format_bytes_up(size: int | float) -> str:
     """`size` as `format_bytes` writes it, rounded up, not to the nearest: a figure to
     pass back as a budget that is never below `size`."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    size = math.ceil(size)
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if size >= scale:
-            value = size / scale
-            decimals = 0 if value >= 100 else 2 - int(math.floor(math.log10(value)))
-            step = 10.0**-decimals
-            rounded = math.ceil(round(value / step, 6)) * step
-            return f"{rounded:.{decimals}f} {unit}"
-    return f"{math.ceil(size)} B"
+            # Three significant digits, counted in whole bytes so that nothing rounds down.
+            decimals = max(0, 3 - len(str(size // scale)))
+            step = scale // 10**decimals
+            steps = -(-size // step)
+            return f"{Decimal(steps * step) / scale:.{decimals}f} {unit}"
+    return f"{size} B"
