@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import operator
-from decimal import Decimal
 import re
+from decimal import Decimal
 from typing import Any
 
 import jax

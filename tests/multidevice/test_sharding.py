@@ -1,8 +1,8 @@
 """Work spread over 4 CPU devices: sharded Jacobians and Hessians, and maps and reductions
 of sharded batches, against plain JAX and one device.
 
-Run in a process of its own with `--xla_force_host_platform_device_count=4` (see
-tests/test_multidevice.py); collected only where JAX has at least 4 devices.
+Run in a process of its own with `--xla_force_host_platform_device_count=4` (a step of
+its own in .ci/run); collected only where JAX has at least 4 devices.
 """
 
 import re
