@@ -150,33 +150,39 @@ def _xla_case(transforms: dict[int, Any], call_args: tuple, info: dict[str, Any]
 # hessian
 
 
-def _hessian_problem(args: argparse.Namespace) -> dict[str, Any]:
+def _hessian_problem(args: argparse.Namespace, group: str = "hessian") -> dict[str, Any]:
+    """The reference Hessian's problem (`hessian`), or the small one (`small`: the same
+    loss with a narrower network, for the budgets a laptop's or a CI runner's job gives)."""
     import zodmem  # noqa: F401  (imported by every case, so the floor holds it too)
 
+    if group == "small":
+        args = argparse.Namespace(**{**vars(args), "width": SMALL_WIDTH})
     p = hessian_memory._problem(args)
-    p["info"] = {**p["info"], "group": "hessian"}
-    p["scale"] = p["info"]["hessian_bytes"] / _FULL_HESSIAN_BYTES
+    p["info"] = {**p["info"], "group": group}
+    full = _FULL_SMALL_HESSIAN_BYTES if group == "small" else _FULL_HESSIAN_BYTES
+    p["scale"] = p["info"]["hessian_bytes"] / full
     return p
 
 
-def hessian_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_hessian_problem(args)["info"], "tool": "floor"})
+def hessian_floor(args: argparse.Namespace, group: str = "hessian") -> _harness.Case:
+    return _harness.Case(None, {**_hessian_problem(args, group)["info"], "tool": "floor"})
 
 
-def hessian_budget(args: argparse.Namespace, label: str) -> _harness.Case:
+def hessian_budget(args: argparse.Namespace, label: str, group: str = "hessian") -> _harness.Case:
     import zodmem as zm
 
-    p = _hessian_problem(args)
-    budget = _budget(label, HESSIAN_BUDGETS, p["scale"])
+    p = _hessian_problem(args, group)
+    budgets = SMALL_BUDGETS if group == "small" else HESSIAN_BUDGETS
+    budget = _budget(label, budgets, p["scale"])
     transform = zm.BatchedHessian(p["loss"], max_memory=budget)
     info = {**p["info"], "tool": "budget", "max_memory": budget}
     return _budgeted_case(transform, (p["model"], p["xs"], p["ys"]), info, args)
 
 
-def hessian_knob(args: argparse.Namespace, nbatches: int) -> _harness.Case:
+def hessian_knob(args: argparse.Namespace, nbatches: int, group: str = "hessian") -> _harness.Case:
     import zodmem as zm
 
-    p = _hessian_problem(args)
+    p = _hessian_problem(args, group)
     transform = zm.BatchedHessian(p["loss"], nbatches=nbatches)
     n = p["info"]["n"]
     info = {
@@ -190,64 +196,12 @@ def hessian_knob(args: argparse.Namespace, nbatches: int) -> _harness.Case:
     return _harness.Case(lambda: transform(*call), info, repeats=args.steady_calls)
 
 
-def hessian_xla(args: argparse.Namespace) -> _harness.Case:
+def hessian_xla(args: argparse.Namespace, group: str = "hessian") -> _harness.Case:
     import zodmem as zm
 
-    p = _hessian_problem(args)
-    transforms = {k: zm.BatchedHessian(p["loss"], nbatches=k) for k in HESSIAN_NBATCHES}
-    return _xla_case(transforms, (p["model"], p["xs"], p["ys"]), p["info"])
-
-
-# ----------------------------------------------------------------------------------
-# small: the budgets a laptop's or a CI runner's job gives, on a 3,001-variable Hessian
-
-
-def _small_problem(args: argparse.Namespace) -> dict[str, Any]:
-    import zodmem  # noqa: F401
-
-    small = argparse.Namespace(**{**vars(args), "width": SMALL_WIDTH})
-    p = hessian_memory._problem(small)
-    p["info"] = {**p["info"], "group": "small"}
-    p["scale"] = p["info"]["hessian_bytes"] / _FULL_SMALL_HESSIAN_BYTES
-    return p
-
-
-def small_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_small_problem(args)["info"], "tool": "floor"})
-
-
-def small_budget(args: argparse.Namespace, label: str) -> _harness.Case:
-    import zodmem as zm
-
-    p = _small_problem(args)
-    budget = _budget(label, SMALL_BUDGETS, p["scale"])
-    transform = zm.BatchedHessian(p["loss"], max_memory=budget)
-    info = {**p["info"], "tool": "budget", "max_memory": budget}
-    return _budgeted_case(transform, (p["model"], p["xs"], p["ys"]), info, args)
-
-
-def small_knob(args: argparse.Namespace, nbatches: int) -> _harness.Case:
-    import zodmem as zm
-
-    p = _small_problem(args)
-    transform = zm.BatchedHessian(p["loss"], nbatches=nbatches)
-    n = p["info"]["n"]
-    info = {
-        **p["info"],
-        "tool": "knob",
-        "nbatches": nbatches,
-        "block_size": -(-n // nbatches),
-        "num_blocks": nbatches,
-    }
-    call = (p["model"], p["xs"], p["ys"])
-    return _harness.Case(lambda: transform(*call), info, repeats=args.steady_calls)
-
-
-def small_xla(args: argparse.Namespace) -> _harness.Case:
-    import zodmem as zm
-
-    p = _small_problem(args)
-    transforms = {k: zm.BatchedHessian(p["loss"], nbatches=k) for k in SMALL_NBATCHES}
+    p = _hessian_problem(args, group)
+    counts = SMALL_NBATCHES if group == "small" else HESSIAN_NBATCHES
+    transforms = {k: zm.BatchedHessian(p["loss"], nbatches=k) for k in counts}
     return _xla_case(transforms, (p["model"], p["xs"], p["ys"]), p["info"])
 
 
@@ -306,10 +260,13 @@ CASES = {
     **{f"hessian/budget-{b}": partial(hessian_budget, label=b) for b in HESSIAN_BUDGETS},
     **{f"hessian/nbatches-{k}": partial(hessian_knob, nbatches=k) for k in HESSIAN_NBATCHES},
     "hessian/xla": hessian_xla,
-    "small/floor": small_floor,
-    **{f"small/budget-{b}": partial(small_budget, label=b) for b in SMALL_BUDGETS},
-    **{f"small/nbatches-{k}": partial(small_knob, nbatches=k) for k in SMALL_NBATCHES},
-    "small/xla": small_xla,
+    "small/floor": partial(hessian_floor, group="small"),
+    **{f"small/budget-{b}": partial(hessian_budget, label=b, group="small") for b in SMALL_BUDGETS},
+    **{
+        f"small/nbatches-{k}": partial(hessian_knob, nbatches=k, group="small")
+        for k in SMALL_NBATCHES
+    },
+    "small/xla": partial(hessian_xla, group="small"),
     "map/floor": map_floor,
     **{f"map/budget-{b}": partial(map_budget, label=b) for b in MAP_BUDGETS},
     **{f"map/chunk-{c}": partial(map_knob, chunk=c) for c in MAP_CHUNKS},
