@@ -292,17 +292,22 @@ def search(
             raise refuse(min(peaks.values()))
         fits = fitting[0]
         over = min(size for size in peaks if size > fits)
+    rising = 0  # how many steps in a row have raised the size known to fit
     while over - fits > max(1, fits // 16):
         # The secant between the largest size known to fit and the smallest known not to.
-        slope = (peak(over) - peak(fits)) / (over - fits)
+        # Where the peak grows faster than linearly it guesses low every time; from the
+        # second such step on, the excess of the end that does not fit is halved each
+        # time (the Illinois rule), so the guesses reach the answer in few steps.
+        excess = (peak(over) - budget) / 2 ** max(0, rising - 1)
+        slope = (budget + excess - peak(fits)) / (over - fits)
         guess = fits + (budget - peak(fits)) / slope if slope > 0 else over - 1
         size = _size_for(total, int(min(max(guess, fits + 1), over - 1)))
         if size <= fits or size >= over:
             break
         if peak(size) <= budget:
-            fits = size
+            fits, rising = size, rising + 1
         else:
-            over = size
+            over, rising = size, 0
     return fits
 
 
