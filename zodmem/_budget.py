@@ -23,7 +23,9 @@ How `search` finds a size, in few compiles (each costs about as much as the call
 3. between a size known to fit and one known not to, the peak grows about linearly with
    the block size, so a secant step guesses the largest size that fits; each guess is
    compiled and checked, and the search stops when the two sizes are within a
-   sixteenth of the one that fits. Sizes are taken as `ceil(total / num_blocks)`, the
+   sixteenth of the one that fits. Where the peak grows faster than that, the secant
+   guesses low every time: after two such steps the end that does not fit counts half
+   as far over the budget each time (the Illinois rule), so the guesses still close in. Sizes are taken as `ceil(total / num_blocks)`, the
    smallest size for a number of blocks, so the blocks come out even.
 
 For a derivative with `strategy="auto"`, `make_plan` tries one linearisation kept for
