@@ -25,8 +25,9 @@ How `search` finds a size, in few compiles (each costs about as much as the call
    compiled and checked, and the search stops when the two sizes are within a
    sixteenth of the one that fits. Where the peak grows faster than that, the secant
    guesses low every time: after two such steps the end that does not fit counts half
-   as far over the budget each time (the Illinois rule), so the guesses still close in. Sizes are taken as `ceil(total / num_blocks)`, the
-   smallest size for a number of blocks, so the blocks come out even.
+   as far over the budget each time (the Illinois rule), so the guesses still close in.
+   Sizes are taken as `ceil(total / num_blocks)`, the smallest size for a number of
+   blocks, so the blocks come out even.
 
 For a derivative with `strategy="auto"`, `make_plan` tries one linearisation kept for
 every block first, then `fn` evaluated again inside each block, and takes the first that
