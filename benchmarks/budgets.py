@@ -394,20 +394,14 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 def _problem_lines(by_case: dict[str, Any]) -> str:
     lines = []
-    h = next((r["info"] for n, r in by_case.items() if n.startswith("hessian/")), None)
-    if h:
-        lines.append(
-            f"- hessian: eqx.nn.MLP(32, 1, {h['width']}, {h['depth']}) mean-squared loss over "
-            f"{h['points']} points: n = {h['n']:,}, H = {h['hessian_bytes'] / _MB:,.0f} MB "
-            "(float32)."
-        )
-    s = next((r["info"] for n, r in by_case.items() if n.startswith("small/")), None)
-    if s:
-        lines.append(
-            f"- small: eqx.nn.MLP(32, 1, {s['width']}, {s['depth']}) mean-squared loss over "
-            f"{s['points']} points: n = {s['n']:,}, H = {s['hessian_bytes'] / _MB:,.0f} MB "
-            "(float32)."
-        )
+    for group in ("hessian", "small"):
+        h = next((r["info"] for n, r in by_case.items() if n.startswith(group + "/")), None)
+        if h:
+            lines.append(
+                f"- {group}: eqx.nn.MLP(32, 1, {h['width']}, {h['depth']}) mean-squared loss "
+                f"over {h['points']} points: n = {h['n']:,}, "
+                f"H = {h['hessian_bytes'] / _MB:,.0f} MB (float32)."
+            )
     m = next((r["info"] for n, r in by_case.items() if n.startswith("map/")), None)
     if m:
         lines.append(
