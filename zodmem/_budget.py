@@ -362,13 +362,16 @@ def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
     return transform._run(*args, **kwargs)
 
 
-def make_plan(transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] = _run) -> Plan:
+def make_plan(
+    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
+) -> Plan:
     """The plan of `transform(*args, **kwargs)`: with a budget, the block size (and, for
     derivatives, the strategy) whose compiled call fits it, fastest first; without one,
     the blocks its options give, with the memory they take. Nothing runs: candidates are
     compiled, not called. The arguments may be arrays or tracers. `run(candidate,
     args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
-    holds no output on the device)."""
+    holds no output on the device); by default, the transform's own call."""
+    run = _run if run is None else run
     owner = type(transform).__name__
     key = _cache_key((transform, args, kwargs, run), transform.max_memory)
     if key is not None and key in _PLANS:

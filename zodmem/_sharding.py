@@ -313,10 +313,10 @@ def dispatch(
     if split is None:
         return compute(None, None, inputs)
 
-    def share_of(share, inputs):
+    def with_split(share, inputs):
         return compute(share, split, inputs)
 
-    return run_sharded(share_of, split, inputs, in_specs=in_specs, out_specs=out_specs)
+    return run_sharded(with_split, split, inputs, in_specs=in_specs, out_specs=out_specs)
 
 
 class Kept(eqx.Module):

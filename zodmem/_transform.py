@@ -130,11 +130,7 @@ class AbstractBlocked(AbstractTransform):
         `run(transform, args, kwargs)`, the call planned (by default, `_run`)."""
         if self.max_memory is None:
             return self
-        plan = (
-            make_plan(self._quiet, args, kwargs)
-            if run is None
-            else make_plan(self._quiet, args, kwargs, run=run)
-        )
+        plan = make_plan(self._quiet, args, kwargs, run=run)
         if plan.total == 0:
             return self
         return self._with_block_size(plan.block_size, plan.strategy)
