@@ -48,7 +48,11 @@ process (`least_budget`), since another process's compile may grow the heap more
 The heap the compiler frees is handed back to the system before each candidate is
 compiled and once planning ends (`release_heap`), so that planning does not raise the
 process's peak memory. Plans are cached per transform, argument shapes, dtypes and
-placements, budget and planned call, so the cost is paid by the first call only.
+placements, budget and planned call, so the cost is paid by the first call only; with
+each plan the executable of its chosen candidate is kept, and it is what the call runs
+(`run_compiled`), so that a planned call compiles its program once. A budget whose
+usable part cannot hold the output itself is refused from the two ends' compiles, without
+the ladder: no block size changes the output.
 """
 
 from __future__ import annotations
@@ -63,8 +67,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._memory import budget_bytes, format_bytes, format_bytes_up
-from ._sharding import is_explicit, placement
+from ._memory import budget_of, format_bytes, format_bytes_up
+from ._sharding import Kept, is_explicit, placement
 
 __all__ = [
     "usable_bytes",
@@ -173,6 +177,11 @@ class Plan(eqx.Module):
       temporaries, from `memory_analysis()` of the compiled call).
     - `output_bytes`: the bytes of the result.
     - `budget_bytes`: the budget the plan was made for (`None` without one).
+    - `budget_source`: where that figure came from: `"given"` for a budget written as
+      bytes, and for `"auto"` the memory it read (the device's allocator, the machine's
+      `MemAvailable`, or the container's cgroup limit where that leaves less).
+    - `compiles`: how many candidate calls were compiled to make the plan (a plan taken
+      from the cache of plans already made says how many it took then).
     - `strategy`: for derivatives, `"linearize"` (one linearisation of `fn` kept for every
       block) or `"recompute"` (`fn` evaluated again inside each block); `None` otherwise.
 
@@ -195,6 +204,8 @@ class Plan(eqx.Module):
     output_bytes: int = eqx.field(static=True)
     budget_bytes: int | None = eqx.field(static=True, default=None)
     strategy: str | None = eqx.field(static=True, default=None)
+    budget_source: str | None = eqx.field(static=True, default=None)
+    compiles: int = eqx.field(static=True, default=0)
 
     @property
     def num_blocks(self) -> int:
@@ -209,8 +220,9 @@ class Plan(eqx.Module):
         budget = (
             "no budget"
             if self.budget_bytes is None
-            else f"budget {format_bytes(self.budget_bytes)}: "
-            + ("fits" if self.fits else "does NOT fit")
+            else f"budget {format_bytes(self.budget_bytes)}"
+            + ("" if self.budget_source in (None, "given") else f" ({self.budget_source})")
+            + (": fits" if self.fits else ": does NOT fit")
         )
         how = f", strategy={self.strategy!r}" if self.strategy else ""
         return (
@@ -223,7 +235,9 @@ class Plan(eqx.Module):
 def abstract(tree: Any) -> Any:
     """`tree` with its array leaves (tracers too) as `jax.ShapeDtypeStruct`s. A concrete
     array sharded over explicit mesh axes keeps its sharding, which a traced array shows
-    (so a call planned on it spreads its work as the real call will)."""
+    (so a call planned on it spreads its work as the real call will). A weakly typed
+    array (a Python number made an array) stays weak, so that the planned call promotes
+    dtypes as the real one does."""
 
     def shape_of(leaf):
         if not eqx.is_array(leaf):
@@ -232,26 +246,54 @@ def abstract(tree: Any) -> Any:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             if is_explicit(leaf.sharding):
                 sharding = leaf.sharding
-        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+        weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding, weak_type=weak)
 
     return jax.tree_util.tree_map(shape_of, tree)
 
 
-def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
-    """`(peak_bytes, output_bytes)` of `call(*args)` compiled, without running it.
+class Compiled(NamedTuple):
+    """A call compiled for the abstract values of its arguments: its memory, from XLA's
+    own account, and the executable, which runs the same call on concrete arguments of
+    those shapes (`run_compiled`), compiling nothing more."""
+
+    peak_bytes: int
+    output_bytes: int
+    executable: Any
+
+
+def compile_call(call: Callable[..., Any], *args: Any) -> Compiled:
+    """`call(*args)` compiled, without running it.
 
     `args` may hold arrays, tracers or `ShapeDtypeStruct`s (as abstract values) and any
-    other leaves (as constants); outputs that are not arrays take no memory and are
-    dropped. The peak is the output plus XLA's temporaries.
+    other leaves (as constants). The peak is the output plus XLA's temporaries; the
+    result's leaves that are not arrays take no memory and come back from the structure
+    of the executable's output.
     """
     dynamic, static = eqx.partition(args, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
 
-    def arrays_out(dynamic):
-        return eqx.filter(call(*eqx.combine(dynamic, static)), eqx.is_array)
+    def call_of_arrays(dynamic):
+        arrays, rest = eqx.partition(call(*eqx.combine(dynamic, static)), eqx.is_array)
+        return arrays, Kept(rest)
 
-    analysis = jax.jit(arrays_out).lower(dynamic).compile().memory_analysis()
+    executable = jax.jit(call_of_arrays).lower(dynamic).compile()
+    analysis = executable.memory_analysis()
     output = int(analysis.output_size_in_bytes)
-    return int(analysis.temp_size_in_bytes) + output, output
+    return Compiled(int(analysis.temp_size_in_bytes) + output, output, executable)
+
+
+def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
+    """`(peak_bytes, output_bytes)` of `call(*args)` compiled (`compile_call`)."""
+    compiled = compile_call(call, *args)
+    return compiled.peak_bytes, compiled.output_bytes
+
+
+def run_compiled(executable: Any, *args: Any) -> Any:
+    """The result of the call compiled by `compile_call` for these arguments' shapes:
+    their arrays go to the executable, and every other leaf is the constant it was
+    compiled with."""
+    arrays, kept = executable(eqx.filter(args, eqx.is_array))
+    return eqx.combine(arrays, kept.value)
 
 
 def _size_for(total: int, block_size: int) -> int:
@@ -335,9 +377,10 @@ def refusal(
     )
 
 
-# Plans made, by transform, argument shapes and dtypes, constants and budget.
-_PLANS: dict[Any, Plan] = {}
-_MAX_PLANS = 256
+# Plans made, by transform, argument shapes and dtypes, constants and budget, each with
+# the executable compiled for its candidate (`None` where the plan compiled nothing).
+_PLANS: dict[Any, tuple[Plan, Any]] = {}
+_MAX_PLANS = 64
 
 
 def _cache_key(tree: Any, budget: Any) -> Any:
@@ -365,12 +408,23 @@ def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
 def make_plan(
     transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
 ) -> Plan:
+    """The plan of `transform(*args, **kwargs)` (`compiled_plan`, without the executable)."""
+    return compiled_plan(transform, args, kwargs, run)[0]
+
+
+def compiled_plan(
+    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
+) -> tuple[Plan, Any]:
     """The plan of `transform(*args, **kwargs)`: with a budget, the block size (and, for
     derivatives, the strategy) whose compiled call fits it, fastest first; without one,
     the blocks its options give, with the memory they take. Nothing runs: candidates are
     compiled, not called. The arguments may be arrays or tracers. `run(candidate,
     args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
-    holds no output on the device); by default, the transform's own call."""
+    holds no output on the device); by default, the transform's own call.
+
+    Returns the plan and the executable compiled for it (`None` where nothing was
+    compiled): `run_compiled(executable, candidate, args, kwargs)` runs the planned call
+    without compiling it again, on arguments placed as these were (`runs_compiled`)."""
     run = _run if run is None else run
     owner = type(transform).__name__
     key = _cache_key((transform, args, kwargs, run), transform.max_memory)
@@ -378,7 +432,7 @@ def make_plan(
         return _PLANS[key]
     work = transform._work(*args, **kwargs)  # traces fn for a derivative: after the cache
     shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
-    measured: dict[Any, tuple[int, int]] = {}
+    measured: dict[Any, Compiled] = {}
     platform = jax.default_backend()
     # What compiling grows the heap by, from the heap as the call will find it (trimmed
     # before each candidate): the most any candidate grew it. The first compile also pays
@@ -386,14 +440,12 @@ def make_plan(
     # not always the larger (one block of everything is a program without a loop).
     growths: list[int] = []
 
-    def memory(strategy: Any, size: int | None) -> tuple[int, int]:
+    def memory(strategy: Any, size: int | None) -> Compiled:
         if (strategy, size) not in measured:
             candidate = transform if size is None else transform._with_block_size(size, strategy)
             release_heap()
             before = resident_bytes()
-            measured[strategy, size] = compiled_memory(
-                run, abstract(candidate), shapes[1], shapes[2]
-            )
+            measured[strategy, size] = compile_call(run, abstract(candidate), shapes[1], shapes[2])
             after = resident_bytes()
             if before is not None and after is not None:
                 growths.append(max(0, after - before))
@@ -402,7 +454,7 @@ def make_plan(
     def compile_bytes() -> int | None:
         return max(growths) if growths else None
 
-    budget = budget_bytes(transform.max_memory)
+    budget, source = budget_of(transform.max_memory)
 
     def usable(strategy: Any) -> int:
         if platform == "cpu":
@@ -412,7 +464,7 @@ def make_plan(
         return usable_bytes(budget, platform, compile_bytes())
 
     def plan_of(strategy: Any, size: int | None) -> Plan:
-        peak, output = memory(strategy, size)
+        peak, output, _ = memory(strategy, size)
         return Plan(
             owner=owner,
             what=work.what,
@@ -422,10 +474,12 @@ def make_plan(
             output_bytes=output,
             budget_bytes=budget,
             strategy=strategy,
+            budget_source=source,
+            compiles=len(measured),
         )
 
     if budget is None or work.total == 0:
-        plan = plan_of(transform._strategies[0], None)
+        chosen = (transform._strategies[0], None)
     else:
         refusals = []
         for strategy in transform._strategies:
@@ -442,28 +496,56 @@ def make_plan(
                     suggested=math.ceil(suggested),
                 )
 
+            limit = usable(strategy)
+            if memory(strategy, 1).output_bytes > limit:
+                # The output alone does not fit, and no block size changes it: refused
+                # without searching the ladder of sizes.
+                ends = [memory(strategy, 1).peak_bytes]
+                if (strategy, work.total) in measured:
+                    ends.append(measured[strategy, work.total].peak_bytes)
+                refusals.append(refuse(min(ends)))
+                continue
             try:
                 size = search(
                     lambda size, strategy=strategy: memory(strategy, size)[0],
                     work.total,
-                    usable(strategy),
+                    limit,
                     refuse=refuse,
                     block_bytes=CPU_BLOCK_BYTES if platform == "cpu" else None,
                 )
             except MemoryBudgetError as error:
                 refusals.append(error)
                 continue
-            plan = plan_of(strategy, size)
+            chosen = (strategy, size)
             break
         else:
             raise refusals[-1] if len(refusals) == 1 else _both_refused(refusals)
-    if measured:
-        release_heap()
+    plan = plan_of(*chosen)
+    # The chosen candidate's executable is the one the call runs; the others are freed.
+    executable = measured[chosen].executable
+    measured.clear()
+    release_heap()
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
-    return plan
+        _PLANS[key] = plan, executable
+    return plan, executable
+
+
+def runs_compiled(executable: Any, *args: Any) -> bool:
+    """Whether `run_compiled(executable, *args)` runs these arguments: none is traced
+    (under an outer `jax.jit` the call is traced into the outer program instead), and
+    every array lies where the executable was compiled to find it."""
+    arrays = jax.tree_util.tree_leaves(eqx.filter(args, eqx.is_array))
+    expected = jax.tree_util.tree_leaves(executable.input_shardings[0])
+    if len(arrays) != len(expected):
+        return False
+    for leaf, sharding in zip(arrays, expected, strict=True):
+        if isinstance(leaf, jax.core.Tracer):
+            return False
+        if isinstance(leaf, jax.Array) and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+            return False
+    return True
 
 
 def release_heap() -> None:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._budget import Plan, Work, make_plan
+from ._budget import Plan, Work, compiled_plan, make_plan, run_compiled, runs_compiled
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
 from ._memory import check_memory
 from ._progress import closing_bars
@@ -118,10 +118,20 @@ class AbstractBlocked(AbstractTransform):
         return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        """The call: planned from the budget (if any), then run. The bars of a run that
-        fails are closed, not left for the next run to draw beneath."""
+        """The call: planned from the budget (if any), then run. The program compiled to
+        plan the chosen blocks is the one that runs, where the arguments are concrete and
+        no bar is drawn (a bar's callback is not in the planned program). The bars of a
+        run that fails are closed, not left for the next run to draw beneath."""
         with closing_bars():
-            return self._planned(args, kwargs)._run(*args, **kwargs)
+            if self.max_memory is None:
+                return self._run(*args, **kwargs)
+            plan, executable = compiled_plan(self._quiet, args, kwargs)
+            planned = (
+                self if plan.total == 0 else self._with_block_size(plan.block_size, plan.strategy)
+            )
+            if not self.progress and runs_compiled(executable, planned, args, kwargs):
+                return run_compiled(executable, planned, args, kwargs)
+            return planned._run(*args, **kwargs)
 
     def _planned(
         self, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None

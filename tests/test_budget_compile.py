@@ -1,0 +1,132 @@
+"""A planned call compiles its program once: the executable compiled to plan the chosen
+blocks is the one the call runs, and a second call compiles nothing."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import close
+
+import zodmem as zm
+from zodmem._budget import compiled_plan
+
+pytestmark = pytest.mark.usefixtures("float64", "buffers_only")
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """The programs XLA compiles inside the block, one entry each."""
+    compiled = []
+
+    def listen(name, seconds, **kwargs):
+        if name == BACKEND_COMPILE:
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def smooth_loss(w, data):
+    return jnp.sum(jnp.tanh(data @ w) ** 2) + jnp.sum(w**4)
+
+
+def outputs(w, data):
+    return {"a": jnp.tanh(data @ w), "b": w[:3] ** 2}
+
+
+def heavy(x):
+    return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
+
+
+DATA = jnp.asarray(np.cos(np.arange(40 * 30).reshape(40, 30) * 0.37))
+W = jnp.linspace(-1, 1, 30)
+XS = jnp.asarray(np.random.default_rng(0).normal(size=(12, 40)))
+
+
+def _mean_grad(w, x):
+    return jax.grad(lambda w: jnp.mean(jax.vmap(heavy)(x * w)))(w)
+
+
+# (transform, args, reference); each budget differs from the others, so that no test finds
+# a plan that another made.
+CASES = {
+    "hessian": (
+        lambda budget: zm.BatchedHessian(smooth_loss, max_memory=budget),
+        (W, DATA),
+        jax.hessian(smooth_loss),
+    ),
+    "jacobian": (
+        lambda budget: zm.BatchedJacobian(outputs, max_memory=budget, mode="fwd"),
+        (W, DATA),
+        jax.jacfwd(outputs),
+    ),
+    "vmap": (
+        lambda budget: zm.ChunkedVmap(heavy, max_memory=budget),
+        (XS,),
+        jax.vmap(heavy),
+    ),
+    "microbatch": (
+        lambda budget: zm.Microbatcher(
+            lambda w, x: _mean_grad(w, x) * x.shape[0], max_memory=budget, argnums=1
+        ),
+        (jnp.ones(40), XS),
+        lambda w, x: _mean_grad(w, x) * x.shape[0],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_planned_call_compiles_its_program_once(name):
+    make, args, reference = CASES[name]
+    # A budget of this test's own, so that no plan another test made serves it.
+    transform = make(f"{7 + list(CASES).index(name)}.{len(name)}1 MB")
+    with counting_compiles() as first:
+        result = transform(*args)
+    plan, executable = compiled_plan(transform._quiet, args, {})
+    assert plan.compiles >= 1 and executable is not None
+    # Planning compiled its candidates; the call itself compiled nothing more (a few
+    # tiny programs may make the arguments, never a second copy of the call).
+    assert len(first) == plan.compiles, (len(first), plan)
+    with counting_compiles() as second:
+        again = transform(*args)
+    assert second == []
+    close(result, jax.jit(reference)(*args))
+    close(again, result)
+
+
+def test_the_executable_keeps_weak_types_as_the_call_does():
+    # A Python number made an array is weakly typed: the planned program promotes it
+    # as the unplanned one does (float32 data times a weak scalar stays float32).
+    def loss(w, scale):
+        return jnp.sum(jnp.tanh(w * scale) ** 2)
+
+    w = jnp.linspace(-1, 1, 8, dtype=jnp.float32)
+    scale = jnp.asarray(2.0)
+    planned = zm.BatchedHessian(loss, max_memory="9.87MB")(w, scale)
+    by_count = zm.BatchedHessian(loss, nbatches=2)(w, scale)
+    assert planned.dtype == by_count.dtype == jnp.float32
+    close(planned, by_count)
+
+
+def test_a_call_under_jit_is_traced_into_the_outer_program():
+    transform = zm.BatchedHessian(smooth_loss, max_memory="8.73 MB")
+    with counting_compiles() as compiled:
+        result = jax.jit(transform)(W, DATA)
+    plan = compiled_plan(transform._quiet, (W, DATA), {})[0]
+    # The candidates, then the outer program (which holds the call): no copy of its own.
+    assert len(compiled) == plan.compiles + 1
+    close(result, jax.jit(jax.hessian(smooth_loss))(W, DATA))
+
+
+def test_a_call_with_a_progress_bar_compiles_the_bar_into_its_program(capsys):
+    transform = zm.BatchedHessian(smooth_loss, max_memory="8.91 MB", progress=True)
+    result = transform(W, DATA)
+    close(result, jax.jit(jax.hessian(smooth_loss))(W, DATA))
+    assert "BatchedHessian" in capsys.readouterr().err
