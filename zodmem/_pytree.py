@@ -10,6 +10,7 @@ turned back into pytrees here too (`jacobian_to_pytree`, `hessian_to_pytree`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -219,14 +220,26 @@ def hessian_to_pytree(H: ArrayLike, x: PyTree) -> PyTree:
             f"H has shape {jnp.shape(H)}, but x flattens to {n} elements, so H should have "
             f"shape ({n}, {n}). Did you pass the same x used to compute H?"
         )
-    rows = variables.split_per_leaf(H, axis=0)
-    blocks = [
-        [block.astype(dtype) for block in variables.split_per_leaf(row, axis=-1)]
-        for row, dtype in zip(rows, variables.dtypes, strict=True)
-    ]
+    blocks = _hessian_blocks(H, variables.shapes, variables.dtypes)
     return variables.fill(
         [variables.fill(row, keep_fixed=False) for row in blocks], keep_fixed=False
     )
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _hessian_blocks(H: jax.Array, shapes: tuple, dtypes: tuple) -> list[list[jax.Array]]:
+    """The blocks of `H` per pair of leaves of these shapes, in one compiled program (cut
+    eagerly, every block's slice and reshape would be a program of its own)."""
+    offsets = np.cumsum([0, *(math.prod(shape) for shape in shapes)])
+    return [
+        [
+            H[offsets[i] : offsets[i + 1], offsets[j] : offsets[j + 1]]
+            .reshape(shapes[i] + shapes[j])
+            .astype(dtypes[i])
+            for j in range(len(shapes))
+        ]
+        for i in range(len(shapes))
+    ]
 
 
 def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
