@@ -1,7 +1,11 @@
 """zodmem: memory-bounded JAX transforms, written as Equinox modules."""
 
-from . import _traceback  # noqa: F401  (registers zodmem's files for traceback filtering)
+from . import (
+    _traceback,  # noqa: F401  (registers zodmem's files for traceback filtering)
+    losses as losses,
+)
 from ._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
+from ._ggn import BatchedGGN as BatchedGGN
 from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
 from ._microbatch import (
@@ -28,6 +32,7 @@ __all__ = [
     "AbstractTransform",
     "AccumulationType",
     "Accumulator",
+    "BatchedGGN",
     "BatchedHessian",
     "BatchedJacobian",
     "CheckpointedScan",

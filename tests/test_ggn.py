@@ -1,0 +1,545 @@
+"""`BatchedGGN` and the losses of `zm.losses` against `J^T H J` from `jax.jacfwd` and
+`jax.hessian`, and against the known Fisher information of each likelihood."""
+
+import math
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import block_options, close, leaf_sizes, make_mlp, raveled
+from hypothesis import given, settings, strategies as st
+from jax.flatten_util import ravel_pytree
+
+import zodmem as zm
+from zodmem._ggn import ggn_products
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+@eqx.filter_jit
+def _reference(fn, loss, x, args, kwargs):
+    fn_of_flat, flat = raveled(fn, x, *args, **kwargs)
+    out_flat, unravel_out = ravel_pytree(fn_of_flat(flat))
+    jacobian = jax.jacfwd(lambda z: ravel_pytree(fn_of_flat(z))[0])(flat)
+    hessian = jax.hessian(lambda o: loss(unravel_out(o), *args, **kwargs))(out_flat)
+    return jacobian.T @ hessian @ jacobian
+
+
+def reference_ggn(fn, loss, x, *args, **kwargs):
+    """`J^T H J`: `J` by `jax.jacfwd` of `fn` of the raveled variables, `H` by
+    `jax.hessian` of `loss` of the raveled outputs (compiled once per problem)."""
+    return _reference(fn, loss, x, args, kwargs)
+
+
+@eqx.filter_jit
+def _together(transforms, x, args, kwargs):
+    return [transform(x, *args, **kwargs) for transform in transforms]
+
+
+def together(transforms, x, *args, **kwargs):
+    """Call every transform on the same inputs inside one compiled function."""
+    return _together(transforms, x, args, kwargs)
+
+
+def mixing(rows, cols, seed=0.0):
+    return np.cos(np.arange(rows * cols, dtype=np.float64).reshape(rows, cols) * 0.7 + seed)
+
+
+def model(params, inputs, targets, *, scale=1.0):
+    """Outputs a pytree of mixed shapes: a (5, 2) array and a (5,) one."""
+    hidden = jnp.tanh(inputs @ params["w"] + params["b"][0])
+    return {"mean": scale * hidden @ params["v"], "spread": jnp.sum(hidden**2, axis=1)}
+
+
+def plain_loss(outputs, inputs, targets, *, scale=1.0):
+    """Not convex: the loss's Hessian on the outputs is dense and indefinite."""
+    residual = outputs["mean"] - targets
+    return jnp.sum(jnp.sin(residual) ** 2) + jnp.sum(outputs["spread"] ** 3) * scale
+
+
+def make_params():
+    return {
+        "b": [jnp.asarray(np.linspace(-0.5, 0.5, 4))],
+        "v": jnp.asarray(mixing(4, 2, 1.0)),
+        "w": jnp.asarray(mixing(3, 4) / 2),
+    }
+
+
+INPUTS = np.linspace(-1, 1, 15).reshape(5, 3)
+TARGETS = np.cos(np.arange(10.0)).reshape(5, 2)
+
+
+def test_every_mode_strategy_and_block_option():
+    params = make_params()  # n = 4 + 8 + 12 = 24
+    expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS, scale=0.5)
+    assert expected.shape == (24, 24)
+    options = [{}, {"nbatches": 3}, {"batch_size": 5}]  # one block, dividing, not dividing
+    transforms = [
+        zm.BatchedGGN(model, plain_loss, mode=mode, **option)
+        for mode in ("fwd", "rev")
+        for option in options
+    ]
+    transforms += [
+        zm.BatchedGGN(model, plain_loss, mode=mode, strategy="recompute", batch_size=5)
+        for mode in ("fwd", "rev")
+    ]
+    transforms.append(zm.BatchedGGN(model, plain_loss, batch_size=7, checkpoint=True))
+    for G in together(transforms, params, INPUTS, TARGETS, scale=0.5):
+        assert G.dtype == jnp.float64
+        close(G, expected)
+
+
+def vector_model(x, inputs):
+    v = jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree_util.tree_leaves(x)])
+    return jnp.sin(mixing(4, v.size) @ v) * inputs
+
+
+def vector_loss(outputs, inputs):
+    return jnp.sum(outputs**4) / 4 + jnp.prod(outputs[:2])
+
+
+@settings(max_examples=3)
+@given(sizes=leaf_sizes(max_total=9), data=st.data())
+def test_pytrees_and_block_options(sizes, data):
+    x = {f"leaf{k}": jnp.linspace(-1, 1, size) for k, size in enumerate(sizes)}
+    options = data.draw(block_options(sum(sizes)))
+    inputs = jnp.asarray([1.0, -0.5, 2.0, 0.25])
+    G = zm.BatchedGGN(vector_model, vector_loss, **options)(x, inputs)
+    close(G, reference_ggn(vector_model, vector_loss, x, inputs))
+
+
+def test_budget_and_plan():
+    params = make_params()
+    transform = zm.BatchedGGN(model, plain_loss, max_memory="200MB")
+    plan = transform.plan(params, INPUTS, TARGETS)
+    assert plan.fits and plan.total == 24 and plan.strategy == "linearize"
+    assert plan.output_bytes == 24 * 24 * 8
+    expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS)
+    close(transform(params, INPUTS, TARGETS), expected)
+
+
+def test_linear_fn_gives_the_hessian():
+    """With `fn` linear in `x` the curvature of `fn` is zero: G is the Hessian."""
+    x = {"a": jnp.asarray([0.3, -0.2]), "b": jnp.asarray(mixing(2, 2))}
+
+    def linear(x, inputs):
+        return inputs @ x["b"] + x["a"] * 2.0
+
+    def loss(outputs, inputs):
+        return jnp.sum(jnp.exp(outputs)) + jnp.sum(outputs) ** 2
+
+    def composed(x, inputs):
+        return loss(linear(x, inputs), inputs)
+
+    inputs = jnp.asarray(mixing(3, 2, 0.5))
+    fn_of_flat, flat = raveled(composed, x, inputs)
+    expected = jax.jit(jax.hessian(fn_of_flat))(flat)
+    transforms = [zm.BatchedGGN(linear, loss, mode=mode, nbatches=2) for mode in ("fwd", "rev")]
+    for G in together(transforms, x, inputs):
+        close(G, expected)
+
+
+def test_mixed_precision_and_an_equinox_model():
+    params = {"single": jnp.asarray([0.25, -0.5], jnp.float32), "double": jnp.asarray([1.5, 0.1])}
+    inputs = jnp.asarray(mixing(3, 4))
+    G = zm.BatchedGGN(vector_model, vector_loss, batch_size=3)(params, inputs[0])
+    assert (
+        G.dtype == zm.BatchedHessian(lambda x: vector_loss(vector_model(x, 1.0), 1.0))(params).dtype
+    )
+    close(G, reference_ggn(vector_model, vector_loss, params, inputs[0]), rtol=1e-5, atol=1e-6)
+    # An MLP as x: its activation functions are leaves that are not variables.
+    mlp = make_mlp(3, 2, 4, 1)
+
+    def apply(mlp, inputs, targets):
+        return jax.vmap(mlp)(inputs)
+
+    def squared(outputs, inputs, targets):
+        return 0.5 * jnp.sum((outputs - targets) ** 2)
+
+    G = zm.BatchedGGN(apply, squared, nbatches=4)(mlp, INPUTS, TARGETS)
+    assert G.shape == (26, 26) and G.dtype == jnp.float64
+    close(G, reference_ggn(apply, squared, mlp, INPUTS, TARGETS))
+
+
+def test_inside_jit_filter_jit_and_vmap():
+    params = make_params()
+    expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS)
+    inner = zm.BatchedGGN(model, plain_loss, nbatches=2, jit=False)
+
+    @jax.jit
+    def whole_and_per_example(params, inputs, targets):
+        per_example = jax.vmap(inner, in_axes=(None, 0, 0))
+        return inner(params, inputs, targets), per_example(
+            params, inputs[:, None], targets[:, None]
+        )
+
+    G, per_example = whole_and_per_example(params, INPUTS[:2], TARGETS[:2])
+    for k in range(2):
+        one = reference_ggn(model, plain_loss, params, INPUTS[k : k + 1], TARGETS[k : k + 1])
+        close(per_example[k], one)
+    close(G, per_example[0] + per_example[1])
+
+    @eqx.filter_jit
+    def trace(transform, params, inputs, targets):
+        return jnp.trace(transform(params, inputs, targets))
+
+    transform = zm.BatchedGGN(model, plain_loss, batch_size=5)
+    close(trace(transform, params, INPUTS, TARGETS), jnp.trace(expected))
+
+
+def test_microbatched_over_a_dataset_equals_the_sum():
+    params = make_params()
+    inputs = np.linspace(-1, 1, 21).reshape(7, 3)
+    targets = np.sin(np.arange(14.0)).reshape(7, 2)
+    dataset = zm.Microbatcher(
+        zm.BatchedGGN(model, plain_loss, batch_size=10), microbatch_size=3, argnums=(1, 2)
+    )
+    # The loss sums over examples, so its matrix over the dataset is the sum over them.
+    close(
+        dataset(params, inputs, targets), reference_ggn(model, plain_loss, params, inputs, targets)
+    )
+
+
+def test_has_aux():
+    params = make_params()
+
+    def with_aux(params, inputs, targets):
+        outputs = model(params, inputs, targets)
+        return outputs, {"count": 3, "name": "model", "spread": outputs["spread"]}
+
+    transforms = [
+        zm.BatchedGGN(with_aux, plain_loss, has_aux=True, nbatches=3, strategy=strategy)
+        for strategy in ("linearize", "recompute")
+    ]
+    expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS)
+    spread = model(params, INPUTS, TARGETS)["spread"]
+    for G, aux in together(transforms, params, INPUTS, TARGETS):
+        close(G, expected)
+        close(aux, {"count": 3, "name": "model", "spread": spread})
+
+
+def test_rev_mode_takes_custom_vjp_functions():
+    @jax.custom_vjp
+    def squash(z):
+        return jnp.tanh(z)
+
+    def squash_fwd(z):
+        return jnp.tanh(z), jnp.tanh(z)
+
+    def squash_bwd(t, g):
+        return (g * (1 - t**2),)
+
+    squash.defvjp(squash_fwd, squash_bwd)
+
+    def fn(w, inputs):
+        return squash(inputs @ w)
+
+    w = jnp.asarray([0.5, -0.25, 1.0])
+    inputs = jnp.asarray(mixing(4, 3))
+    expected = reference_ggn(lambda w, i: jnp.tanh(i @ w), vector_loss, w, inputs)
+    close(zm.BatchedGGN(fn, vector_loss, mode="rev", nbatches=2)(w, inputs), expected)
+    with pytest.raises(TypeError, match="forward-mode"):
+        zm.BatchedGGN(fn, vector_loss, mode="fwd")(w, inputs)
+
+
+def test_streamed_and_products():
+    params = make_params()
+    expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS)
+    transform = zm.BatchedGGN(model, plain_loss, batch_size=5)
+    host = zm.to_host(transform, params, INPUTS, TARGETS)
+    assert isinstance(host, np.ndarray)
+    close(host, np.asarray(expected))
+
+    @eqx.filter_jit
+    def products(transforms, params, vectors):
+        results = []
+        for transform in transforms:
+            flat, variables, mv = ggn_products(transform, params, (INPUTS, TARGETS), {})
+            results.append((flat, variables.size, jax.vmap(mv)(vectors), mv(vectors[0])))
+        return results
+
+    vectors = jnp.asarray(mixing(3, 24, 2.0))
+    transforms = [
+        zm.BatchedGGN(model, plain_loss, mode=mode, strategy=strategy)
+        for mode, strategy in (("fwd", "linearize"), ("rev", "recompute"))
+    ]
+    for flat, size, block, one in products(transforms, params, vectors):
+        assert size == 24
+        close(flat, ravel_pytree(params)[0])
+        close(block, vectors @ expected.T)
+        close(one, expected @ vectors[0])
+
+
+def test_no_variables_of_size_above_zero():
+    x = {"e": jnp.zeros((0, 2))}
+    G = zm.BatchedGGN(lambda x: jnp.sum(x["e"], axis=0), lambda o: jnp.sum(o**2))(x)
+    assert G.shape == (0, 0) and G.dtype == jnp.float64
+
+
+# --- the losses of zm.losses -------------------------------------------------------------
+
+
+def linear_model(w, inputs, targets):
+    """Outputs (5, 3): a dense Jacobian of the 6 variables."""
+    return jnp.tanh(inputs @ w.reshape(3, 2)).repeat(2, axis=1)[:, :3] + 0.1 * w[:3]
+
+
+W = np.linspace(-0.6, 0.8, 6)
+COUNTS = np.asarray([[0, 1, 2], [3, 0, 1], [1, 1, 0], [2, 5, 1], [0, 0, 4]], np.float64)
+
+
+def per_row(matrix, jacobian_of_rows):
+    """`sum_i J_i^T M_i J_i` for the Jacobians `(rows, k, n)` and `M` `(rows, k, k)`."""
+    return jnp.einsum("rkn,rkl,rlm->nm", jacobian_of_rows, matrix, jacobian_of_rows)
+
+
+jacobian_rows = jax.jit(jax.jacfwd(linear_model))  # (5, 3, 6)
+
+
+def plain(loss):
+    """The same loss as a plain callable, whose Hessian is taken by autodiff."""
+    return lambda outputs, *args, **kwargs: loss(outputs, *args, **kwargs)
+
+
+def test_squared_error_weights_and_covariance():
+    inputs, targets = INPUTS, TARGETS[:, :1].repeat(3, axis=1)
+    covariance = mixing(3, 3) @ mixing(3, 3).T + np.eye(3)
+    weights = np.asarray([0.5, 2.0, 1.0])
+    J = jacobian_rows(W, inputs, targets)
+    losses = {
+        "none": (zm.losses.SquaredError(), np.broadcast_to(np.eye(3), (5, 3, 3))),
+        "weights": (
+            zm.losses.SquaredError(weights=jnp.asarray(weights)),
+            np.broadcast_to(np.diag(weights), (5, 3, 3)),
+        ),
+        "covariance": (
+            zm.losses.SquaredError(covariance=jnp.asarray(covariance)),
+            np.broadcast_to(np.linalg.inv(covariance), (5, 3, 3)),
+        ),
+    }
+    # No targets: `fn` returns the residuals.
+    residuals = zm.losses.SquaredError(weights=jnp.asarray(weights), targets=None)
+    losses["residuals"] = (residuals, losses["weights"][1])
+    transforms = [
+        transform
+        for loss, _ in losses.values()
+        for transform in (
+            zm.BatchedGGN(linear_model, loss, nbatches=2),
+            zm.BatchedGGN(linear_model, plain(loss)),
+        )
+    ]
+    results = together(transforms, W, inputs, targets)
+    for k, (_, precision) in enumerate(losses.values()):
+        fisher = per_row(precision, J)
+        close(results[2 * k], fisher)  # the closed form
+        close(results[2 * k + 1], fisher)  # by autodiff
+    outputs = linear_model(W, inputs, targets)
+    close(residuals(outputs), 0.5 * jnp.sum(weights * outputs**2))
+    # The targets as a keyword argument.
+    by_name = zm.losses.SquaredError(targets="y")
+    close(by_name(outputs, inputs, y=targets), 0.5 * jnp.sum((outputs - targets) ** 2))
+
+
+def test_softmax_cross_entropy_is_the_categorical_fisher():
+    logits = linear_model(W, INPUTS, None)
+    p = jax.nn.softmax(logits)
+    fisher = per_row(
+        jax.vmap(lambda p: jnp.diag(p) - jnp.outer(p, p))(p), jacobian_rows(W, INPUTS, None)
+    )
+    loss = zm.losses.SoftmaxCrossEntropy()
+    indices = jnp.asarray([0, 2, 1, 1, 0])
+    probabilities = jax.nn.softmax(jnp.asarray(mixing(5, 3)))
+    for labels in (indices, probabilities):
+        results = together(
+            [
+                zm.BatchedGGN(linear_model, loss, batch_size=4),
+                zm.BatchedGGN(linear_model, plain(loss)),
+            ],
+            W,
+            INPUTS,
+            labels,
+        )
+        for G in results:
+            close(G, fisher)
+    one_hot = jax.nn.one_hot(indices, 3)
+    close(loss(logits, INPUTS, indices), loss(logits, INPUTS, one_hot))
+    close(loss(logits, INPUTS, indices), -jnp.sum(one_hot * jax.nn.log_softmax(logits)))
+
+
+def test_poisson_fisher():
+    log_rates = linear_model(W, INPUTS, COUNTS)
+    J = jacobian_rows(W, INPUTS, COUNTS)
+    # Log-rates: the Hessian, diag(rate), does not depend on the counts: it is the Fisher.
+    fisher = per_row(jax.vmap(jnp.diag)(jnp.exp(log_rates)), J)
+    loss = zm.losses.PoissonNLL()
+    for G in together(
+        [zm.BatchedGGN(linear_model, loss), zm.BatchedGGN(linear_model, plain(loss))],
+        W,
+        INPUTS,
+        COUNTS,
+    ):
+        close(G, fisher)
+    expected = jnp.sum(jax.scipy.stats.poisson.logpmf(COUNTS, jnp.exp(log_rates)))
+    close(loss(log_rates, INPUTS, COUNTS), -expected)
+
+    # Rates: the Hessian, counts / rate**2, is linear in the counts, so its expectation is
+    # the autodiff matrix at counts equal to the rates: diag(1 / rate).
+    def rates(w, inputs, counts):
+        return jnp.exp(linear_model(w, inputs, counts))
+
+    loss = zm.losses.PoissonNLL(log_rate=False)
+    rate = jnp.exp(log_rates)
+    J = jax.jit(jax.jacfwd(rates))(W, INPUTS, COUNTS)
+    shortcut = zm.BatchedGGN(rates, loss, nbatches=3)(W, INPUTS, COUNTS)
+    close(shortcut, per_row(jax.vmap(jnp.diag)(1 / rate), J))
+    close(shortcut, zm.BatchedGGN(rates, plain(loss), nbatches=3)(W, INPUTS, rate))
+    close(loss(rate, INPUTS, COUNTS), -expected)
+
+
+def test_gaussian_nll_is_the_expected_hessian():
+    def mean_and_log_variance(w, inputs, targets):
+        outputs = linear_model(w, inputs, targets)
+        return outputs[:, 0], outputs[:, 1] - outputs[:, 2]
+
+    targets = jnp.asarray(TARGETS[:, 0])
+    mean, log_variance = mean_and_log_variance(W, INPUTS, targets)
+    sigma = jnp.exp(log_variance / 2)
+    loss = zm.losses.GaussianNLL()
+    shortcut = zm.BatchedGGN(mean_and_log_variance, loss, batch_size=4)(W, INPUTS, targets)
+    # The Hessian is quadratic in the targets: its mean over mean ± sigma is its expectation.
+    by_autodiff = zm.BatchedGGN(mean_and_log_variance, plain(loss))
+    expectation = (by_autodiff(W, INPUTS, mean + sigma) + by_autodiff(W, INPUTS, mean - sigma)) / 2
+    close(shortcut, expectation)
+    J_mean, J_log_variance = jax.jit(jax.jacfwd(mean_and_log_variance))(W, INPUTS, targets)
+    fisher = (
+        J_mean.T @ jnp.diag(jnp.exp(-log_variance)) @ J_mean
+        + 0.5 * J_log_variance.T @ J_log_variance
+    )
+    close(shortcut, fisher)
+    log_pdf = jax.scipy.stats.norm.logpdf(targets, mean, sigma)
+    close(loss((mean, log_variance), INPUTS, targets), -jnp.sum(log_pdf))
+
+
+def test_custom_closed_form_loss():
+    class Quartic(zm.losses.AbstractLoss):
+        def __call__(self, outputs, *args):
+            return jnp.sum(outputs**4) / 12
+
+        def hessian_product(self, outputs, tangents, *args):
+            return outputs**2 * tangents
+
+    x = jnp.asarray([0.5, -1.0, 2.0])
+    close(zm.BatchedGGN(lambda w: 2 * w, Quartic())(x), jnp.diag(4 * (2 * x) ** 2))
+
+
+# --- refusals ---------------------------------------------------------------------------
+
+
+def test_construction_errors():
+    with pytest.raises(
+        ValueError, match=r"`mode` must be one of 'auto', 'fwd', 'rev'; got 'jacfwd'"
+    ):
+        zm.BatchedGGN(model, plain_loss, mode="jacfwd")
+    with pytest.raises(TypeError, match=r"loss"):
+        zm.BatchedGGN(model, "loss")
+    with pytest.raises(ValueError, match=r"holomorphic=True is not supported"):
+        zm.BatchedGGN(model, plain_loss, holomorphic=True)
+    with pytest.raises(
+        ValueError, match=r"at most one of `nbatches`, `batch_size` and `max_memory`"
+    ):
+        zm.BatchedGGN(model, plain_loss, nbatches=2, max_memory="1GB")
+    with pytest.raises(ValueError, match=r"at most one of `weights` and `covariance`"):
+        zm.losses.SquaredError(weights=jnp.ones(3), covariance=jnp.eye(3))
+    with pytest.raises(ValueError, match=r"square \(k, k\) matrix .* shape \(3,\)"):
+        zm.losses.SquaredError(covariance=jnp.ones(3))
+    # Under the tests' import hook the constructor's type check may refuse them first.
+    with pytest.raises(TypeError, match=r"targets[\s\S]*1\.5"):
+        zm.losses.SoftmaxCrossEntropy(targets=1.5)
+    with pytest.raises(TypeError, match=r"log_rate[\s\S]*'yes'"):
+        zm.losses.PoissonNLL(log_rate="yes")
+
+
+def test_call_errors():
+    w = jnp.asarray([0.5, -0.25, 1.0])
+    inputs = jnp.asarray(mixing(4, 3))
+
+    def fn(w, inputs):
+        return inputs @ w
+
+    def refused(error, message, loss, fn=fn, x=w, **config):
+        with pytest.raises(error, match=message):
+            zm.BatchedGGN(fn, loss, **config)(x, inputs)
+
+    refused(
+        TypeError,
+        r"^BatchedGGN: `loss` must return a scalar \(shape \(\)\), .* shape \(4,\)",
+        lambda o, i: o,
+    )
+    refused(
+        TypeError,
+        r"real floating-point scalar, but it returned dtype int64",
+        lambda o, i: jnp.sum(o > 0),
+    )
+    refused(TypeError, r"must return a scalar", lambda o, i: (jnp.sum(o), 1.0))
+    refused(
+        TypeError,
+        r"^BatchedGGN: `loss` cannot take the outputs of `fn`, float64\[4\], .*: TypeError",
+        lambda o, i: o["mean"],
+    )
+    refused(
+        TypeError,
+        r"`loss` cannot take .* SquaredError: the targets have shape \(4, 3\) and the "
+        r"predictions .* shape \(4,\)",
+        zm.losses.SquaredError(),
+    )
+    refused(
+        TypeError,
+        r"SoftmaxCrossEntropy: targets=3 .* the call has 1 of them",
+        zm.losses.SoftmaxCrossEntropy(targets=3),
+    )
+    refused(TypeError, r"GaussianNLL: the outputs of `fn` must be a pair", zm.losses.GaussianNLL())
+    refused(
+        TypeError,
+        re.escape("BatchedGGN: x has the complex dtype complex128"),
+        lambda o, i: jnp.sum(jnp.abs(o)),
+        x=w.astype(complex),
+    )
+    refused(
+        TypeError,
+        r"`fn` must return real floating-point arrays, .* dtype int64",
+        lambda o, i: 0.0,
+        fn=lambda w, i: jnp.arange(3),
+    )
+    refused(TypeError, r"complex ones are not supported", lambda o, i: 0.0, fn=lambda w, i: w * 1j)
+    refused(
+        TypeError, r"has_aux=True, `fn` must return a pair", lambda o, i: jnp.sum(o), has_aux=True
+    )
+    refused(
+        ValueError,
+        r"nbatches=4 is larger than the number of variables, 3",
+        lambda o, i: jnp.sum(o),
+        nbatches=4,
+    )
+    refused(
+        ValueError, r"`x` has no inexact-array leaves", lambda o, i: jnp.sum(o), x=jnp.arange(3)
+    )
+
+
+def test_save_and_load(tmp_path):
+    from serialise_functions import loss as sines
+
+    transform = zm.BatchedGGN(jnp.sin, sines, nbatches=2, mode="rev")
+    zm.save(tmp_path / "ggn.zm", transform)
+    loaded = zm.load(tmp_path / "ggn.zm")
+    assert loaded.config == transform.config and loaded.loss is sines
+    weighted = zm.BatchedGGN(jnp.sin, zm.losses.SquaredError(weights=jnp.arange(3.0), targets=None))
+    zm.save(tmp_path / "weighted.zm", weighted)
+    loaded = zm.load(
+        tmp_path / "weighted.zm", like=zm.losses.SquaredError(weights=jnp.zeros(3), targets=None)
+    )
+    x = jnp.asarray([0.1, 0.2, 0.3])
+    close(loaded(x), weighted(x))
+    assert math.isclose(float(loaded.loss.weights[2]), 2.0)

@@ -1,0 +1,412 @@
+"""`BatchedGGN`: the generalised Gauss-Newton matrix `J^T H J` of a loss of a model's
+outputs, in blocks of products, with the Jacobian `J` never held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, PyTree, jaxtyped
+
+from ._blocks import OutputSink, map_blocks, plan_blocks
+from ._budget import Work
+from ._checks import check_callable
+from ._losses import AbstractLoss
+from ._progress import label
+from ._pytree import Variables, basis_block, split_variables
+from ._sharding import Share, Split, share_of
+from ._traceback import public
+from ._transform import AbstractDerivative, split_aux
+
+__all__ = ["BatchedGGN", "ggn_products"]
+
+_OWNER = "BatchedGGN"
+
+
+class BatchedGGN(AbstractDerivative):
+    """The generalised Gauss-Newton matrix `G = J^T H J` of a loss of a model's outputs,
+    with respect to the model's first argument, in blocks.
+
+    `J` is the Jacobian of the outputs `fn(x, *args, **kwargs)` with respect to the
+    variables of `x`, and `H` the Hessian of `loss(outputs, *args, **kwargs)` with respect
+    to the outputs. `G` is the part of the Hessian of `loss(fn(x))` that the curvature of
+    `fn` leaves out: positive semi-definite wherever the loss is convex in the outputs,
+    and, for a negative log-likelihood with one of the losses of `zm.losses`, the Fisher
+    information matrix. Use it for Laplace approximations, natural-gradient and
+    Gauss-Newton steps, and the covariance of fitted parameters.
+
+    `G` is built as `G V` for blocks of basis vectors `V`: `J V` by forward products, the
+    loss's Hessian on the outputs applied, then `J^T` by reverse products. Neither `J`
+    nor a Hessian of `loss(fn(x))` is ever formed: peak memory is the `(n, n)` result,
+    one linearisation of `fn` and one block's products. Rows are written straight into
+    the preallocated result.
+
+    The variables are the inexact-array leaves of `x`, raveled in leaf order, as for
+    `zm.BatchedHessian`; every other leaf is held fixed. `n` is their total size.
+
+    **Arguments:**
+
+    - `fn`: the model, called as `fn(x, *args, **kwargs)`; it returns the outputs, an
+      array or a pytree of floating-point arrays (or `(outputs, aux)` with
+      `has_aux=True`). It may be an Equinox module.
+    - `loss`: called as `loss(outputs, *args, **kwargs)` with the same data arguments as
+      `fn`; it returns a real scalar. Any callable works: the product of its Hessian on
+      the outputs is then taken by forward-over-reverse differentiation. The losses in
+      `zm.losses` (`SquaredError`, `GaussianNLL`, `PoissonNLL`, `SoftmaxCrossEntropy`,
+      or a subclass of `zm.losses.AbstractLoss`) apply their Fisher information in
+      closed form instead. It may be an Equinox module.
+    - `nbatches`: compute `G` in this many blocks of rows. At most one of `nbatches`,
+      `batch_size` and `max_memory`; with none, one block.
+    - `batch_size`: the number of rows per block.
+    - `max_memory`: a budget for the call's memory (an int in bytes, a string with a unit
+      such as `"750MB"`, or `"auto"`); the block size and strategy are planned as the
+      largest whose compiled call fits, as for `zm.BatchedHessian`.
+    - `strategy`: `"linearize"` keeps one linearisation of `fn` for every block;
+      `"recompute"` linearises `fn` again inside each block, keeping nothing between
+      blocks at the cost of one forward pass per block; `"auto"` (the default)
+      linearises, and with `max_memory` recomputes when the linearisation leaves no room.
+    - `mode`: how the two products with `J` come from one linearisation. `"fwd"`: `J v`
+      are JVPs of one `jax.linearize` of `fn`, and `J^T u` the transpose of that linear
+      map. `"rev"`: `J^T u` are VJPs of one `jax.vjp` of `fn`, and `J v` the transpose of
+      that; it needs only reverse-mode differentiation of `fn`, so it takes functions
+      with `jax.custom_vjp` rules, which forward mode refuses. `"auto"` (the default) is
+      `"fwd"`. Both give the same values.
+    - `has_aux`: `fn` returns `(outputs, aux)`; `aux` is returned unchanged beside `G`
+      and not passed to `loss`.
+    - `jit`: compile the whole computation with `eqx.filter_jit`. A budget needs it.
+    - `checkpoint`: wrap `fn` in `jax.checkpoint`.
+    - `sharding`: a `jax.sharding.NamedSharding` for the result: its rows
+      (`PartitionSpec("d", None)`) or columns (`PartitionSpec(None, "d")`) over a mesh
+      axis whose devices divide `n`. Each device computes only its own share, in blocks.
+    - `progress`: show a progress bar of the blocks done on stderr.
+    - `holomorphic`: taken for the shared configuration of derivatives, and refused:
+      complex variables are not supported.
+
+    **Returns:**
+
+    Calling `BatchedGGN(fn, loss)(x, *args, **kwargs)` returns the `(n, n)` matrix, in
+    the dtype of the raveled variables (as `zm.BatchedHessian`), or `(G, aux)` with
+    `has_aux=True`. `zm.hessian_to_pytree(G, x)` cuts it into blocks per pair of leaves.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def model(params, inputs, labels):
+            return jnp.tanh(inputs @ params["w"]) @ params["v"]   # logits, (8, 3)
+
+        def loss(logits, inputs, labels):
+            return -jnp.sum(jax.nn.log_softmax(logits)[jnp.arange(8), labels])
+
+        params = {"v": jnp.ones((4, 3)) / 4, "w": jnp.ones((2, 4)) / 2}
+        inputs, labels = jnp.linspace(-1, 1, 16).reshape(8, 2), jnp.arange(8) % 3
+        G = zm.BatchedGGN(model, loss, batch_size=5)(params, inputs, labels)  # (20, 20)
+        # The same Fisher matrix, with the loss's Hessian in closed form:
+        F = zm.BatchedGGN(model, zm.losses.SoftmaxCrossEntropy())(params, inputs, labels)
+        assert jnp.allclose(G, F, atol=1e-6)
+        ```
+
+    !!! tip
+
+        For a loss summed over a dataset too large for one call, wrap it:
+        `zm.Microbatcher(zm.BatchedGGN(fn, loss), microbatch_size=256, argnums=(1, 2))`
+        sums the matrices of the microbatches.
+    """
+
+    loss: Callable[..., Any]
+
+    @public
+    def __check_init__(self):
+        check_callable(self.loss, "loss", owner=_OWNER)
+        if self.holomorphic:
+            raise ValueError(
+                "BatchedGGN: holomorphic=True is not supported: the Gauss-Newton matrix is "
+                "built for real variables and real outputs. Split complex variables into "
+                "their real and imaginary parts."
+            )
+
+    @jaxtyped(typechecker=beartype)
+    @public
+    def __call__(
+        self, x: PyTree, *args: Any, **kwargs: Any
+    ) -> Float[Array, "n n"] | tuple[Float[Array, "n n"], Any]:
+        return self._call((x, *args), kwargs)
+
+    def _share(
+        self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        return _ggn_share(self, x, args, kwargs, sink, share, split)
+
+    def _result_specs(self, spec: PartitionSpec) -> Any:
+        if len(spec) > 2:
+            raise ValueError(
+                f"BatchedGGN: `sharding` has the spec {spec}, for {len(spec)} axes, but the "
+                "matrix has 2: split its rows, PartitionSpec('d', None), or its columns, "
+                "PartitionSpec(None, 'd')."
+            )
+        return super()._result_specs(spec)
+
+    def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+        n = eqx.filter_eval_shape(lambda x: split_variables(x, owner=_OWNER)[0], x)
+        total = n.shape[0]
+        plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
+        return Work(total, "variables", "Gauss-Newton matrix", plan.block_size).per_device(
+            self._split
+        )
+
+
+class _Prepared(NamedTuple):
+    """What every block needs: the variables, `fn` of their leaves (checked), the loss of
+    the outputs, and how to put `aux` back."""
+
+    flat: Any
+    variables: Variables
+    fn_of_leaves: Callable[[list], Any]
+    loss_of: Callable[[Any], Any]
+    restore_aux: Callable[[Any], Any] | None
+
+
+def _check_variables(variables: Variables) -> None:
+    for name, dtype in zip(variables.names, variables.dtypes, strict=True):
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"BatchedGGN: x{name} has the complex dtype {dtype}; the Gauss-Newton "
+                "matrix is built for real variables only (jax.jacrev refuses complex "
+                "outputs likewise). Split the variable into its real and imaginary parts."
+            )
+
+
+def _described(shapes: Any) -> str:
+    """Shapes and dtypes as `float32[3, 2]`, inside the structure that holds them."""
+
+    def one(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return f"{leaf.dtype}{list(leaf.shape)}"
+        return repr(leaf)
+
+    return str(jax.tree_util.tree_map(one, shapes))
+
+
+def _check_outputs(shapes: Any) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"BatchedGGN: `fn` must return arrays, but its output{jax.tree_util.keystr(path)} "
+                f"is {leaf!r}. Return it in `aux` (has_aux=True) or close over it."
+            )
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(
+                f"BatchedGGN: `fn` must return real floating-point arrays, but its "
+                f"output{jax.tree_util.keystr(path)} has dtype {leaf.dtype} and shape "
+                f"{leaf.shape}. Integer outputs have no derivative, and complex ones are not "
+                "supported (split them into real and imaginary parts)."
+            )
+
+
+def _check_loss(loss_of: Callable[[Any], Any], shapes: Any) -> None:
+    """Refuse a loss that cannot take the outputs, or does not return a real scalar."""
+    try:
+        value = eqx.filter_eval_shape(loss_of, shapes)
+    except Exception as error:
+        raise TypeError(
+            f"BatchedGGN: `loss` cannot take the outputs of `fn`, {_described(shapes)}, with "
+            f"the call's data arguments: {type(error).__name__}: {error}"
+        ) from error
+    if eqx.is_array_like(value) and not isinstance(value, jax.ShapeDtypeStruct):
+        value = jax.ShapeDtypeStruct(jnp.shape(value), jnp.result_type(value))
+    if not isinstance(value, jax.ShapeDtypeStruct) or value.shape != ():
+        got = (
+            f"an array of shape {value.shape}"
+            if isinstance(value, jax.ShapeDtypeStruct)
+            else _described(value)
+            if jax.tree_util.tree_leaves(value)
+            else repr(value)
+        )
+        raise TypeError(
+            f"BatchedGGN: `loss` must return a scalar (shape ()), but it returned {got}. "
+            "Reduce it to a scalar, e.g. with jnp.sum."
+        )
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"BatchedGGN: `loss` must return a real floating-point scalar, but it returned "
+            f"dtype {value.dtype}."
+        )
+
+
+def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepared:
+    flat, variables = split_variables(x, owner=_OWNER)
+    _check_variables(variables)
+
+    def fn_of_leaves(leaves):
+        result = transform.fn(variables.fill(leaves), *args, **kwargs)
+        if not transform.has_aux:
+            return jax.tree_util.tree_map(jnp.asarray, result)
+        if isinstance(result, tuple) and len(result) == 2:
+            return jax.tree_util.tree_map(jnp.asarray, result[0]), result[1]
+        return result  # not a pair: refused below, with what it returned
+
+    restore_aux = None
+    if transform.has_aux:
+        fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
+    shapes = transform._output_shapes(fn_of_leaves, _leaves_of(variables, flat), "outputs")
+    _check_outputs(shapes)
+
+    def loss_of(outputs):
+        return transform.loss(outputs, *args, **kwargs)
+
+    _check_loss(loss_of, shapes)
+    if transform.checkpoint:
+        fn_of_leaves = jax.checkpoint(fn_of_leaves)
+    return _Prepared(flat, variables, fn_of_leaves, loss_of, restore_aux)
+
+
+def _leaves_of(variables: Variables, vector: Any) -> list:
+    """The flat `vector` cut into the variables' leaves, each in its own dtype."""
+    pieces = variables.split_per_leaf(vector)
+    return [piece.astype(d) for piece, d in zip(pieces, variables.dtypes, strict=True)]
+
+
+def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
+    """`(outputs, aux, jvp, vjp)` from one linearisation of `fn` at `primal`: `jvp(v)` is
+    `J v` and `vjp(u)` is `J^T u`, one of them the transpose of the other."""
+    if mode == "fwd":
+        if has_aux:
+            outputs, jvp, aux = jax.linearize(fn, primal, has_aux=True)
+        else:
+            (outputs, jvp), aux = jax.linearize(fn, primal), None
+        transposed = jax.linear_transpose(jvp, primal)
+        return outputs, aux, jvp, lambda u: transposed(u)[0]
+    if has_aux:
+        outputs, vjp_of, aux = jax.vjp(fn, primal, has_aux=True)
+    else:
+        (outputs, vjp_of), aux = jax.vjp(fn, primal), None
+
+    def vjp(u):
+        return vjp_of(u)[0]
+
+    transposed = jax.linear_transpose(vjp, outputs)
+    return outputs, aux, lambda v: transposed(v)[0], vjp
+
+
+def _loss_hessian(transform: BatchedGGN, prepared: _Prepared, outputs: Any, args, kwargs):
+    """`u -> H u`, the loss's Hessian on the outputs at `outputs` applied to `u`: in closed
+    form for a `zm.losses` loss, else forward-over-reverse of one linearised gradient."""
+    if isinstance(transform.loss, AbstractLoss):
+        return lambda u: transform.loss.hessian_product(outputs, u, *args, **kwargs)
+    _, hvp = jax.linearize(jax.grad(prepared.loss_of), outputs)
+    return hvp
+
+
+def _products(
+    transform: BatchedGGN, prepared: _Prepared, args: tuple, kwargs: dict
+) -> tuple[Callable[[Any], Any], Any]:
+    """`(products, aux)`: `products(V)` is `G v` for each row `v` of the `(k, n)` block `V`,
+    as a `(k, n)` block in the variables' dtype; `aux` is `fn`'s (restored)."""
+    flat, variables = prepared.flat, prepared.variables
+    primal = _leaves_of(variables, flat)
+    mode = "fwd" if transform.mode == "auto" else transform.mode
+
+    def gather(pieces, count):
+        pieces = [
+            piece.reshape(count, size).astype(flat.dtype)
+            for piece, size in zip(pieces, variables.sizes, strict=True)
+        ]
+        return jnp.concatenate(pieces, axis=1)
+
+    def apply(linearised, vectors):
+        outputs, _, jvp, vjp = linearised
+        hessian = _loss_hessian(transform, prepared, outputs, args, kwargs)
+
+        def one(v):
+            return vjp(hessian(jvp(_leaves_of(variables, v))))
+
+        return gather(jax.vmap(one)(vectors), vectors.shape[0])
+
+    if transform.strategy != "recompute":
+        linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
+        aux = linearised[1]
+        return (lambda vectors: apply(linearised, vectors)), _restored(prepared, aux)
+
+    def recomputed(vectors):
+        linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
+        return apply(linearised, vectors)
+
+    aux = prepared.fn_of_leaves(primal)[1] if transform.has_aux else None
+    return recomputed, _restored(prepared, aux)
+
+
+def _restored(prepared: _Prepared, aux: Any) -> Any:
+    return None if prepared.restore_aux is None else prepared.restore_aux(aux)
+
+
+def _ggn_share(
+    transform: BatchedGGN,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+    share: Share | None = None,
+    split: Split | None = None,
+) -> Any:
+    """The matrix, or with `share` the rows (or columns) of one device's share of it."""
+    prepared = _prepare(transform, x, args, kwargs)
+    flat, n = prepared.flat, prepared.variables.size
+    plan = plan_blocks(
+        n,
+        nbatches=transform.nbatches,
+        batch_size=transform.batch_size,
+        what="variables",
+        owner=_OWNER,
+    )
+    columns = split is not None and split.dim == 1
+    plan, offset = share_of(
+        n, plan, share, split, owner=_OWNER, what="columns" if columns else "rows"
+    )
+    products, aux = _products(transform, prepared, args, kwargs)
+
+    def block(start):
+        # Row i is (G e_i)^T; G is symmetric, so a block of them is a block of rows, and
+        # transposed, a block of columns.
+        rows = products(basis_block(start + offset, plan.block_size, n, flat.dtype))
+        return rows.T if columns else rows
+
+    if n == 0:  # only empty variables: the matrix is empty
+        matrix = jnp.zeros((0, 0), flat.dtype)
+    else:
+        matrix = map_blocks(
+            block,
+            plan,
+            axis=1 if columns else 0,
+            sink=None if sink is None else sink.part([0], plan),
+            progress=label(transform),
+        )
+    return matrix if prepared.restore_aux is None else (matrix, aux)
+
+
+def ggn_products(
+    transform: BatchedGGN, x: Any, args: tuple, kwargs: dict
+) -> tuple[jax.Array, Variables, Callable[[jax.Array], jax.Array]]:
+    """`(flat, variables, mv)` for `transform` at `x` with the data `args` and `kwargs`:
+    the raveled variables of `x`, how they were raveled, and `mv(v)`, the product
+    `G v` of the Gauss-Newton matrix with one flat vector `v` of size `n`, in the
+    variables' dtype (vmappable).
+
+    The inputs are checked as a call of `transform` checks them. With the transform's
+    strategy `"linearize"` (or `"auto"`), `fn` is linearised once, here, and every
+    product reuses it; with `"recompute"`, each product linearises it again.
+    """
+    prepared = _prepare(transform, x, args, kwargs)
+    products, _ = _products(transform, prepared, args, kwargs)
+
+    def mv(v):
+        return products(jnp.asarray(v)[None])[0]
+
+    return prepared.flat, prepared.variables, mv

@@ -1,0 +1,397 @@
+"""Losses whose Hessian on the outputs `zm.BatchedGGN` applies in closed form.
+
+Each is the negative log-likelihood of a common likelihood, summed over its elements,
+and its `hessian_product` is the Fisher information of that likelihood with respect to
+the outputs, applied to a tangent of the outputs: `BatchedGGN` with one of them gives
+the Fisher information matrix of the parameters, `J^T F J`.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import gammaln
+
+from ._checks import described
+
+__all__ = [
+    "AbstractLoss",
+    "GaussianNLL",
+    "PoissonNLL",
+    "SoftmaxCrossEntropy",
+    "SquaredError",
+]
+
+
+class AbstractLoss(eqx.Module):
+    """A loss of a model's outputs with the product of its Hessian (or Fisher
+    information) on the outputs in closed form.
+
+    `zm.BatchedGGN` calls `loss(outputs, *args, **kwargs)` for the value and, when the
+    loss is an `AbstractLoss`, `loss.hessian_product(outputs, tangents, *args,
+    **kwargs)` instead of differentiating the loss twice. Subclass it for a loss of your
+    own whose curvature has a cheap closed form.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        class Quartic(zm.losses.AbstractLoss):
+            def __call__(self, outputs, *args, **kwargs):
+                return jnp.sum(outputs**4) / 12
+
+            def hessian_product(self, outputs, tangents, *args, **kwargs):
+                return outputs**2 * tangents
+
+        ggn = zm.BatchedGGN(lambda w: 2 * w, Quartic())
+        G = ggn(jnp.arange(3.0))  # 4 * diag(4 w**2)
+        ```
+    """
+
+    @abc.abstractmethod
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The loss, a real scalar, of `outputs` and the call's data arguments."""
+
+    @abc.abstractmethod
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Hessian (or Fisher information) of the loss on the outputs, at `outputs`,
+        applied to `tangents` (shaped like `outputs`); returned shaped and typed like
+        `tangents`."""
+
+
+def _check_targets(targets: Any, owner: str) -> None:
+    if targets is None or isinstance(targets, str):
+        return
+    if isinstance(targets, bool) or not isinstance(targets, int):
+        raise TypeError(
+            f"{owner}: `targets` must be an int (the position of the targets among the "
+            "call's data arguments, -1 for the last), a str (the name of a keyword "
+            f"argument) or None, got {described(targets)}."
+        )
+
+
+def _targets_of(targets: Any, args: tuple, kwargs: dict, owner: str) -> Any:
+    """The data argument that `targets` names (`None`: none)."""
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        if targets not in kwargs:
+            raise TypeError(
+                f"{owner}: targets={targets!r} names a keyword argument, but the call has "
+                f"the keyword arguments {sorted(kwargs)}."
+            )
+        return kwargs[targets]
+    if not -len(args) <= targets < len(args):
+        raise TypeError(
+            f"{owner}: targets={targets} is the position of the targets among the call's "
+            f"data arguments (those after `x`), but the call has {len(args)} of them. Pass "
+            "the targets, or say where they are with `targets=`."
+        )
+    return args[targets]
+
+
+def _one_array(outputs: Any, owner: str, what: str) -> jax.Array:
+    if not (eqx.is_array(outputs) or isinstance(outputs, jax.ShapeDtypeStruct)):
+        raise TypeError(
+            f"{owner}: the outputs of `fn` must be one array ({what}), but they are "
+            f"{_shapes(outputs)}."
+        )
+    return outputs
+
+
+def _check_shapes(outputs: Any, targets: Any, owner: str, what: str) -> None:
+    if jnp.shape(targets) != jnp.shape(outputs):
+        raise TypeError(
+            f"{owner}: the targets have shape {jnp.shape(targets)} and the {what} (the "
+            f"outputs of `fn`) shape {jnp.shape(outputs)}; they must be the same."
+        )
+
+
+class SquaredError(AbstractLoss):
+    """Half the weighted squared error, `0.5 * sum(weights * (outputs - targets)**2)`,
+    or with a covariance `0.5 * sum(r @ inv(covariance) * r)` over the last axis.
+
+    It is the negative log-likelihood (up to a constant) of Gaussian outputs with
+    precisions `weights` or covariance `covariance`, so `zm.BatchedGGN` with it gives
+    the Fisher information `J^T Σ^{-1} J`; its Hessian is `diag(weights)` or
+    `inv(covariance)` (per example), applied in closed form.
+
+    **Arguments:**
+
+    - `weights`: an array that broadcasts against the outputs (a precision per output,
+      or per column), or `None` (all ones).
+    - `covariance`: instead of `weights`, a `(k, k)` covariance of the `k` entries of
+      the outputs' last axis, shared by every example (symmetric positive definite).
+    - `targets`: where the targets are among the call's data arguments (those after
+      `x`): an int position (`-1`, the default: the last), a str keyword name, or `None`
+      when `fn` returns the residuals themselves.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def predict(w, inputs, targets):
+            return inputs @ w
+
+        inputs, targets = jnp.ones((5, 3)), jnp.zeros(5)
+        loss = zm.losses.SquaredError(weights=jnp.full(5, 2.0))
+        G = zm.BatchedGGN(predict, loss)(jnp.ones(3), inputs, targets)  # 2 * X^T X
+        ```
+    """
+
+    weights: Any = None
+    covariance: Any = None
+    targets: int | str | None = eqx.field(default=-1, static=True)
+
+    def __check_init__(self):
+        _check_targets(self.targets, "SquaredError")
+        if self.weights is not None and self.covariance is not None:
+            raise ValueError(
+                "SquaredError: give at most one of `weights` and `covariance`: weights "
+                "are the diagonal of the precision, the inverse of a covariance."
+            )
+        if self.covariance is not None:
+            shape = jnp.shape(self.covariance)
+            if len(shape) != 2 or shape[0] != shape[1]:
+                raise ValueError(
+                    "SquaredError: `covariance` must be a square (k, k) matrix over the last "
+                    f"axis of the outputs, got shape {shape}."
+                )
+
+    def _residuals(self, outputs: Any, args: tuple, kwargs: dict) -> Any:
+        outputs = _one_array(outputs, "SquaredError", "the predictions")
+        targets = _targets_of(self.targets, args, kwargs, "SquaredError")
+        if targets is None:
+            return outputs
+        _check_shapes(outputs, targets, "SquaredError", "predictions")
+        return outputs - targets
+
+    def _precision(self, vector: Any) -> Any:
+        """The Hessian, `diag(weights)` or `inv(covariance)` per example, times `vector`."""
+        if self.covariance is not None:
+            k = self.covariance.shape[0]
+            if vector.ndim == 0 or vector.shape[-1] != k:
+                raise TypeError(
+                    f"SquaredError: `covariance` is ({k}, {k}), for outputs whose last axis "
+                    f"has {k} entries, but the outputs have shape {vector.shape}."
+                )
+            factor = jax.scipy.linalg.cho_factor(self.covariance)
+            columns = vector.reshape(-1, k).T
+            return jax.scipy.linalg.cho_solve(factor, columns).T.reshape(vector.shape)
+        if self.weights is None:
+            return vector
+        return self.weights * vector
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        r = self._residuals(outputs, args, kwargs)
+        return 0.5 * jnp.sum(r * self._precision(r))
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        self._residuals(outputs, args, kwargs)
+        return self._precision(tangents).astype(tangents.dtype)
+
+
+class GaussianNLL(AbstractLoss):
+    """The negative log-likelihood of targets under Gaussians whose means and log-variances
+    are the outputs: `0.5 * sum(log_var + (targets - mean)**2 * exp(-log_var) + log(2π))`.
+
+    `fn` returns the pair `(mean, log_variance)`, two arrays of the targets' shape. The
+    product is the Fisher information, `exp(-log_var)` on the means and `1/2` on the
+    log-variances (no cross terms): the expectation over the targets of the loss's
+    Hessian, which itself depends on the targets and need not be positive.
+
+    **Arguments:**
+
+    - `targets`: where the targets are among the call's data arguments: an int position
+      (`-1`, the default: the last) or a str keyword name.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def predict(w, inputs, targets):
+            return inputs @ w[:2], inputs @ w[2:]   # mean, log-variance
+
+        inputs, targets = jnp.ones((4, 2)), jnp.zeros(4)
+        F = zm.BatchedGGN(predict, zm.losses.GaussianNLL())(jnp.zeros(4), inputs, targets)
+        ```
+    """
+
+    targets: int | str = eqx.field(default=-1, static=True)
+
+    def __check_init__(self):
+        if self.targets is None:
+            raise TypeError("GaussianNLL: `targets` must be an int or a str, got None.")
+        _check_targets(self.targets, "GaussianNLL")
+
+    def _pair(self, outputs: Any) -> tuple[Any, Any]:
+        if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2):
+            raise TypeError(
+                "GaussianNLL: the outputs of `fn` must be a pair (mean, log_variance) of "
+                f"arrays of the targets' shape, but they are {_shapes(outputs)}."
+            )
+        mean, log_variance = outputs
+        if jnp.shape(mean) != jnp.shape(log_variance):
+            raise TypeError(
+                f"GaussianNLL: the mean has shape {jnp.shape(mean)} and the log-variance "
+                f"{jnp.shape(log_variance)}; they must be the same."
+            )
+        return mean, log_variance
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        mean, log_variance = self._pair(outputs)
+        targets = _targets_of(self.targets, args, kwargs, "GaussianNLL")
+        _check_shapes(mean, targets, "GaussianNLL", "means")
+        squared = (targets - mean) ** 2 * jnp.exp(-log_variance)
+        return 0.5 * jnp.sum(log_variance + squared + math.log(2 * math.pi))
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        mean, log_variance = self._pair(outputs)
+        d_mean, d_log_variance = tangents
+        on_mean = (jnp.exp(-log_variance) * d_mean).astype(d_mean.dtype)
+        return type(tangents)((on_mean, 0.5 * d_log_variance))
+
+
+class PoissonNLL(AbstractLoss):
+    """The negative log-likelihood of counts under Poisson distributions whose log-rates
+    (or rates) are the outputs: `sum(rate - targets * log(rate) + gammaln(targets + 1))`.
+
+    The product is the Fisher information: `rate` on log-rates (there it is the loss's
+    Hessian too), `1 / rate` on rates (the expectation of the Hessian, `targets /
+    rate**2`, over the counts).
+
+    **Arguments:**
+
+    - `targets`: where the counts are among the call's data arguments: an int position
+      (`-1`, the default: the last) or a str keyword name.
+    - `log_rate`: the outputs are log-rates (`True`, the default) or rates (`False`).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def log_rates(w, inputs, counts):
+            return inputs @ w
+
+        inputs, counts = jnp.ones((6, 2)), jnp.arange(6.0)
+        F = zm.BatchedGGN(log_rates, zm.losses.PoissonNLL())(jnp.zeros(2), inputs, counts)
+        ```
+    """
+
+    targets: int | str = eqx.field(default=-1, static=True)
+    log_rate: bool = eqx.field(default=True, static=True)
+
+    def __check_init__(self):
+        if self.targets is None:
+            raise TypeError("PoissonNLL: `targets` must be an int or a str, got None.")
+        _check_targets(self.targets, "PoissonNLL")
+        if not isinstance(self.log_rate, bool):
+            raise TypeError(
+                f"PoissonNLL: `log_rate` must be True or False, got {described(self.log_rate)}."
+            )
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        counts = _targets_of(self.targets, args, kwargs, "PoissonNLL")
+        _check_shapes(outputs, counts, "PoissonNLL", "rates")
+        if self.log_rate:
+            rate, log_rate = jnp.exp(outputs), outputs
+        else:
+            rate, log_rate = outputs, jnp.log(outputs)
+        return jnp.sum(rate - counts * log_rate + gammaln(counts + 1.0))
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        fisher = jnp.exp(outputs) if self.log_rate else 1 / outputs
+        return (fisher * tangents).astype(tangents.dtype)
+
+
+class SoftmaxCrossEntropy(AbstractLoss):
+    """The cross-entropy of labels under the softmax of logits, summed over examples:
+    `-sum(labels * log_softmax(logits))` over the last axis (the classes).
+
+    The labels are class indices (an integer array of the logits' shape without its last
+    axis) or probabilities (the logits' shape, each example's summing to one). The
+    product is `(diag(p) - p p^T) u` per example, `p = softmax(logits)`: the Hessian of
+    the loss and the Fisher information of the categorical likelihood.
+
+    **Arguments:**
+
+    - `targets`: where the labels are among the call's data arguments: an int position
+      (`-1`, the default: the last) or a str keyword name.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def logits(w, inputs, labels):
+            return inputs @ w.reshape(2, 3)
+
+        inputs, labels = jnp.ones((4, 2)), jnp.asarray([0, 2, 1, 1])
+        F = zm.BatchedGGN(logits, zm.losses.SoftmaxCrossEntropy())(jnp.zeros(6), inputs, labels)
+        ```
+    """
+
+    targets: int | str = eqx.field(default=-1, static=True)
+
+    def __check_init__(self):
+        if self.targets is None:
+            raise TypeError("SoftmaxCrossEntropy: `targets` must be an int or a str, got None.")
+        _check_targets(self.targets, "SoftmaxCrossEntropy")
+
+    def _logits(self, outputs: Any) -> Any:
+        outputs = _one_array(outputs, "SoftmaxCrossEntropy", "the logits, classes last")
+        if outputs.ndim == 0:
+            raise TypeError(
+                "SoftmaxCrossEntropy: the logits must have the classes on their last axis, "
+                "but `fn` returns a scalar."
+            )
+        return outputs
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = self._logits(outputs)
+        labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
+        log_p = jax.nn.log_softmax(logits, axis=-1)
+        if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+            if jnp.shape(labels) != logits.shape[:-1]:
+                raise TypeError(
+                    f"SoftmaxCrossEntropy: integer labels (class indices) must have the "
+                    f"logits' shape without its last axis, {logits.shape[:-1]}, but have "
+                    f"shape {jnp.shape(labels)}."
+                )
+            picked = jnp.take_along_axis(log_p, jnp.asarray(labels)[..., None], axis=-1)
+            return -jnp.sum(picked)
+        _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+        return -jnp.sum(labels * log_p)
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        p = jax.nn.softmax(self._logits(outputs), axis=-1)
+        product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
+        return product.astype(tangents.dtype)
+
+
+def _shapes(tree: Any) -> Any:
+    """`tree` with its arrays as shapes and dtypes, for messages."""
+    return jax.tree_util.tree_map(
+        lambda leaf: (
+            jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+            if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf
+        ),
+        tree,
+    )
