@@ -7,17 +7,19 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 from beartype import beartype
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._operator import BlockedOperator, make_operator
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
 from ._sharding import Share, Split, share_of
 from ._traceback import public
-from ._transform import AbstractDerivative, split_aux
+from ._transform import AbstractDerivative, product_function, split_aux
 
 __all__ = ["BatchedHessian"]
 
@@ -122,6 +124,61 @@ class BatchedHessian(AbstractDerivative):
     ) -> Any:
         return _hessian_share(self, x, args, kwargs, sink, share, split)
 
+    @public
+    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
+        """The Hessian at `(x, *args, **kwargs)` as a `lineax` linear operator, never
+        formed: each product with a vector is one Hessian-vector product.
+
+        Use it where the Hessian is only multiplied by vectors (a Newton-CG step, a
+        Krylov solve, an eigenvalue estimate), so that nothing `(n, n)` is ever held.
+
+        - `op.mv(v)`: one Hessian-vector product (forward-over-reverse). `v` is a flat
+          vector of the `n` variables, or a pytree shaped like `x`'s variables; the
+          product comes back in the same form.
+        - `op.mm(V)`: the products with the `k` columns of an `(n, k)` array, in blocks
+          of columns as this transform's options say (`nbatches`, `batch_size`: columns
+          per block; `max_memory`: planned as the call is; `sharding`: columns spread
+          over its devices), with one linearisation of the gradient kept for every block
+          unless `strategy="recompute"`.
+        - `op.as_matrix()`: the dense Hessian, by this transform's own call.
+        - `op.T` is `op`: it carries `lx.symmetric_tag` (for real variables), so lineax's
+          solvers for symmetric operators take it; `lx.linearise(op)` keeps one
+          linearisation of the gradient for every later product.
+
+        **Arguments:** as for the call: `x`, the point (its inexact-array leaves are the
+        variables), and the other arguments of `fn`.
+
+        **Returns:**
+
+        A `lineax.AbstractLinearOperator` from the variables to the variables.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import lineax as lx
+            import zodmem as zm
+
+            def loss(w, data):
+                return jnp.sum(jnp.cosh(data @ w))
+
+            w, data = jnp.zeros(3), jnp.eye(3)
+            op = zm.BatchedHessian(loss, batch_size=2).operator(w, data)
+            op.mv(jnp.ones(3))                  # H @ 1, one Hessian-vector product
+            op.mm(jnp.eye(3))                   # H, in blocks of 2 columns
+            positive = lx.TaggedLinearOperator(op, lx.positive_semidefinite_tag)
+            lx.linear_solve(positive, jnp.ones(3), lx.CG(rtol=1e-6, atol=1e-6)).value
+            ```
+
+        !!! tip
+
+            A Hessian is not known to be positive definite, so `lx.CG` needs the tag
+            given, as above, where you know it is (a convex loss, a minimum).
+        """
+        return make_operator(
+            self, _hessian_products, x, args, kwargs, square=True, tags=lx.symmetric_tag
+        )
+
     def _result_specs(self, spec: PartitionSpec) -> Any:
         if len(spec) > 2:
             raise ValueError(
@@ -165,6 +222,25 @@ def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
             "outputs'). For a holomorphic function of complex variables, pass "
             "holomorphic=True."
         )
+
+
+def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: dict) -> tuple:
+    """`(flat, variables, hvp)`: the variables, raveled, and one Hessian-vector product
+    with a flat vector (the JVP of the gradient)."""
+    flat, variables = split_variables(x, owner="BatchedHessian")
+    transform._check_variables(variables)
+    fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
+    _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
+
+    def value(z):
+        return fn_of_flat(z)[0] if transform.has_aux else fn_of_flat(z)
+
+    if transform.checkpoint:
+        value = jax.checkpoint(value)
+    gradient = jax.grad(value, holomorphic=transform.holomorphic)
+    recompute = transform.strategy == "recompute"
+    _, hvp, _ = product_function(gradient, flat, reverse=False, has_aux=False, recompute=recompute)
+    return flat, variables, hvp
 
 
 def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:

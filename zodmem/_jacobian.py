@@ -14,11 +14,12 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._operator import BlockedOperator, make_operator
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
 from ._sharding import Share, Split, check_divides, share_of
 from ._traceback import public
-from ._transform import AbstractDerivative, split_aux
+from ._transform import AbstractDerivative, product_function, split_aux
 
 __all__ = ["BatchedJacobian"]
 
@@ -132,6 +133,49 @@ class BatchedJacobian(AbstractDerivative):
     def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         return _work(self, x, args, kwargs)
 
+    @public
+    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
+        """The Jacobian at `(x, *args, **kwargs)` as a `lineax` linear operator, from the
+        variables to the outputs, never formed: each product is one JVP.
+
+        Use it where the Jacobian is only applied to vectors (a Gauss-Newton step, a
+        least-squares solve, a sensitivity), or its transpose (VJPs).
+
+        - `op.mv(v)`: one Jacobian-vector product. `v` is a flat vector of the `n`
+          variables or a pytree shaped like `x`'s variables; the product is the outputs
+          of `fn` raveled and concatenated (for a flat `v`) or shaped like them.
+        - `op.mm(V)`: the products with the `k` columns of an `(n, k)` array, `(m, k)`
+          for `m` output elements, in blocks of columns as this transform's options say
+          (`nbatches`, `batch_size`: columns per block; `max_memory`: planned as the
+          call is; `sharding`: columns spread over its devices).
+        - `op.as_matrix()`: the dense `(m, n)` Jacobian, by this transform's own call.
+        - `op.T`: the transposed operator, whose products are VJPs.
+
+        **Arguments:** as for the call: `x`, the point (its inexact-array leaves are the
+        variables), and the other arguments of `fn`.
+
+        **Returns:**
+
+        A `lineax.AbstractLinearOperator` from the variables to the outputs.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            def f(params, t):
+                return params["a"] * jnp.sin(params["w"] * t)
+
+            params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
+            op = zm.BatchedJacobian(f, batch_size=2).operator(params, 0.5)
+            op.mv(jnp.ones(6))             # J @ 1, shape (3,)
+            op.T.mv(jnp.ones(3))           # J.T @ 1, shape (6,)
+            op.mm(jnp.eye(6))              # J, in blocks of 2 columns
+            ```
+        """
+        return make_operator(self, _jacobian_products, x, args, kwargs, square=False)
+
 
 def _with_array_outputs(fn_of_flat: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
     """`fn_of_flat` with its output leaves as arrays: a constant Python number becomes a
@@ -203,6 +247,18 @@ def _prepare(
         )
     mode = mode or _choose_mode(transform, variables.size, m, complex_outputs)
     return _Prepared(flat, fn_of_flat, restore_aux, variables.size, m, mode)
+
+
+def _jacobian_products(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> tuple:
+    """`(flat, variables, jvp)`: the variables, raveled, and one Jacobian-vector product
+    with a flat vector (the outputs of `fn` as it returns them, without `aux`)."""
+    flat, variables = split_variables(x, owner="BatchedJacobian")
+    prepared = _prepare(transform, x, args, kwargs, split=Split(None, None, (), 1))
+    fn_of_flat = prepared.fn_of_flat
+    value = fn_of_flat if prepared.restore_aux is None else (lambda z: fn_of_flat(z)[0])
+    recompute = transform.strategy == "recompute"
+    _, jvp, _ = product_function(value, flat, reverse=False, has_aux=False, recompute=recompute)
+    return flat, variables, jvp
 
 
 def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work:

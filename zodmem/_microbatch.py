@@ -25,7 +25,9 @@ from ._blocks import plan_blocks, reduce_blocks
 from ._budget import Work
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
+from ._operator import BlockedOperator, flat_product, make_operator
 from ._progress import label
+from ._pytree import split_variables
 from ._sharding import (
     Split,
     batch_split,
@@ -257,6 +259,57 @@ class Microbatcher(AbstractBlocked):
 
     def _with_block_size(self, size: int, strategy: Any) -> Microbatcher:
         return dataclasses.replace(self, microbatch_size=size, max_memory=None)
+
+    @public
+    def operator(self, *args: Any, **kwargs: Any) -> BlockedOperator:
+        """The summed or mean matrix of `fn` over the batch, as a `lineax` linear
+        operator: each product runs over the microbatches one after another, so it
+        takes one microbatch's memory, never the whole batch's.
+
+        Use it around a transform that has an operator (`zm.BatchedHessian`,
+        `zm.BatchedJacobian`), for a curvature of a dataset loss that is only multiplied
+        by vectors: `Microbatcher(BatchedHessian(loss), microbatch_size=m, argnums=(1, 2),
+        accumulator="mean").operator(w, xs, ys)` multiplies by the Hessian of the mean
+        loss. Its products (`mv`, `mm`) and tags are those of `fn`'s operator; `mm`
+        takes each block of vectors through the microbatches once; `as_matrix()` is this
+        transform's call.
+
+        **Arguments:** as for the call; the first positional argument is the point `x`,
+        which may not be a batch argument. The accumulator must be `"sum"`, `"mean"` or
+        `"running_mean"`, and the microbatch size given (`microbatch_size`).
+
+        **Returns:**
+
+        A `lineax.AbstractLinearOperator`, the one of `fn` summed or averaged over
+        the batch.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            def loss(w, x, y):
+                return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+            w, x, y = jnp.full(3, 0.1), jnp.ones((10, 3)), jnp.arange(10.0)
+            hessian = zm.Microbatcher(
+                zm.BatchedHessian(loss), microbatch_size=4, argnums=(1, 2), accumulator="mean"
+            )
+            op = hessian.operator(w, x, y)   # the Hessian of the mean loss over 10 examples
+            op.mv(jnp.ones(3))               # one product, in microbatches of 4, 4 and 2
+            ```
+        """
+        if not args:
+            raise TypeError(
+                f"{_OWNER}.operator: give the point `x` as the first positional argument "
+                "(the variables of the operator), then the arguments of `fn`."
+            )
+        x, rest = args[0], args[1:]
+        inner = _inner_operator(self, x, rest, kwargs)
+        return make_operator(
+            self, _microbatch_products, x, rest, kwargs, square=inner.square, tags=inner.tags
+        )
 
 
 # ----------------------------------------------------------------------------------
@@ -563,3 +616,60 @@ def _microbatch_local(
 
 
 _microbatch_jit = eqx.filter_jit(_microbatch)
+
+
+# ----------------------------------------------------------------------------------
+# Operators: `fn`'s operator summed or averaged over the microbatches
+
+
+def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) -> Any:
+    """`fn`'s operator at the whole batch, for its shapes and tags, after the checks."""
+    owner = f"{_OWNER}.operator"
+    if not callable(getattr(transform.fn, "operator", None)):
+        raise TypeError(
+            f"{owner}: `fn` must have an operator (a zm.BatchedHessian or "
+            f"zm.BatchedJacobian, say), but it is {type(transform.fn).__name__}, which has "
+            "no `operator` method."
+        )
+    if 0 in transform.batch_argnums:
+        raise ValueError(
+            f"{owner}: argnums={transform.argnums!r} makes the first argument, the point "
+            "`x` whose variables the operator acts on, a batch argument; the batch "
+            "arguments are the data that follow it, e.g. argnums=(1, 2)."
+        )
+    if transform.microbatch_size is None:
+        raise ValueError(
+            f"{owner}: give `microbatch_size`: max_memory={transform.max_memory!r} plans "
+            "the microbatches of the call, whose memory differs from a product's."
+        )
+    kinds = jax.tree_util.tree_leaves(transform.accumulator, is_leaf=is_accumulator_leaf)
+    allowed = (AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.RUNNING_MEAN)
+    if not all(resolve(kind) in allowed for kind in kinds):
+        raise ValueError(
+            f"{owner}: accumulator={transform.accumulator!r} does not combine the "
+            "microbatches' matrices into one; use 'sum', 'mean' or 'running_mean'."
+        )
+    return eqx.filter_eval_shape(lambda: transform.fn.operator(x, *args, **kwargs))
+
+
+class _ProductAt(eqx.Module):
+    """`fn`'s operator at a microbatch, times `vector`: the function reduced over the
+    microbatches for one product."""
+
+    inner: Any
+    vector: Any
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return flat_product(self.inner.operator(x, *args, **kwargs), self.vector)
+
+
+def _microbatch_products(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) -> tuple:
+    """`(flat, variables, mv)`: `mv(v)` reduces `fn`'s product with `v` over the
+    microbatches, one microbatch at a time."""
+    flat, variables = split_variables(x, owner=f"{_OWNER}.operator")
+
+    def mv(vector):
+        per_microbatch = dataclasses.replace(transform, fn=_ProductAt(transform.fn, vector))
+        return _microbatch(per_microbatch, (x, *args), kwargs)
+
+    return flat, variables, mv

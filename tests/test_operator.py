@@ -1,0 +1,278 @@
+"""`transform.operator(x, *args, **kwargs)`: products with the Hessian, the Jacobian and a
+dataset's curvature as lineax operators, against JAX's dense matrices."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from helpers import close, make_mlp, raveled
+
+import zodmem as zm
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def loss(params, data):
+    z = data @ params["w"] + jnp.sum(params["m"]) * params["b"]
+    return jnp.sum(jnp.cosh(z)) + jnp.sum(params["m"] ** 3) * params["b"] ** 2
+
+
+def outputs(params, t):
+    return {"y": params["w"] * jnp.sin(params["b"] * t), "z": jnp.outer(params["m"], params["w"])}
+
+
+def point():
+    params = {
+        "b": jnp.asarray(0.7),
+        "m": jnp.arange(6.0).reshape(2, 3) / 7,
+        "n": 3,  # not a variable: held fixed
+        "w": jnp.linspace(-0.5, 0.5, 3),
+    }
+    data = jnp.arange(12.0).reshape(4, 3) / 10
+    return params, data
+
+
+def vectors(n, k, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, k)))
+
+
+def dense_hessian(params, data):
+    fn, flat = raveled(loss, params, data)
+    return jax.jit(jax.hessian(fn))(flat), flat
+
+
+def dense_jacobian(params, t):
+    fn, flat = raveled(outputs, params, t)
+    jacobians = jax.jit(jax.jacfwd(fn))(flat)
+    return jnp.concatenate([j.reshape(-1, flat.size) for j in jax.tree_util.tree_leaves(jacobians)])
+
+
+def as_tree(flat, like):
+    """A flat vector shaped like the variables of `like` (None at the other leaves)."""
+    params, _ = eqx.partition(like, eqx.is_inexact_array)
+    return jax.flatten_util.ravel_pytree(params)[1](flat)
+
+
+# 5 vectors: 2 blocks of 3 (the second overlaps the first), 1 block of 5, 5 blocks of 1
+# (nbatches counts blocks of the Hessian's 10 columns, at most the 5 vectors here).
+BLOCKS = [{"batch_size": 3}, {"batch_size": 5}, {"nbatches": 10}]
+
+
+@pytest.mark.parametrize("options", BLOCKS)
+def test_hessian_products(options):
+    params, data = point()
+    H, flat = dense_hessian(params, data)
+    op = zm.BatchedHessian(loss, **options).operator(params, data)
+    V = vectors(flat.size, 5)
+    close(op.mm(V), H @ V)
+    close(op.mv(V[:, 0]), H @ V[:, 0])
+    # A vector shaped like the variables comes back in that shape.
+    close(op.mv(as_tree(V[:, 1], params)), as_tree(H @ V[:, 1], params))
+    assert op.in_structure() == op.out_structure()
+    assert op.in_structure()["n"] is None
+
+
+def test_hessian_strategies_and_modes():
+    params, data = point()
+    H, flat = dense_hessian(params, data)
+    V = vectors(flat.size, 4)
+    recompute = zm.BatchedHessian(loss, batch_size=3, strategy="recompute")
+    op = recompute.operator(params, data)
+    assert lx.linearise(op) is op  # nothing kept: each product evaluates `fn` again
+    close(op.mm(V), H @ V)
+    checkpointed = zm.BatchedHessian(loss, mode="fwd", checkpoint=True).operator(params, data)
+    close(checkpointed.mv(V[:, 0]), H @ V[:, 0])
+    linear = lx.linearise(zm.BatchedHessian(loss).operator(params, data))
+    assert linear.linear is not None  # the linearisation is kept, its residuals leaves
+    close(linear.mm(V), H @ V)
+
+
+def test_hessian_with_aux_and_mixed_precisions():
+    def with_aux(params, data):
+        return loss(params, data), {"note": "kept", "value": params["b"]}
+
+    params, data = point()
+    mixed = {**params, "w": params["w"].astype(jnp.float32)}
+    op = zm.BatchedHessian(with_aux, has_aux=True).operator(mixed, data)
+    v = jax.tree_util.tree_map(jnp.ones_like, eqx.filter(mixed, eqx.is_inexact_array))
+    variables, fixed = eqx.partition(mixed, eqx.is_inexact_array)
+    gradient = jax.grad(lambda p: loss(eqx.combine(p, fixed), data))
+    expected = jax.jit(lambda p, v: jax.jvp(gradient, (p,), (v,))[1])(variables, v)
+    result = op.mv(v)
+    assert result["w"].dtype == jnp.float32 and result["m"].dtype == jnp.float64
+    close(result, expected, rtol=1e-5, atol=1e-5)
+    close(op.as_matrix(), zm.BatchedHessian(with_aux, has_aux=True)(mixed, data)[0])
+
+
+@pytest.mark.parametrize("options", [{"batch_size": 4}, {"nbatches": 2, "mode": "rev"}])
+def test_jacobian_products_and_transpose(options):
+    params, _ = point()
+    J = dense_jacobian(params, 0.5)
+    op = zm.BatchedJacobian(outputs, **options).operator(params, 0.5)
+    V, W = vectors(J.shape[1], 7), vectors(J.shape[0], 3, seed=1)
+    close(op.mm(V), J @ V)
+    close(op.mv(V[:, 0]), J @ V[:, 0])
+    shaped = op.mv(as_tree(V[:, 0], params))
+    close(shaped, jax.tree_util.tree_map(lambda o: o, outputs_of(J @ V[:, 0])))
+    close(op.T.mv(W[:, 0]), J.T @ W[:, 0])
+    close(op.T.mm(W), J.T @ W)
+    close(op.T.mv(outputs_of(W[:, 0])), as_tree(J.T @ W[:, 0], params))
+    close(op.as_matrix(), J)
+    close(op.T.as_matrix(), J.T)
+    assert not lx.is_symmetric(op) and op.T.T.mv(V[:, 0]).shape == (J.shape[0],)
+
+
+def outputs_of(flat):
+    return {"y": flat[:3], "z": flat[3:].reshape(6, 3)}
+
+
+def test_as_matrix_is_the_transforms_result():
+    params, data = point()
+    transform = zm.BatchedHessian(loss, nbatches=2)
+    close(transform.operator(params, data).as_matrix(), transform(params, data), exact=True)
+    v = jnp.linspace(-1, 1, 10)
+    close(
+        lx.materialise(transform.operator(params, data)).mv(as_tree(v, params)),
+        as_tree(transform(params, data) @ v, params),
+    )
+    close(lx.diagonal(transform.operator(params, data)), jnp.diag(transform(params, data)))
+
+
+def test_budget_plans_the_blocks_of_vectors():
+    params, data = point()
+    H, flat = dense_hessian(params, data)
+    V = vectors(flat.size, 6)
+    close(zm.BatchedHessian(loss, max_memory="400MB").operator(params, data).mm(V), H @ V)
+
+
+def test_inside_jit_and_grad():
+    params, data = point()
+    H, flat = dense_hessian(params, data)
+    V = vectors(flat.size, 3)
+    transform = zm.BatchedHessian(loss, batch_size=2)
+
+    @jax.jit
+    def products(data, V):
+        op = transform.operator(params, data)
+        return op.mv(V[:, 0]), op.mm(V)
+
+    one, block = products(data, V)
+    close(one, H @ V[:, 0])
+    close(block, H @ V)
+    op = transform.operator(params, data)
+    close(eqx.filter_jit(lambda op, v: op.mv(v))(op, V[:, 1]), H @ V[:, 1])
+
+    def objective(v, data):
+        return jnp.sum(jnp.sin(transform.operator(params, data).mv(v)))
+
+    def reference(v, data):
+        fn, flat = raveled(loss, params, data)
+        return jnp.sum(jnp.sin(jax.hessian(fn)(flat) @ v))
+
+    for argnums in (0, 1):  # with respect to the vector, and to the point
+        close(
+            jax.jit(jax.grad(objective, argnums))(V[:, 0], data),
+            jax.jit(jax.grad(reference, argnums))(V[:, 0], data),
+        )
+
+
+def test_lineax_solves_take_it():
+    def convex(w, data):
+        return jnp.sum(jnp.logaddexp(0.0, data @ w)) + 0.5 * jnp.sum(w**2)
+
+    w, data = jnp.linspace(-1, 1, 4), jnp.arange(20.0).reshape(5, 4) / 20
+    H = jax.jit(jax.hessian(convex))(w, data)
+    b = jnp.arange(1.0, 5.0)
+    op = zm.BatchedHessian(convex, batch_size=3).operator(w, data)
+    assert lx.is_symmetric(op) and not lx.is_positive_semidefinite(op) and op.T is op
+    positive = lx.TaggedLinearOperator(op, lx.positive_semidefinite_tag)
+    solution = lx.linear_solve(positive, b, lx.CG(rtol=1e-12, atol=1e-12)).value
+    close(solution, jnp.linalg.solve(H, b), rtol=1e-9, atol=1e-9)
+    # A solver for any square operator takes it untagged (LU through `as_matrix`).
+    close(lx.linear_solve(op, b, lx.LU()).value, jnp.linalg.solve(H, b), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("accumulator, size", [("sum", 3), ("mean", 4)])
+def test_microbatcher_operator(accumulator, size):
+    def example_loss(w, x, y):
+        return jnp.mean((jnp.tanh(x @ w["a"]) * w["c"] - y) ** 2)
+
+    w = {"a": jnp.linspace(-0.3, 0.3, 3), "c": jnp.asarray(1.2)}
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(6, 3)))
+    y = jnp.arange(6.0) / 6
+    fn, flat = raveled(example_loss, w, x, y)
+    microbatches = [(x[i : i + size], y[i : i + size]) for i in range(0, 6, size)]
+    weight = (lambda xs: 1.0) if accumulator == "sum" else (lambda xs: xs.shape[0] / 6)
+
+    def hessian_of(xs, ys):
+        return jax.hessian(raveled(example_loss, w, xs, ys)[0])(flat)
+
+    H = sum(jax.jit(hessian_of)(xs, ys) * weight(xs) for xs, ys in microbatches)
+    transform = zm.Microbatcher(
+        zm.BatchedHessian(example_loss, batch_size=2),
+        microbatch_size=size,
+        argnums=(1, 2),
+        accumulator=accumulator,
+    )
+    op = transform.operator(w, x, y)
+    V = vectors(flat.size, 3)
+    close(op.mm(V), H @ V)
+    close(op.mv(as_tree(V[:, 0], w)), as_tree(H @ V[:, 0], w))
+    close(op.as_matrix(), transform(w, x, y))
+    assert lx.is_symmetric(op)
+
+
+def test_microbatcher_jacobian_operator():
+    def model(w, x):
+        return jnp.sum(jnp.tanh(x @ w), axis=0)  # a sum over the examples: additive
+
+    w, x = jnp.linspace(-0.3, 0.3, 6).reshape(3, 2), jnp.arange(15.0).reshape(5, 3) / 10
+    J = jax.jit(jax.jacfwd(model))(w, x).reshape(2, 6)
+    op = zm.Microbatcher(zm.BatchedJacobian(model), microbatch_size=2, argnums=1).operator(w, x)
+    V, W = vectors(6, 2), vectors(2, 1)
+    close(op.mm(V), J @ V)
+    close(op.T.mv(W[:, 0]), J.T @ W[:, 0])
+
+
+def test_bad_input_is_refused_before_computing():
+    params, data = point()
+    op = zm.BatchedHessian(loss).operator(params, data)
+    with pytest.raises(ValueError, match=r"`vector` must be a flat vector of shape \(10,\)"):
+        op.mv(jnp.ones(9))
+    with pytest.raises(TypeError, match="dtype float32.*float64"):
+        op.mv(jnp.ones(10, jnp.float32))
+    with pytest.raises(TypeError, match=r"`vector`\['w'\] has dtype int"):
+        op.mv({"b": jnp.ones(()), "m": jnp.ones((2, 3)), "n": None, "w": jnp.ones(3, int)})
+    with pytest.raises(ValueError, match=r"`vector`\['m'\] must be an array of shape \(2, 3\)"):
+        op.mv({"b": jnp.ones(()), "m": jnp.ones(6), "n": None, "w": jnp.ones(3)})
+    with pytest.raises(ValueError, match=r"`matrix` must be an \(10, k\) array.*\(10,\)"):
+        op.mm(jnp.ones(10))
+    with pytest.raises(TypeError, match="`matrix` has dtype int"):
+        op.mm(jnp.ones((10, 2), int))
+    with pytest.raises(TypeError, match=r"must return a scalar.*shape \(4,\)"):
+        zm.BatchedHessian(lambda p, d: d @ p["w"]).operator(params, data)
+    with pytest.raises(TypeError, match="no `operator` method"):
+        zm.Microbatcher(jnp.sum, microbatch_size=2, argnums=1).operator(params, data)
+    hessian = zm.BatchedHessian(loss)
+    with pytest.raises(ValueError, match="the point `x`"):
+        zm.Microbatcher(hessian, microbatch_size=2, argnums=(0, 1)).operator(params, data)
+    with pytest.raises(ValueError, match="accumulator='concat'"):
+        zm.Microbatcher(hessian, microbatch_size=2, argnums=1, accumulator="concat").operator(
+            params, data
+        )
+
+
+def test_a_whole_model_is_a_vector_too():
+    model = make_mlp(2, "scalar", 3, 1)
+    x = jnp.ones(2)
+
+    def model_loss(model, x):
+        return jnp.tanh(model(x)) ** 2
+
+    op = zm.BatchedHessian(model_loss).operator(model, x)
+    fn, flat = raveled(model_loss, model, x)
+    H = jax.jit(jax.hessian(fn))(flat)
+    product = op.mv(model)  # its activation functions are not variables: ignored
+    close(jax.flatten_util.ravel_pytree(eqx.filter(product, eqx.is_array))[0], H @ flat)
