@@ -276,3 +276,26 @@ def test_a_whole_model_is_a_vector_too():
     H = jax.jit(jax.hessian(fn))(flat)
     product = op.mv(model)  # its activation functions are not variables: ignored
     close(jax.flatten_util.ravel_pytree(eqx.filter(product, eqx.is_array))[0], H @ flat)
+
+
+def test_ggn_operator_is_positive_semidefinite():
+    def model(w, inputs):
+        return jnp.tanh(inputs @ w["a"]) * w["c"]
+
+    def squared(outputs, inputs):
+        return 0.5 * jnp.sum(outputs**2)
+
+    w = {"a": jnp.linspace(-0.2, 0.4, 3), "c": jnp.asarray(1.5)}
+    inputs = jnp.linspace(-1, 1, 15).reshape(5, 3) ** 3  # 5 outputs, 4 variables: G is regular
+    fn, flat = raveled(model, w, inputs)
+    J = jax.jit(jax.jacfwd(fn))(flat)
+    op = zm.BatchedGGN(model, squared, batch_size=3).operator(w, inputs)
+    assert lx.is_symmetric(op) and lx.is_positive_semidefinite(op) and op.T is op
+    V = vectors(4, 2)
+    close(op.mm(V), J.T @ J @ V)
+    b = jnp.arange(1.0, 5.0)
+    # Taken by CG as it is (the Gauss-Newton matrix is positive semi-definite), with the
+    # right-hand side shaped like the variables, as lineax asks (its `out_structure`).
+    cg = lx.CG(rtol=1e-12, atol=1e-12, max_steps=100)
+    solution = lx.linear_solve(op, as_tree(b, w), cg).value
+    close(solution, as_tree(jnp.linalg.solve(J.T @ J, b), w), rtol=1e-7, atol=1e-7)

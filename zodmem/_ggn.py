@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 from beartype import beartype
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PyTree, jaxtyped
@@ -17,6 +18,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._checks import check_callable
 from ._losses import AbstractLoss
+from ._operator import BlockedOperator, make_operator
 from ._progress import label
 from ._pytree import Variables, basis_block, split_variables
 from ._sharding import Share, Split, share_of
@@ -161,6 +163,50 @@ class BatchedGGN(AbstractDerivative):
         return Work(total, "variables", "Gauss-Newton matrix", plan.block_size).per_device(
             self._split
         )
+
+    @public
+    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
+        """The Gauss-Newton matrix at `(x, *args, **kwargs)` as a `lineax` linear
+        operator, never formed: each product `G v = J^T (H_loss (J v))` is one JVP of
+        `fn`, one product with the loss's Hessian and one VJP.
+
+        Use it for Gauss-Newton or natural-gradient steps solved by conjugate gradients,
+        and for the Fisher matrix's spectrum, where the `(n, n)` matrix does not fit.
+        It carries `lx.symmetric_tag` and `lx.positive_semidefinite_tag` (for a convex
+        loss, `G` is positive semi-definite), so `lx.CG` takes it as it is. `op.mv(v)`
+        takes a flat vector or a pytree shaped like `x`'s variables and answers in the
+        same form; `op.mm(V)` the products with the columns of an `(n, k)` array, in
+        blocks as this transform's options (`nbatches`, `batch_size`, `max_memory`,
+        `sharding`) say; `op.as_matrix()` is this transform's call.
+
+        **Arguments:** as for the call.
+
+        **Returns:**
+
+        A `lineax.AbstractLinearOperator` from the variables to the variables.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import lineax as lx
+            import zodmem as zm
+
+            def model(w, inputs):
+                return jnp.tanh(inputs @ w)
+
+            def loss(outputs, inputs):
+                return 0.5 * jnp.sum(outputs**2)
+
+            w, inputs = jnp.full(3, 0.1), jnp.eye(3) + 0.5
+            op = zm.BatchedGGN(model, loss, batch_size=2).operator(w, inputs)
+            damped = op + 1e-3 * lx.IdentityLinearOperator(op.in_structure())
+            damped = lx.TaggedLinearOperator(damped, lx.positive_semidefinite_tag)
+            lx.linear_solve(damped, jnp.ones(3), lx.CG(rtol=1e-8, atol=1e-8)).value
+            ```
+        """
+        tags = (lx.symmetric_tag, lx.positive_semidefinite_tag)
+        return make_operator(self, ggn_products, x, args, kwargs, square=True, tags=tags)
 
 
 class _Prepared(NamedTuple):
