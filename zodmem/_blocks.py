@@ -121,10 +121,13 @@ class BlockSink(NamedTuple):
     """Where one `map_blocks` call hands its finished blocks: `write(index, start, pieces,
     axes)` runs on the host (`index` counted over the whole output, `pieces` NumPy arrays,
     one per output leaf of the block function, `axes` their block axes), and the loop
-    starts at block `first_block` (traced) of this call."""
+    starts at block `first_block` (traced) of this call. With `share` (a traced int32:
+    which device's share of a sharded result the blocks belong to), it is handed to
+    `write` too, as `share=`."""
 
     write: Callable[..., None]
     first_block: Any
+    share: Any = None
 
 
 class OutputSink:
@@ -139,25 +142,31 @@ class OutputSink:
     - `write(index, leaves, start, pieces, axes)`: the host function that takes block
       `index`, whose items start at `start`, for the result leaves `leaves`.
     - `first_block`: the first block to compute, counted over the whole output.
+    - `share`: optionally, inside one device's share of a sharded computation, the
+      share's index (traced): `write` then takes it too, as `share=` (an int), so the host
+      knows whose items `start` counts from. `parts` lists each part's `(leaves, plan)`.
     """
 
-    def __init__(self, write: Callable[..., None], first_block: Any):
+    def __init__(self, write: Callable[..., None], first_block: Any, share: Any = None):
         self._write = write
         self.first_block = first_block
+        self.share = share
         self.num_blocks = 0
         self.leaves: list[int] = []
+        self.parts: list[tuple[tuple[int, ...], BlockPlan]] = []
 
     def part(self, leaves: Sequence[int], plan: BlockPlan) -> BlockSink:
         """The sink of a `map_blocks` call over `plan` that fills the result's `leaves`."""
         offset, leaves = self.num_blocks, tuple(leaves)
         self.num_blocks += plan.num_blocks
         self.leaves.extend(leaves)
+        self.parts.append((leaves, plan))
         first = jnp.clip(jnp.asarray(self.first_block, jnp.int32) - offset, 0, plan.num_blocks)
 
-        def write(index: Any, start: Any, pieces: Sequence, axes: tuple) -> None:
-            self._write(int(index) + offset, leaves, int(start), pieces, axes)
+        def write(index: Any, start: Any, pieces: Sequence, axes: tuple, **share: Any) -> None:
+            self._write(int(index) + offset, leaves, int(start), pieces, axes, **share)
 
-        return BlockSink(write, first.astype(jnp.int32))
+        return BlockSink(write, first.astype(jnp.int32), self.share)
 
 
 def _leaf_axes(axis: Any, tree: Any) -> list[int]:
@@ -271,11 +280,17 @@ def _hand_over_blocks(
     def write(index, start, *pieces):
         sink.write(index, start, pieces, tuple(axes))
 
+    def write_share(index, start, share, *pieces):
+        sink.write(index, start, pieces, tuple(axes), share=int(share))
+
     def hand_over(index, inputs):
         start = plan.start(index).astype(jnp.int32)
         block = jax.tree_util.tree_leaves(compute(start, inputs))
         # Ordered: the host sees the blocks in loop order, so "blocks done" is a prefix.
-        io_callback(write, None, index, start, *block, ordered=True)
+        if sink.share is None:
+            io_callback(write, None, index, start, *block, ordered=True)
+        else:
+            io_callback(write_share, None, index, start, sink.share, *block, ordered=True)
         bar.done(index + 1, block)
         return read_block(index + 1)
 

@@ -163,6 +163,18 @@ class ResultFiles:
         digest = _digest(np.ascontiguousarray(runs))
         return [leaf, before, after, first, start + count, digest]
 
+    def write_rows(self, leaf: int, rows: Any, first: int) -> list:
+        """Write whole rows (items along the first axis of the engine's view of leaf
+        `leaf`, whose other axes are C-ordered after it) from row `first` on: one run of
+        bytes, as a process of a sharded call writes its devices' rows. Returns the
+        region written and its checksum, `[leaf, 1, row length, first, stop, digest]`."""
+        dtype = np.dtype(self.layout.leaves[leaf].dtype)
+        rows = np.ascontiguousarray(rows, dtype)
+        after = math.prod(rows.shape[1:])
+        offset = len(self.headers[leaf]) + first * after * dtype.itemsize
+        pwrite_all(self.fds[leaf], rows.reshape(-1), offset)
+        return [leaf, 1, after, first, first + rows.shape[0], _digest(rows)]
+
     def write_whole(self, leaf: int, value: Any) -> str:
         """Write a leaf that was returned whole; returns its checksum."""
         dtype = np.dtype(self.layout.leaves[leaf].dtype)
@@ -271,6 +283,7 @@ class ResultFiles:
     def exists(self) -> bool:
         if self.single:
             return os.path.exists(self.paths[0])
-        return os.path.isdir(self.directory) and bool(
-            set(os.listdir(self.directory)) - {_LOCK_NAME}
+        # Locks are not results: `blocks.lock`, or `blocks.lock.p<k>` of a sharded call's processes.
+        return os.path.isdir(self.directory) and any(
+            not name.startswith(_LOCK_NAME) for name in os.listdir(self.directory)
         )

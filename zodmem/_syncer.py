@@ -5,7 +5,8 @@ blocks are computed: it fsyncs the files, then appends the journal's record of t
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._journal import Journal
@@ -16,10 +17,19 @@ __all__ = ["Syncer"]
 
 class Syncer:
     """Makes written blocks durable off the loop's thread: fsyncs the files, drops their
-    pages from the cache, then records (and fsyncs) how many blocks are on disk."""
+    pages from the cache, then records (and fsyncs) how many blocks are on disk.
 
-    def __init__(self, files: ResultFiles, journal: Journal):
+    `record(count, blocks)` is the journal's record of them: by default `{"done": count,
+    "blocks": blocks}`; a sharded call's journal records the rows its blocks wrote."""
+
+    def __init__(
+        self,
+        files: ResultFiles,
+        journal: Journal,
+        record: Callable[[int, list], dict[str, Any]] | None = None,
+    ):
         self._files, self._journal = files, journal
+        self._record = record or _blocks_done
         self._pending: int | None = None
         self._blocks: list = []
         self._closed = False
@@ -47,7 +57,7 @@ class Syncer:
                 blocks, self._blocks = self._blocks, []
             try:
                 self._files.sync()
-                self._journal.append({"done": count, "blocks": blocks})
+                self._journal.append(self._record(count, blocks))
             except BaseException as error:  # raised again on the caller's thread
                 self._error = error
                 return
@@ -60,3 +70,7 @@ class Syncer:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def _blocks_done(count: int, blocks: list) -> dict[str, Any]:
+    return {"done": count, "blocks": blocks}
