@@ -76,17 +76,16 @@ def test_every_mode_strategy_and_block_option():
     params = make_params()  # n = 4 + 8 + 12 = 24
     expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS, scale=0.5)
     assert expected.shape == (24, 24)
-    options = [{}, {"nbatches": 3}, {"batch_size": 5}]  # one block, dividing, not dividing
+    # One block, blocks that divide n (3 of 8) and blocks that do not (5, 7), in each
+    # mode and strategy; `together` compiles them all in one eqx.filter_jit.
     transforms = [
-        zm.BatchedGGN(model, plain_loss, mode=mode, **option)
-        for mode in ("fwd", "rev")
-        for option in options
+        zm.BatchedGGN(model, plain_loss, mode="fwd"),
+        zm.BatchedGGN(model, plain_loss, mode="fwd", nbatches=3),
+        zm.BatchedGGN(model, plain_loss, mode="rev", batch_size=5),
+        zm.BatchedGGN(model, plain_loss, mode="fwd", strategy="recompute", batch_size=5),
+        zm.BatchedGGN(model, plain_loss, mode="rev", strategy="recompute", nbatches=3),
+        zm.BatchedGGN(model, plain_loss, batch_size=7, checkpoint=True),
     ]
-    transforms += [
-        zm.BatchedGGN(model, plain_loss, mode=mode, strategy="recompute", batch_size=5)
-        for mode in ("fwd", "rev")
-    ]
-    transforms.append(zm.BatchedGGN(model, plain_loss, batch_size=7, checkpoint=True))
     for G in together(transforms, params, INPUTS, TARGETS, scale=0.5):
         assert G.dtype == jnp.float64
         close(G, expected)
@@ -146,9 +145,7 @@ def test_mixed_precision_and_an_equinox_model():
     params = {"single": jnp.asarray([0.25, -0.5], jnp.float32), "double": jnp.asarray([1.5, 0.1])}
     inputs = jnp.asarray(mixing(3, 4))
     G = zm.BatchedGGN(vector_model, vector_loss, batch_size=3)(params, inputs[0])
-    assert (
-        G.dtype == zm.BatchedHessian(lambda x: vector_loss(vector_model(x, 1.0), 1.0))(params).dtype
-    )
+    assert G.dtype == jnp.float64  # the raveled variables' dtype, as BatchedHessian gives
     close(G, reference_ggn(vector_model, vector_loss, params, inputs[0]), rtol=1e-5, atol=1e-6)
     # An MLP as x: its activation functions are leaves that are not variables.
     mlp = make_mlp(3, 2, 4, 1)
@@ -164,9 +161,9 @@ def test_mixed_precision_and_an_equinox_model():
     close(G, reference_ggn(apply, squared, mlp, INPUTS, TARGETS))
 
 
-def test_inside_jit_filter_jit_and_vmap():
+def test_inside_jit_and_vmap():
+    """(Every `together` call runs the transforms inside `eqx.filter_jit`, as arguments.)"""
     params = make_params()
-    expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS)
     inner = zm.BatchedGGN(model, plain_loss, nbatches=2, jit=False)
 
     @jax.jit
@@ -181,13 +178,6 @@ def test_inside_jit_filter_jit_and_vmap():
         one = reference_ggn(model, plain_loss, params, INPUTS[k : k + 1], TARGETS[k : k + 1])
         close(per_example[k], one)
     close(G, per_example[0] + per_example[1])
-
-    @eqx.filter_jit
-    def trace(transform, params, inputs, targets):
-        return jnp.trace(transform(params, inputs, targets))
-
-    transform = zm.BatchedGGN(model, plain_loss, batch_size=5)
-    close(trace(transform, params, INPUTS, TARGETS), jnp.trace(expected))
 
 
 def test_microbatched_over_a_dataset_equals_the_sum():
@@ -262,11 +252,7 @@ def test_streamed_and_products():
         return results
 
     vectors = jnp.asarray(mixing(3, 24, 2.0))
-    transforms = [
-        zm.BatchedGGN(model, plain_loss, mode=mode, strategy=strategy)
-        for mode, strategy in (("fwd", "linearize"), ("rev", "recompute"))
-    ]
-    for flat, size, block, one in products(transforms, params, vectors):
+    for flat, size, block, one in products([zm.BatchedGGN(model, plain_loss)], params, vectors):
         assert size == 24
         close(flat, ravel_pytree(params)[0])
         close(block, vectors @ expected.T)
@@ -296,7 +282,7 @@ def per_row(matrix, jacobian_of_rows):
     return jnp.einsum("rkn,rkl,rlm->nm", jacobian_of_rows, matrix, jacobian_of_rows)
 
 
-jacobian_rows = jax.jit(jax.jacfwd(linear_model))  # (5, 3, 6)
+jacobian_rows = jax.jit(jax.jacfwd(lambda w, inputs: linear_model(w, inputs, None)))  # (5, 3, 6)
 
 
 def plain(loss):
@@ -308,112 +294,111 @@ def test_squared_error_weights_and_covariance():
     inputs, targets = INPUTS, TARGETS[:, :1].repeat(3, axis=1)
     covariance = mixing(3, 3) @ mixing(3, 3).T + np.eye(3)
     weights = np.asarray([0.5, 2.0, 1.0])
-    J = jacobian_rows(W, inputs, targets)
-    losses = {
-        "none": (zm.losses.SquaredError(), np.broadcast_to(np.eye(3), (5, 3, 3))),
-        "weights": (
-            zm.losses.SquaredError(weights=jnp.asarray(weights)),
-            np.broadcast_to(np.diag(weights), (5, 3, 3)),
-        ),
-        "covariance": (
-            zm.losses.SquaredError(covariance=jnp.asarray(covariance)),
-            np.broadcast_to(np.linalg.inv(covariance), (5, 3, 3)),
-        ),
-    }
+    J = jacobian_rows(W, inputs)
+    by_weights = zm.losses.SquaredError(weights=jnp.asarray(weights))
+    by_covariance = zm.losses.SquaredError(covariance=jnp.asarray(covariance))
     # No targets: `fn` returns the residuals.
     residuals = zm.losses.SquaredError(weights=jnp.asarray(weights), targets=None)
-    losses["residuals"] = (residuals, losses["weights"][1])
     transforms = [
-        transform
-        for loss, _ in losses.values()
-        for transform in (
-            zm.BatchedGGN(linear_model, loss, nbatches=2),
-            zm.BatchedGGN(linear_model, plain(loss)),
-        )
+        zm.BatchedGGN(linear_model, by_weights, nbatches=2),
+        zm.BatchedGGN(linear_model, plain(by_weights)),
+        zm.BatchedGGN(linear_model, by_covariance, nbatches=2),
+        zm.BatchedGGN(linear_model, plain(by_covariance)),
+        zm.BatchedGGN(linear_model, residuals),
     ]
     results = together(transforms, W, inputs, targets)
-    for k, (_, precision) in enumerate(losses.values()):
-        fisher = per_row(precision, J)
-        close(results[2 * k], fisher)  # the closed form
-        close(results[2 * k + 1], fisher)  # by autodiff
+    weighted = per_row(np.broadcast_to(np.diag(weights), (5, 3, 3)), J)
+    fisher = per_row(np.broadcast_to(np.linalg.inv(covariance), (5, 3, 3)), J)  # J^T Σ^-1 J
+    for G, expected in zip(results, [weighted, weighted, fisher, fisher, weighted], strict=True):
+        close(G, expected)
     outputs = linear_model(W, inputs, targets)
     close(residuals(outputs), 0.5 * jnp.sum(weights * outputs**2))
-    # The targets as a keyword argument.
+    r = outputs - targets
+    close(by_covariance(outputs, inputs, targets), 0.5 * jnp.sum(r @ np.linalg.inv(covariance) * r))
+    # No weights; the targets as a keyword argument.
     by_name = zm.losses.SquaredError(targets="y")
-    close(by_name(outputs, inputs, y=targets), 0.5 * jnp.sum((outputs - targets) ** 2))
+    close(by_name(outputs, inputs, y=targets), 0.5 * jnp.sum(r**2))
+
+
+@eqx.filter_jit
+def _calls(calls):
+    return [transform(*args) for transform, args in calls]
+
+
+def calls(*pairs):
+    """`transform(*args)` for each pair, compiled together in one eqx.filter_jit."""
+    return _calls(list(pairs))
 
 
 def test_softmax_cross_entropy_is_the_categorical_fisher():
     logits = linear_model(W, INPUTS, None)
     p = jax.nn.softmax(logits)
-    fisher = per_row(
-        jax.vmap(lambda p: jnp.diag(p) - jnp.outer(p, p))(p), jacobian_rows(W, INPUTS, None)
-    )
+    fisher = per_row(jax.vmap(lambda p: jnp.diag(p) - jnp.outer(p, p))(p), jacobian_rows(W, INPUTS))
     loss = zm.losses.SoftmaxCrossEntropy()
     indices = jnp.asarray([0, 2, 1, 1, 0])
     probabilities = jax.nn.softmax(jnp.asarray(mixing(5, 3)))
-    for labels in (indices, probabilities):
-        results = together(
-            [
-                zm.BatchedGGN(linear_model, loss, batch_size=4),
-                zm.BatchedGGN(linear_model, plain(loss)),
-            ],
-            W,
-            INPUTS,
-            labels,
-        )
-        for G in results:
-            close(G, fisher)
+    results = calls(
+        (zm.BatchedGGN(linear_model, loss, batch_size=4), (W, INPUTS, indices)),
+        (zm.BatchedGGN(linear_model, plain(loss)), (W, INPUTS, indices)),
+        (zm.BatchedGGN(linear_model, plain(loss)), (W, INPUTS, probabilities)),
+    )
+    for G in results:
+        close(G, fisher)
     one_hot = jax.nn.one_hot(indices, 3)
     close(loss(logits, INPUTS, indices), loss(logits, INPUTS, one_hot))
     close(loss(logits, INPUTS, indices), -jnp.sum(one_hot * jax.nn.log_softmax(logits)))
 
 
+def rates(w, inputs, counts):
+    return jnp.exp(linear_model(w, inputs, counts))
+
+
 def test_poisson_fisher():
     log_rates = linear_model(W, INPUTS, COUNTS)
-    J = jacobian_rows(W, INPUTS, COUNTS)
+    rate = jnp.exp(log_rates)
+    J = jacobian_rows(W, INPUTS)
+    log_rate_loss, rate_loss = zm.losses.PoissonNLL(), zm.losses.PoissonNLL(log_rate=False)
+    results = calls(
+        (zm.BatchedGGN(linear_model, log_rate_loss), (W, INPUTS, COUNTS)),
+        (zm.BatchedGGN(linear_model, plain(log_rate_loss)), (W, INPUTS, COUNTS)),
+        (zm.BatchedGGN(rates, rate_loss, nbatches=3), (W, INPUTS, COUNTS)),
+        (zm.BatchedGGN(rates, plain(rate_loss), nbatches=3), (W, INPUTS, rate)),
+    )
     # Log-rates: the Hessian, diag(rate), does not depend on the counts: it is the Fisher.
-    fisher = per_row(jax.vmap(jnp.diag)(jnp.exp(log_rates)), J)
-    loss = zm.losses.PoissonNLL()
-    for G in together(
-        [zm.BatchedGGN(linear_model, loss), zm.BatchedGGN(linear_model, plain(loss))],
-        W,
-        INPUTS,
-        COUNTS,
-    ):
-        close(G, fisher)
-    expected = jnp.sum(jax.scipy.stats.poisson.logpmf(COUNTS, jnp.exp(log_rates)))
-    close(loss(log_rates, INPUTS, COUNTS), -expected)
-
+    fisher = per_row(jax.vmap(jnp.diag)(rate), J)
+    close(results[0], fisher)
+    close(results[1], fisher)
     # Rates: the Hessian, counts / rate**2, is linear in the counts, so its expectation is
     # the autodiff matrix at counts equal to the rates: diag(1 / rate).
-    def rates(w, inputs, counts):
-        return jnp.exp(linear_model(w, inputs, counts))
+    J_rates = J * rate[..., None]
+    close(results[2], per_row(jax.vmap(jnp.diag)(1 / rate), J_rates))
+    close(results[2], results[3])
+    expected = jnp.sum(jax.scipy.stats.poisson.logpmf(COUNTS, rate))
+    close(log_rate_loss(log_rates, INPUTS, COUNTS), -expected)
+    close(rate_loss(rate, INPUTS, COUNTS), -expected)
 
-    loss = zm.losses.PoissonNLL(log_rate=False)
-    rate = jnp.exp(log_rates)
-    J = jax.jit(jax.jacfwd(rates))(W, INPUTS, COUNTS)
-    shortcut = zm.BatchedGGN(rates, loss, nbatches=3)(W, INPUTS, COUNTS)
-    close(shortcut, per_row(jax.vmap(jnp.diag)(1 / rate), J))
-    close(shortcut, zm.BatchedGGN(rates, plain(loss), nbatches=3)(W, INPUTS, rate))
-    close(loss(rate, INPUTS, COUNTS), -expected)
+
+def mean_and_log_variance(w, inputs, targets):
+    outputs = linear_model(w, inputs, targets)
+    return outputs[:, 0], outputs[:, 1] - outputs[:, 2]
 
 
 def test_gaussian_nll_is_the_expected_hessian():
-    def mean_and_log_variance(w, inputs, targets):
-        outputs = linear_model(w, inputs, targets)
-        return outputs[:, 0], outputs[:, 1] - outputs[:, 2]
-
     targets = jnp.asarray(TARGETS[:, 0])
     mean, log_variance = mean_and_log_variance(W, INPUTS, targets)
     sigma = jnp.exp(log_variance / 2)
     loss = zm.losses.GaussianNLL()
-    shortcut = zm.BatchedGGN(mean_and_log_variance, loss, batch_size=4)(W, INPUTS, targets)
-    # The Hessian is quadratic in the targets: its mean over mean ± sigma is its expectation.
     by_autodiff = zm.BatchedGGN(mean_and_log_variance, plain(loss))
-    expectation = (by_autodiff(W, INPUTS, mean + sigma) + by_autodiff(W, INPUTS, mean - sigma)) / 2
-    close(shortcut, expectation)
-    J_mean, J_log_variance = jax.jit(jax.jacfwd(mean_and_log_variance))(W, INPUTS, targets)
+    shortcut = zm.BatchedGGN(mean_and_log_variance, loss, batch_size=4)
+    at_both = jax.vmap(by_autodiff, in_axes=(None, None, 0))
+    shortcut, above_and_below = calls(
+        (shortcut, (W, INPUTS, targets)),
+        (at_both, (W, INPUTS, jnp.stack([mean + sigma, mean - sigma]))),
+    )
+    # The Hessian is quadratic in the targets: its mean over mean ± sigma is its expectation.
+    close(shortcut, jnp.mean(above_and_below, axis=0))
+    J = jacobian_rows(W, INPUTS)
+    J_mean, J_log_variance = J[:, 0], J[:, 1] - J[:, 2]
     fisher = (
         J_mean.T @ jnp.diag(jnp.exp(-log_variance)) @ J_mean
         + 0.5 * J_log_variance.T @ J_log_variance
