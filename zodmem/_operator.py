@@ -24,7 +24,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from ._blocks import map_blocks, plan_blocks
 from ._budget import Work
@@ -378,15 +378,17 @@ def _blocked(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
         )
 
     def compute(share, split, inputs):
-        return _local_products(*inputs)
-
-    def in_specs(arrays):
-        rest = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays[0])
-        return rest, split.spec(2, 1)
+        blocks, matrix = inputs
+        if share is not None and split.dim is not None:
+            # Every device is handed the whole matrix and takes its own columns.
+            width = matrix.shape[1] // split.count
+            offset = share.offset(matrix.shape[1])
+            matrix = jax.lax.dynamic_slice_in_dim(matrix, offset, width, axis=1)
+        return _local_products(blocks, matrix)
 
     if split is None:
         return dispatch(compute, (blocks, matrix))
-    return dispatch(compute, (blocks, matrix), split, in_specs=in_specs, out_specs=split.spec(2, 1))
+    return dispatch(compute, (blocks, matrix), split, out_specs=split.spec(2, 1))
 
 
 _blocked_jit = eqx.filter_jit(_blocked)
