@@ -520,11 +520,15 @@ def test_save_and_load(tmp_path):
     zm.save(tmp_path / "ggn.zm", transform)
     loaded = zm.load(tmp_path / "ggn.zm")
     assert loaded.config == transform.config and loaded.loss is sines
+    # A loss without arrays is written with its configuration: no `like` needed.
+    labelled = zm.BatchedGGN(jnp.sin, zm.losses.SoftmaxCrossEntropy(targets="labels"))
+    zm.save(tmp_path / "labelled.zm", labelled)
+    assert zm.load(tmp_path / "labelled.zm") == labelled
+    # A loss with arrays is rebuilt from its skeleton in `like`, as a model is.
     weighted = zm.BatchedGGN(jnp.sin, zm.losses.SquaredError(weights=jnp.arange(3.0), targets=None))
     zm.save(tmp_path / "weighted.zm", weighted)
-    loaded = zm.load(
-        tmp_path / "weighted.zm", like=zm.losses.SquaredError(weights=jnp.zeros(3), targets=None)
-    )
+    skeleton = zm.losses.SquaredError(weights=jnp.zeros(3), targets=None)
+    loaded = zm.load(tmp_path / "weighted.zm", like=skeleton)
     x = jnp.asarray([0.1, 0.2, 0.3])
     close(loaded(x), weighted(x))
     assert math.isclose(float(loaded.loss.weights[2]), 2.0)

@@ -36,6 +36,9 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
       written, and its skeleton comes from `like` at [`zodmem.load`][]. Its class need
       not be importable: one defined inside a function or in a script is named by its
       `module:qualname`, and `like` must then hold an instance of a class so named.
+    - an Equinox module without arrays whose class can be imported and whose fields can
+      be written (such as a loss of `zm.losses`): it is written as its class and fields,
+      and needs no `like`.
 
     Static configuration may hold `None`, `bool`, `int`, `float`, `complex`, `str`,
     tuples, lists, dicts and named tuples of these, enum members, dtypes, importable

@@ -56,6 +56,13 @@ def describe(value: Any, location: str) -> dict:
         path, _ = import_path(value)
         if path is not None:  # e.g. a module-level `eqx.filter_jit` function
             return {"kind": "value", "value": {"type": "import", "path": path}}
+        if not any(eqx.is_array(leaf) for leaf in jax.tree_util.tree_leaves(value)):
+            # No arrays, e.g. `zm.losses.SoftmaxCrossEntropy()`: its class and fields say
+            # it all, where they can be written, and its configuration is the file's.
+            try:
+                return {"kind": "value", "value": encode_faithfully(value, location, "")}
+            except SerialisationError:
+                pass
         # `like` rebuilds it, so its class need not be importable: the name checks `like`.
         return {"kind": "module", "class": class_name(type(value))}
     return {"kind": "value", "value": encode_faithfully(value, location, f"`{location}`")}
