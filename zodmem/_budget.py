@@ -6,7 +6,13 @@ here chooses the size. It compiles the transform's whole call at candidate block
 and reads XLA's own account of the call's buffers (`memory_analysis()`): the output
 plus the temporaries, which is what the budget bounds. Nothing runs to plan.
 
-How `search` finds a size, in few compiles (each costs about as much as the call's own):
+The candidates are probes: compiled without the backend's code optimisations, which
+come after XLA has assigned the buffers, so that each costs about 60% of the call's own
+compile and reports the same memory. The chosen one is then compiled for the call (its
+memory checked again; should it not fit, the search is made again from programs compiled
+for the call), and that executable is the one the call runs.
+
+How `search` finds a size, in few compiles:
 
 1. the largest size it considers: on a CPU, the largest whose temporaries stay within
    `CPU_BLOCK_BYTES` (the temporaries per item are the slope of the compiled peaks
@@ -262,13 +268,19 @@ class Compiled(NamedTuple):
     executable: Any
 
 
-def compile_call(call: Callable[..., Any], *args: Any) -> Compiled:
+# A probe is compiled without the backend's code optimisations (LLVM's, on a CPU): XLA
+# assigns its buffers before them, so the memory is the same, at about 60% of the cost.
+PROBE_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def compile_call(call: Callable[..., Any], *args: Any, probe: bool = False) -> Compiled:
     """`call(*args)` compiled, without running it.
 
     `args` may hold arrays, tracers or `ShapeDtypeStruct`s (as abstract values) and any
     other leaves (as constants). The peak is the output plus XLA's temporaries; the
     result's leaves that are not arrays take no memory and come back from the structure
-    of the executable's output.
+    of the executable's output. A `probe` is compiled only for its memory
+    (`PROBE_OPTIONS`): its executable is not one to run.
     """
     dynamic, static = eqx.partition(args, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
 
@@ -276,7 +288,8 @@ def compile_call(call: Callable[..., Any], *args: Any) -> Compiled:
         arrays, rest = eqx.partition(call(*eqx.combine(dynamic, static)), eqx.is_array)
         return arrays, Kept(rest)
 
-    executable = jax.jit(call_of_arrays).lower(dynamic).compile()
+    lowered = jax.jit(call_of_arrays).lower(dynamic)
+    executable = lowered.compile(compiler_options=PROBE_OPTIONS if probe else None)
     analysis = executable.memory_analysis()
     output = int(analysis.output_size_in_bytes)
     return Compiled(int(analysis.temp_size_in_bytes) + output, output, executable)
@@ -439,22 +452,32 @@ def compiled_plan(
     # some set-up of the process's own, which errs on the safe side; a larger block's is
     # not always the larger (one block of everything is a program without a loop).
     growths: list[int] = []
+    budget, source = budget_of(transform.max_memory)
+    # With a budget, the candidates are probes (`compile_call`); the chosen one is then
+    # compiled for the call. Should its memory differ from its probe's and not fit, the
+    # search is made again from programs compiled for the call.
+    probing = budget is not None and work.total > 0
+    compiles = 0
+
+    def compiled(strategy: Any, size: int | None, probe: bool) -> Compiled:
+        nonlocal compiles
+        candidate = transform if size is None else transform._with_block_size(size, strategy)
+        release_heap()
+        before = resident_bytes()
+        result = compile_call(run, abstract(candidate), shapes[1], shapes[2], probe=probe)
+        after = resident_bytes()
+        if before is not None and after is not None:
+            growths.append(max(0, after - before))
+        compiles += 1
+        return result
 
     def memory(strategy: Any, size: int | None) -> Compiled:
         if (strategy, size) not in measured:
-            candidate = transform if size is None else transform._with_block_size(size, strategy)
-            release_heap()
-            before = resident_bytes()
-            measured[strategy, size] = compile_call(run, abstract(candidate), shapes[1], shapes[2])
-            after = resident_bytes()
-            if before is not None and after is not None:
-                growths.append(max(0, after - before))
+            measured[strategy, size] = compiled(strategy, size, probing)
         return measured[strategy, size]
 
     def compile_bytes() -> int | None:
         return max(growths) if growths else None
-
-    budget, source = budget_of(transform.max_memory)
 
     def usable(strategy: Any) -> int:
         if platform == "cpu":
@@ -463,24 +486,8 @@ def compiled_plan(
             memory(strategy, work.total)
         return usable_bytes(budget, platform, compile_bytes())
 
-    def plan_of(strategy: Any, size: int | None) -> Plan:
-        peak, output, _ = memory(strategy, size)
-        return Plan(
-            owner=owner,
-            what=work.what,
-            total=work.total,
-            block_size=work.block_size if size is None else size,
-            peak_bytes=peak,
-            output_bytes=output,
-            budget_bytes=budget,
-            strategy=strategy,
-            budget_source=source,
-            compiles=len(measured),
-        )
-
-    if budget is None or work.total == 0:
-        chosen = (transform._strategies[0], None)
-    else:
+    def choose() -> tuple[Any, int]:
+        """The strategy and block size whose candidate fits the budget."""
         refusals = []
         for strategy in transform._strategies:
 
@@ -516,20 +523,40 @@ def compiled_plan(
             except MemoryBudgetError as error:
                 refusals.append(error)
                 continue
-            chosen = (strategy, size)
-            break
-        else:
-            raise refusals[-1] if len(refusals) == 1 else _both_refused(refusals)
-    plan = plan_of(*chosen)
+            return strategy, size
+        raise refusals[-1] if len(refusals) == 1 else _both_refused(refusals)
+
+    if not probing:
+        chosen = (transform._strategies[0], None)
+        final = memory(*chosen)
+    else:
+        chosen = choose()
+        final = compiled(*chosen, probe=False)
+        if final.peak_bytes > usable_bytes(budget, platform, compile_bytes()):
+            probing = False
+            measured.clear()
+            chosen = choose()
+            final = memory(*chosen)
+    plan = Plan(
+        owner=owner,
+        what=work.what,
+        total=work.total,
+        block_size=work.block_size if chosen[1] is None else chosen[1],
+        peak_bytes=final.peak_bytes,
+        output_bytes=final.output_bytes,
+        budget_bytes=budget,
+        strategy=chosen[0],
+        budget_source=source,
+        compiles=compiles,
+    )
     # The chosen candidate's executable is the one the call runs; the others are freed.
-    executable = measured[chosen].executable
     measured.clear()
     release_heap()
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan, executable
-    return plan, executable
+        _PLANS[key] = plan, final.executable
+    return plan, final.executable
 
 
 def runs_compiled(executable: Any, *args: Any) -> bool:
