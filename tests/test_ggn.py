@@ -419,6 +419,13 @@ def test_custom_closed_form_loss():
     x = jnp.asarray([0.5, -1.0, 2.0])
     close(zm.BatchedGGN(lambda w: 2 * w, Quartic())(x), jnp.diag(4 * (2 * x) ** 2))
 
+    class Summed(Quartic):
+        def hessian_product(self, outputs, tangents, *args):
+            return jnp.sum(outputs**2 * tangents)
+
+    with pytest.raises(TypeError, match=r"`Summed.hessian_product` must return a tangent .*"):
+        zm.BatchedGGN(lambda w: 2 * w, Summed())(x)
+
 
 # --- refusals ---------------------------------------------------------------------------
 

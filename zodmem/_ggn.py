@@ -287,6 +287,26 @@ def _check_loss(loss_of: Callable[[Any], Any], shapes: Any) -> None:
         )
 
 
+def _check_hessian_product(loss: AbstractLoss, shapes: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse a closed-form product that does not return a tangent of the outputs."""
+
+    def product(outputs):
+        return loss.hessian_product(outputs, outputs, *args, **kwargs)
+
+    returned = eqx.filter_eval_shape(product, shapes)
+    if jax.tree_util.tree_structure(returned) != jax.tree_util.tree_structure(shapes) or any(
+        not isinstance(r, jax.ShapeDtypeStruct) or (r.shape, r.dtype) != (s.shape, s.dtype)
+        for r, s in zip(
+            jax.tree_util.tree_leaves(returned), jax.tree_util.tree_leaves(shapes), strict=False
+        )
+    ):
+        raise TypeError(
+            f"BatchedGGN: `{type(loss).__name__}.hessian_product` must return a tangent "
+            f"shaped and typed like the outputs of `fn`, {_described(shapes)}, but it "
+            f"returned {_described(returned)}."
+        )
+
+
 def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepared:
     flat, variables = split_variables(x, owner=_OWNER)
     _check_variables(variables)
@@ -309,6 +329,8 @@ def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepa
         return transform.loss(outputs, *args, **kwargs)
 
     _check_loss(loss_of, shapes)
+    if isinstance(transform.loss, AbstractLoss):
+        _check_hessian_product(transform.loss, shapes, args, kwargs)
     if transform.checkpoint:
         fn_of_leaves = jax.checkpoint(fn_of_leaves)
     return _Prepared(flat, variables, fn_of_leaves, loss_of, restore_aux)
