@@ -43,6 +43,7 @@ measured per-device temporaries.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -78,15 +79,20 @@ def _force_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
-def _problem(args: argparse.Namespace, devices: int) -> dict[str, Any]:
+def _problem(args: argparse.Namespace, devices: int, start: Any = None) -> dict[str, Any]:
     """The reference model and data on `devices` CPU devices; its loss, a function of
-    every parameter but the output layer's bias, and that loss of the raveled parameters."""
-    _force_devices(devices)
+    every parameter but the output layer's bias, and that loss of the raveled parameters.
+    `start`, when given, starts JAX's multi-process job (`jax.distributed`) before any
+    device is used: this process then holds one of the `devices`."""
+    _force_devices(devices if start is None else 1)
     import equinox as eqx
     import jax
     from jax.flatten_util import ravel_pytree
 
     import zodmem  # noqa: F401  (imported by every case, so the floor holds it too)
+
+    if start is not None:
+        start()
 
     p = hessian_memory._problem(args)
     if len(jax.devices()) != devices:
@@ -260,6 +266,123 @@ def budget(args: argparse.Namespace, devices: int) -> _harness.Case:
     return _compiled_case(transform, call_args, info, args)
 
 
+# ----------------------------------------------------------------------------------
+# Two processes under jax.distributed, one CPU device each: the rows split in memory,
+# and streamed to one file by zm.to_file. Each case starts two worker processes of this
+# script (`--process MODE PORT ID FOLDER ...`); each measures its own floor (its peak
+# resident memory once the job, model and data are set up), its peak after the call,
+# and the call's wall time, tracing and compilation included.
+
+PROCESSES = 2
+STREAM_PEAK_TARGET = 0.25  # of the Hessian's bytes, above each process's floor
+STREAM_TIME_TARGET = 1.2  # of the in-memory sharded call's time
+
+
+def _process_main(argv: list[str]) -> None:
+    """A worker of the two-process cases: prints its measurements as one JSON line."""
+    mode, port, process_id, folder, *rest = argv
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    _add_arguments(parser)
+    args, _ = parser.parse_known_args(rest)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    def start():
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=PROCESSES,
+            process_id=int(process_id),
+        )
+
+    p = _problem(args, PROCESSES, start=start)
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import zodmem as zm
+
+    transform = zm.BatchedHessian(
+        p["loss"], nbatches=args.nbatches, sharding=_mesh_sharding(("d", None))
+    )
+    call_args = (p["params"], p["xs"], p["ys"])
+    multihost_utils.sync_global_devices("set up")
+    floor_bytes = _harness.peak_rss_bytes()
+    begin = time.perf_counter()
+    if mode == "stream":
+        result = zm.to_file(os.path.join(folder, "hessian.npy"), transform, *call_args)
+    else:
+        result = jax.block_until_ready(transform(*call_args))
+    elapsed = time.perf_counter() - begin
+    peak = _harness.peak_rss_bytes()
+    if mode == "stream":
+        rows = np.asarray(
+            result[int(process_id) * (result.shape[0] // PROCESSES) :][
+                : result.shape[0] // PROCESSES
+            ]
+        )
+    else:
+        rows = np.concatenate([np.asarray(s.data) for s in result.addressable_shards])
+    record = {
+        "process": int(process_id),
+        "floor_bytes": floor_bytes,
+        "peak_rss_bytes": peak,
+        "time_s": elapsed,
+        "rows_sum": float(np.sum(rows, dtype=np.float64)),
+        "rows_abs_sum": float(np.sum(np.abs(rows), dtype=np.float64)),
+        "info": p["info"],
+    }
+    print(_WORKER_MARKER + json.dumps(record), flush=True)
+    multihost_utils.sync_global_devices("done")
+    jax.distributed.shutdown()
+
+
+_WORKER_MARKER = "@@sharded-process@@ "
+
+
+def two_processes(args: argparse.Namespace, mode: str) -> _harness.Case:
+    """Start the two workers of `mode` (`memory` or `stream`), wait, and record them."""
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    forwarded = sys.argv[sys.argv.index("--child") + 2 :]
+    script = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(script)) as folder:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, script, "--process", mode, str(port), str(k), folder, *forwarded],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k in range(PROCESSES)
+        ]
+        outputs = [w.communicate(timeout=1500)[0] for w in workers]
+    records = []
+    for k, output in enumerate(outputs):
+        lines = [line for line in output.splitlines() if line.startswith(_WORKER_MARKER)]
+        if not lines:
+            raise RuntimeError(f"process {k} failed:\n" + "\n".join(output.splitlines()[-20:]))
+        records.append(json.loads(lines[-1][len(_WORKER_MARKER) :]))
+    n = records[0]["info"]["n"]
+    info = {
+        **records[0]["info"],
+        "tool": f"{mode}-{PROCESSES}p",
+        "spec": "P('d', None)",
+        "devices": PROCESSES,
+        "processes": records,
+        "nbatches": args.nbatches,
+        **_block_info(n, PROCESSES, -(-n // args.nbatches)),
+    }
+    return _harness.Case(None, info)
+
+
 CASES = {
     **{f"floor-{d}": partial(floor, devices=d) for d in DEVICE_COUNTS},
     "jax.hessian": jax_hessian,
@@ -272,6 +395,8 @@ CASES = {
     "budget-4": partial(budget, devices=4),
     "budget-1": partial(budget, devices=1),
     "xla-4": partial(xla, devices=4),
+    "memory-2p": partial(two_processes, mode="memory"),
+    "stream-2p": partial(two_processes, mode="stream"),
 }
 
 
@@ -316,10 +441,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             rows.append([name, "failed: " + r["error"]] + [""] * (len(headers) - 2))
             continue
         i = r["info"]
-        if i.get("tool") in ("floor", "xla") or "refused" in i:
-            what = {"floor": "process floor", "xla": "compiled only (see below)"}.get(
-                i.get("tool"), "refused (see below)"
-            )
+        if i.get("tool") in ("floor", "xla", "memory-2p", "stream-2p") or "refused" in i:
+            what = {
+                "floor": "process floor",
+                "xla": "compiled only (see below)",
+                "memory-2p": "two processes (see below)",
+                "stream-2p": "two processes (see below)",
+            }.get(i.get("tool"), "refused (see below)")
             rows.append([name, i["devices"], what] + [""] * (len(headers) - 3))
             continue
         floor_case = by_case.get(f"floor-{i['devices']}")
@@ -371,6 +499,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]
     lines += _share_checks(by_case, hessian_bytes)
     lines += _budget_lines(by_case)
+    lines += _two_process_lines(by_case, hessian_bytes)
     fit = fit_model(by_case)
     if fit:
         lines += ["", what_fits(fit)]
@@ -415,6 +544,75 @@ def _budget_lines(by_case: dict[str, Any]) -> list[str]:
                 f"{i['predicted_peak_bytes']:,}), planned in {i['plan_s']:.1f} s."
             )
     return ["", "Budgets:", ""] + lines if lines else []
+
+
+def _two_process_lines(by_case: dict[str, Any], hessian_bytes: int) -> list[str]:
+    """The two-process cases, process by process, and the streamed call's targets."""
+    cases = [by_case[name] for name in ("memory-2p", "stream-2p") if name in by_case]
+    if not cases:
+        return []
+    headers = [
+        "case",
+        "process",
+        "floor (GB)",
+        "peak (GB)",
+        "peak - floor (MB)",
+        "of H",
+        "time (s)",
+        "sum of its rows",
+    ]
+    rows = []
+    for r in cases:
+        for p in r["info"]["processes"]:
+            above = p["peak_rss_bytes"] - p["floor_bytes"]
+            rows.append(
+                [
+                    r["case"],
+                    p["process"],
+                    _gb(p["floor_bytes"]),
+                    _gb(p["peak_rss_bytes"]),
+                    _mb(above),
+                    f"{above / hessian_bytes:.3f}",
+                    f"{p['time_s']:.2f}",
+                    f"{p['rows_sum']:.6e}",
+                ]
+            )
+    lines = [
+        "",
+        f"Two processes under jax.distributed (gloo), one CPU device each, rows split "
+        f"(P('d', None)), blocks of {cases[0]['info']['block_size']} rows: memory-2p "
+        "computes the sharded Hessian in memory (each process holds its half); stream-2p "
+        "writes it with zm.to_file, each process its own rows, into one .npy on this "
+        "machine's disk. floor: the process's peak resident memory once the job, model and "
+        "data are set up; peak: after the call; time: the call's wall time, tracing and "
+        "compilation included (the first call of each).",
+        "",
+        _harness.markdown_table(headers, rows),
+    ]
+    memory, stream = by_case.get("memory-2p"), by_case.get("stream-2p")
+    if memory is not None and stream is not None:
+        worst = max(p["peak_rss_bytes"] - p["floor_bytes"] for p in stream["info"]["processes"])
+        ratio = max(p["time_s"] for p in stream["info"]["processes"]) / max(
+            p["time_s"] for p in memory["info"]["processes"]
+        )
+        same = max(
+            abs(a["rows_sum"] - b["rows_sum"]) / max(b["rows_abs_sum"], 1e-30)
+            for a, b in zip(stream["info"]["processes"], memory["info"]["processes"], strict=True)
+        )
+        stream["stream_peak_of_hessian"] = worst / hessian_bytes
+        stream["stream_time_ratio"] = ratio
+        met = {True: "met", False: "MISSED"}
+        lines += [
+            "",
+            f"- stream-2p peak above floor, largest process: {worst / _MB:,.0f} MB = "
+            f"{worst / hessian_bytes:.3f} x H (target <= {STREAM_PEAK_TARGET} x H): "
+            f"{met[worst <= STREAM_PEAK_TARGET * hessian_bytes]}.",
+            f"- stream-2p time / memory-2p time (slowest process of each): {ratio:.2f} "
+            f"(target <= {STREAM_TIME_TARGET}): {met[ratio <= STREAM_TIME_TARGET]}.",
+            f"- the rows each process wrote against those it holds in memory: sums differ "
+            f"by {same:.1e} of the sum of |entries|.",
+        ]
+    return lines
 
 
 def fit_model(by_case: dict[str, Any]) -> dict[str, Any] | None:
@@ -519,7 +717,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1:2] == ["--process"]:
+    _process_main(sys.argv[2:])
+elif __name__ == "__main__":
     _harness.main(
         name="sharded",
         description=__doc__.splitlines()[0],

@@ -28,6 +28,7 @@ part of a result file has its own module:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import threading
@@ -584,7 +585,8 @@ def _write_or_resume_rows(
     file before any process writes to it; all wait for all before reading the file."""
     planned = _planned_sharded(transform, args, kwargs)
     shares = _shares(planned, args, kwargs, "to_file")
-    _barrier(f"zodmem.to_file {files.where}: started")
+    job = _Job(files.where)
+    job.barrier("started")
     regions: list = []
     error = None
     try:
@@ -609,7 +611,7 @@ def _write_or_resume_rows(
             files.verify({i: [r] for i, r in enumerate(_own(regions, shares))}, [])
     except SerialisationError as refused:
         error = refused
-    _agree(error, files)
+    job.agree(error)
     finished = {
         leaf: _merged((r[3], r[4]) for r in regions if r[0] == leaf) for leaf in shares.rows
     }
@@ -630,7 +632,7 @@ def _write_or_resume_rows(
         journal.start(fingerprint, files, layout)
         if not regions and process == 0:
             files.create()  # nothing on disk counts yet: the file may not have been made
-    _barrier(f"zodmem.to_file {files.where}: ready")
+    job.barrier("ready")
     if not complete:
         files.open()
         syncer = Syncer(files, journal, record=_rows_record)
@@ -643,7 +645,7 @@ def _write_or_resume_rows(
         finally:
             syncer.close()
             files.close()
-    _barrier(f"zodmem.to_file {files.where}: written")
+    job.barrier("written")
     return files.load()
 
 
@@ -687,25 +689,63 @@ class _RowWriter:
             self._syncer.written(self._count, regions)
 
 
-def _barrier(name: str) -> None:
-    """Wait here for every process of the job (nothing to wait for in a single one)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+# Calls of the sharded `to_file` so far in this process: every process of a job makes the
+# same calls in the same order, so the count names a call's meeting points alike in all.
+_SHARDED_CALLS = itertools.count()
+# How long a process waits for the others: as long as their share of the work takes.
+_WAIT_MS = 2**31 - 1
 
-        multihost_utils.sync_global_devices(name)
 
+class _Job:
+    """The processes of a `jax.distributed` job, as a sharded `to_file` meets them: at
+    barriers, and to learn which refused the file. The job's coordination service does
+    both (no program is compiled for them); without it, collectives over the devices."""
 
-def _agree(error: BaseException | None, files: ResultFiles) -> None:
-    """Raise `error` in this process, and in every other one that of a process that
-    refused the file, so that no process goes on to wait for one that stopped."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    def __init__(self, where: str):
+        self.count, self.index = jax.process_count(), jax.process_index()
+        self.name = f"zodmem.to_file/{next(_SHARDED_CALLS)}"
+        self.where = where
+        self.client = None
+        if self.count > 1:
+            try:
+                from jax._src import distributed
 
-        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
-        if error is None and failed.any():
-            which = [int(p) for p in np.flatnonzero(failed)]
+                self.client = distributed.global_state.client
+            except (ImportError, AttributeError):
+                self.client = None
+
+    def barrier(self, stage: str) -> None:
+        """Wait here for every process of the job."""
+        if self.count == 1:
+            return
+        if self.client is not None:
+            self.client.wait_at_barrier(f"{self.name}/{stage}", _WAIT_MS)
+        else:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"{self.name}/{stage}")
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raise `error` here, and in every other process that of a process that refused
+        the file, so that no process goes on to wait for one that stopped."""
+        failed = [error is not None]
+        if self.count > 1 and self.client is not None:
+            key = f"{self.name}/refused"
+            self.client.key_value_set(f"{key}/{self.index}", "1" if error else "0")
+            failed = [
+                self.client.blocking_key_value_get(f"{key}/{k}", _WAIT_MS) == "1"
+                for k in range(self.count)
+            ]
+        elif self.count > 1:
+            from jax.experimental import multihost_utils
+
+            flags = multihost_utils.process_allgather(np.int32(error is not None))
+            failed = [bool(flag) for flag in np.asarray(flags)]
+        if error is not None:
+            raise error
+        if any(failed):
+            which = [k for k, refused in enumerate(failed) if refused]
             raise SerialisationError(
-                f"zm.to_file: process {which} refused {files.where}; its error says why."
+                f"zm.to_file: process {which} refused {self.where}, so this one stops too; "
+                "that process's error says why."
             )
-    if error is not None:
-        raise error
