@@ -230,7 +230,13 @@ def test_rev_mode_takes_custom_vjp_functions():
     w = jnp.asarray([0.5, -0.25, 1.0])
     inputs = jnp.asarray(mixing(4, 3))
     expected = reference_ggn(lambda w, i: jnp.tanh(i @ w), vector_loss, w, inputs)
-    close(zm.BatchedGGN(fn, vector_loss, mode="rev", nbatches=2)(w, inputs), expected)
+    transforms = [
+        zm.BatchedGGN(fn, vector_loss, mode="rev", nbatches=2),
+        zm.BatchedGGN(fn, vector_loss, batch_size=2),  # "auto" takes "rev" for it
+        zm.BatchedGGN(fn, vector_loss, strategy="recompute"),
+    ]
+    for G in together(transforms, w, inputs):
+        close(G, expected)
     with pytest.raises(TypeError, match="forward-mode"):
         zm.BatchedGGN(fn, vector_loss, mode="fwd")(w, inputs)
 

@@ -77,7 +77,7 @@ class BatchedGGN(AbstractDerivative):
       map. `"rev"`: `J^T u` are VJPs of one `jax.vjp` of `fn`, and `J v` the transpose of
       that; it needs only reverse-mode differentiation of `fn`, so it takes functions
       with `jax.custom_vjp` rules, which forward mode refuses. `"auto"` (the default) is
-      `"fwd"`. Both give the same values.
+      `"fwd"`, and `"rev"` where forward mode refuses `fn`. Both give the same values.
     - `has_aux`: `fn` returns `(outputs, aux)`; `aux` is returned unchanged beside `G`
       and not passed to `loss`.
     - `jit`: compile the whole computation with `eqx.filter_jit`. A budget needs it.
@@ -344,7 +344,20 @@ def _leaves_of(variables: Variables, vector: Any) -> list:
 
 def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
     """`(outputs, aux, jvp, vjp)` from one linearisation of `fn` at `primal`: `jvp(v)` is
-    `J v` and `vjp(u)` is `J^T u`, one of them the transpose of the other."""
+    `J v` and `vjp(u)` is `J^T u`, one of them the transpose of the other. `"auto"` is
+    `"fwd"`, or `"rev"` where forward mode refuses `fn` for its `jax.custom_vjp` rules."""
+    if mode == "auto":
+
+        def batched_jvp(p):  # traced, JAX refuses forward mode once the products are batched
+            return jax.vmap(lambda t: jax.jvp(fn, (p,), (t,))[1])([leaf[None] for leaf in p])
+
+        try:
+            eqx.filter_eval_shape(batched_jvp, primal)
+        except TypeError as error:
+            if "custom_vjp" not in str(error):
+                raise
+            return _linearised(fn, primal, "rev", has_aux)
+        return _linearised(fn, primal, "fwd", has_aux)
     if mode == "fwd":
         if has_aux:
             outputs, jvp, aux = jax.linearize(fn, primal, has_aux=True)
@@ -380,7 +393,7 @@ def _products(
     as a `(k, n)` block in the variables' dtype; `aux` is `fn`'s (restored)."""
     flat, variables = prepared.flat, prepared.variables
     primal = _leaves_of(variables, flat)
-    mode = "fwd" if transform.mode == "auto" else transform.mode
+    mode = transform.mode
 
     def gather(pieces, count):
         pieces = [
