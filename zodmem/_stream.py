@@ -14,6 +14,12 @@ the first block not on disk, and never reads a block that is not. Reopening a fi
 checks every counted block against its checksum, and a lock on the path keeps a second
 writer out.
 
+A transform sharded by rows streams too: each device hands over the blocks of its own
+rows, and each process writes its devices' rows into the one file (a journal per
+process, `<journal>.p<k>`, records them as runs of rows with their checksums, so a
+rerun over any mesh takes the rows on disk as they are); `to_host` gives each process
+its own rows.
+
 This module holds the public functions and the planning of their streamed call; each
 part of a result file has its own module:
 
@@ -70,7 +76,9 @@ def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
     - `transform`: a `zm.BatchedJacobian`, `zm.BatchedHessian` or `zm.ChunkedVmap`.
       Its block options (`nbatches`, `batch_size`, `chunk_size`) cut the result into
       blocks; with `max_memory`, the blocks are planned for this streamed call, whose
-      result is not on the device.
+      result is not on the device. A `BatchedJacobian` or `BatchedHessian` with
+      `sharding=` over rows (`PartitionSpec("d", None)`, over every device of the mesh)
+      runs each device's rows on that device, a block at a time, as they arrive here.
     - `*args`, `**kwargs`: the arguments of the call, as for `transform(...)`.
 
     **Returns:**
@@ -78,6 +86,11 @@ def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
     What `transform(*args, **kwargs)` returns, with its arrays as `numpy.ndarray`s of
     the same values and dtypes (a pytree of them when the transform returns one). With
     `has_aux=True`, `(result, aux)`, with `aux` as the transform returns it.
+
+    With a sharded transform, each process gets **its own rows**: those of its devices'
+    shares, in order, as one array per result leaf (`n / P` rows of an `n`-row Hessian
+    on each of `P` processes of a `jax.distributed` job; on one process, every row).
+    A column split and `has_aux=True` are refused.
 
     !!! example
 
@@ -157,6 +170,17 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
       for `zm.to_host`; `has_aux=True` is refused (use `zm.to_host`, or return the
       auxiliary value from a separate call).
     - `*args`, `**kwargs`: the arguments of the call.
+
+    **A sharded transform** (`sharding=` over rows, `PartitionSpec("d", None)`, over
+    every device of the mesh): each device computes the blocks of its own rows, and each
+    process writes its devices' rows into the one file at their offsets (rows are
+    contiguous in a C-ordered `.npy`, so no process writes another's bytes). Under
+    `jax.distributed` every process makes the same call on a filesystem they all share:
+    process 0 makes the file, and each process keeps its own journal,
+    `<path>.journal.p<process index>`, and lock, `<path>.lock.p<process index>`. Every
+    process gets the whole file back once all have written their rows. A rerun, on the
+    same mesh or another, computes only the blocks whose rows are not on disk. A column
+    split is refused with a `ValueError` (split the rows instead).
 
     **Returns:**
 
