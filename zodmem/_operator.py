@@ -116,8 +116,9 @@ class BlockedOperator(lx.AbstractLinearOperator):
 
     # -- vectors in their two forms ------------------------------------------------------
 
-    def _read(self, vector: Any, name: str) -> tuple[jax.Array, bool]:
-        """`(flat, was_flat)`: `vector` as a flat array of the input space, checked."""
+    def _read(self, vector: Any, name: str) -> tuple[Any, bool]:
+        """`(vector, is_flat)`: `vector`, checked, as a flat array of the input space or a
+        pytree shaped like `in_structure()` (from the whole of `x`, its variables)."""
         structure = self.in_structure()
         leaves, treedef = jax.tree_util.tree_flatten(structure)
         size = sum(math.prod(leaf.shape) for leaf in leaves)
@@ -167,10 +168,13 @@ class BlockedOperator(lx.AbstractLinearOperator):
                     f"{self._owner}: `{name}`{jax.tree_util.keystr(path)} has dtype "
                     f"{leaf.dtype}, but the operator takes {expected.dtype} there; cast it."
                 )
-        flat = jnp.concatenate(
-            [jnp.ravel(leaf).astype(dtype) for leaf in jax.tree_util.tree_leaves(vector)]
-        )
-        return flat, False
+        return vector, False
+
+    def _ravel(self, vector: Any) -> jax.Array:
+        """A pytree shaped like `in_structure()` as a flat vector."""
+        dtype = _flat_structure(self.in_structure()).dtype
+        leaves = jax.tree_util.tree_leaves(vector)
+        return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
 
     def _write(self, flat: jax.Array) -> Any:
         """A flat vector of the output space as a pytree shaped like `out_structure()`."""
@@ -197,11 +201,10 @@ class BlockedOperator(lx.AbstractLinearOperator):
     def mv(self, vector: Any) -> Any:
         """One product with `vector`: flat, or a pytree shaped like `in_structure()`
         (for a curvature, like `x`'s variables); returned in the same form."""
-        flat, was_flat = self._read(vector, "vector")
+        vector, is_flat = self._read(vector, "vector")
         # One product is the same whatever the blocks: one compiled product serves them all.
         single = dataclasses.replace(self, transform=_unblocked(self.transform))
-        out = (_product_jit if _jit(self.transform) else _product)(single, flat)
-        return out if was_flat else self._write(out)
+        return (_product_jit if _jit(self.transform) else _product)(single, vector, is_flat)
 
     def mm(self, matrix: Any) -> jax.Array:
         """The products with the `k` columns of `matrix`, an `(n, k)` array (`n` the
@@ -262,8 +265,11 @@ def _unblocked(transform: Any) -> Any:
     return dataclasses.replace(transform, **options) if options else transform
 
 
-def _product(operator: BlockedOperator, flat: jax.Array) -> jax.Array:
-    return operator._map()(flat)
+def _product(operator: BlockedOperator, vector: Any, is_flat: bool) -> Any:
+    """One product with `vector`, in the form it was given (`is_flat` or a pytree)."""
+    if is_flat:
+        return operator._map()(vector)
+    return operator._write(operator._map()(operator._ravel(vector)))
 
 
 _product_jit = eqx.filter_jit(_product)
@@ -427,16 +433,25 @@ def _local_products(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
 def _(operator):
     if operator.recompute or operator.linear is not None:
         return operator
+    linear = (_linearised_jit if _jit(operator.transform) else _linearised)(operator)
+    return dataclasses.replace(operator, linear=linear)
+
+
+def _linearised(operator: BlockedOperator) -> Any:
+    """The forward product, `fn` linearised: a module whose leaves are its residuals."""
     forward = _forward(
         operator.transform, operator.products, operator.x, operator.args, operator.kwargs
     )
-    primal = _flat_structure(operator._variable_structure())
-    return dataclasses.replace(operator, linear=eqx.filter_closure_convert(forward, primal))
+    return eqx.filter_closure_convert(forward, _flat_structure(operator._variable_structure()))
+
+
+_linearised_jit = eqx.filter_jit(_linearised)
 
 
 @lx.materialise.register(BlockedOperator)
 def _(operator):
-    return lx.PyTreeLinearOperator(_blocks_of(operator), operator.out_structure(), operator.tags)
+    blocks = (_blocks_jit if _jit(operator.transform) else _blocks_of)(operator)
+    return lx.PyTreeLinearOperator(blocks, operator.out_structure(), operator.tags)
 
 
 def _blocks_of(operator: BlockedOperator) -> Any:
@@ -457,6 +472,9 @@ def _blocks_of(operator: BlockedOperator) -> Any:
         rows.append(jax.tree_util.tree_unflatten(in_def, pieces))
         row += height
     return jax.tree_util.tree_unflatten(out_def, rows)
+
+
+_blocks_jit = eqx.filter_jit(_blocks_of)
 
 
 @lx.diagonal.register(BlockedOperator)
