@@ -2,6 +2,7 @@
 dataset's curvature as lineax operators, against JAX's dense matrices."""
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -312,3 +313,19 @@ def test_ggn_operator_is_positive_semidefinite():
     cg = lx.CG(rtol=1e-12, atol=1e-12, max_steps=100)
     solution = lx.linear_solve(op, as_tree(b, w), cg).value
     close(solution, as_tree(np.linalg.solve(J.T @ J, b), w), rtol=1e-7, atol=1e-7)
+
+
+def test_a_progress_bar_counts_the_blocks_of_vectors(capsys):
+    params, data = point()
+    H, _ = dense_hessian()
+    op = zm.BatchedHessian(loss, batch_size=2, progress=True).operator(params, data)
+    V = vectors(10, 5)
+    capsys.readouterr()
+    result = jax.block_until_ready(op.mm(V))  # 5 vectors in 3 blocks of 2
+    jax.effects_barrier()
+    err = capsys.readouterr().err
+    assert re.search(r"BatchedHessian.operator products: 100%\|[^|]*\| 3/3 ", err), err
+    close(result, H @ V)
+    jax.block_until_ready(op.mv(V[:, 0]))  # a single product draws no bar
+    jax.effects_barrier()
+    assert "operator" not in capsys.readouterr().err
