@@ -135,6 +135,10 @@ def test_jacobian_products_and_transpose():
     close(op.T.mv(outputs_of(W[:, 0])), as_tree(J.T @ W[:, 0], params))
     close(op.as_matrix(), J)
     close(op.T.as_matrix(), J.T)
+    # Least squares through the transpose: lineax's normal equations take it as it is.
+    b = W[:, 0]
+    solution = lx.linear_solve(op, outputs_of(b), lx.Normal(lx.CG(rtol=1e-12, atol=1e-12)))
+    close(solution.value, as_tree(np.linalg.lstsq(J, b)[0], params), rtol=1e-8, atol=1e-8)
     assert not lx.is_symmetric(op) and op.T.T.mv(V[:, 0]).shape == (J.shape[0],)
 
 
@@ -329,3 +333,25 @@ def test_a_progress_bar_counts_the_blocks_of_vectors(capsys):
     jax.block_until_ready(op.mv(V[:, 0]))  # a single product draws no bar
     jax.effects_barrier()
     assert "operator" not in capsys.readouterr().err
+
+
+def test_complex_hessians_and_per_example_operators():
+    def energy(z):
+        return jnp.sum(jnp.sin(z) ** 2) + z[0] * z[1]
+
+    z = jnp.asarray([0.5 + 1j, -1 + 0.25j])
+    H = np.asarray(jax.jit(jax.hessian(energy, holomorphic=True))(z))
+    op = zm.BatchedHessian(energy, holomorphic=True).operator(z)
+    v = np.asarray([1.0 + 0j, 2j])
+    # Complex symmetric, not Hermitian: no tag, and the transpose is JAX's own.
+    assert not lx.is_symmetric(op)
+    close(op.mv(v), H @ v)
+    close(op.T.mv(v), H.T @ v)
+
+    def cubes(x):
+        return jnp.sum(jnp.sin(x) ** 3)
+
+    points = np.linspace(-1, 1, 6).reshape(2, 3)
+    per_example = jax.vmap(lambda x: zm.BatchedHessian(cubes).operator(x).mv(jnp.ones(3)))
+    expected = jax.jit(jax.vmap(lambda x: jax.hessian(cubes)(x) @ jnp.ones(3)))(points)
+    close(per_example(points), expected)
