@@ -3,6 +3,7 @@
 
 import math
 import re
+from functools import partial
 
 import equinox as eqx
 import jax
@@ -160,23 +161,34 @@ def test_mixed_precision_and_an_equinox_model():
     close(G, reference_ggn(apply, squared, mlp, INPUTS, TARGETS))
 
 
-def test_inside_jit_and_vmap():
+def test_inside_jit_vmap_and_grad():
     """(Every `together` call runs the transforms inside `eqx.filter_jit`, as arguments.)"""
     params = make_params()
     inner = zm.BatchedGGN(model, plain_loss, nbatches=2, jit=False)
 
+    def squared_norm(ggn, params, inputs, targets):
+        return jnp.sum(ggn(params, inputs, targets) ** 2)
+
     @jax.jit
-    def whole_and_per_example(params, inputs, targets):
+    def whole_per_example_and_gradient(params, inputs, targets):
         per_example = jax.vmap(inner, in_axes=(None, 0, 0))
-        return inner(params, inputs, targets), per_example(
-            params, inputs[:, None], targets[:, None]
+        return (
+            inner(params, inputs, targets),
+            per_example(params, inputs[:, None], targets[:, None]),
+            jax.grad(squared_norm, argnums=(1, 2))(inner, params, inputs, targets),
         )
 
-    G, per_example = whole_and_per_example(params, INPUTS[:2], TARGETS[:2])
+    G, per_example, gradient = whole_per_example_and_gradient(params, INPUTS[:2], TARGETS[:2])
     for k in range(2):
         one = reference_ggn(model, plain_loss, params, INPUTS[k : k + 1], TARGETS[k : k + 1])
         close(per_example[k], one)
     close(G, per_example[0] + per_example[1])
+
+    def reference(params, inputs, targets):
+        return squared_norm(partial(reference_ggn, model, plain_loss), params, inputs, targets)
+
+    expected = jax.jit(jax.grad(reference, argnums=(0, 1)))(params, INPUTS[:2], TARGETS[:2])
+    close(gradient, expected)
 
 
 def test_microbatched_over_a_dataset_equals_the_sum():
