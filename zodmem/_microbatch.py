@@ -271,8 +271,9 @@ class Microbatcher(AbstractBlocked):
         by vectors: `Microbatcher(BatchedHessian(loss), microbatch_size=m, argnums=(1, 2),
         accumulator="mean").operator(w, xs, ys)` multiplies by the Hessian of the mean
         loss. Its products (`mv`, `mm`) and tags are those of `fn`'s operator; `mm`
-        takes each block of vectors through the microbatches once; `as_matrix()` is this
-        transform's call.
+        cuts the vectors into blocks as `fn`'s options say (`nbatches`, `batch_size`,
+        `max_memory`) and takes each block through the microbatches once; `as_matrix()`
+        is this transform's call.
 
         **Arguments:** as for the call; the first positional argument is the point `x`,
         which may not be a batch argument. The accumulator must be `"sum"`, `"mean"` or

@@ -328,13 +328,15 @@ class ProductBlocks(AbstractBlocked):
 
     @classmethod
     def of(cls, operator: BlockedOperator) -> ProductBlocks:
-        """The blocks that `operator`'s transform's options give."""
+        """The blocks that `operator`'s transform's options give (for a transform whose
+        options cut other work, a `Microbatcher`'s microbatches, those of its `fn`)."""
         transform = operator.transform
+        sized = transform if hasattr(transform, "batch_size") else getattr(transform, "fn", None)
         return cls(
             operator,
-            nbatches=getattr(transform, "nbatches", None),
-            batch_size=getattr(transform, "batch_size", None),
-            max_memory=getattr(transform, "max_memory", None),
+            nbatches=getattr(sized, "nbatches", None),
+            batch_size=getattr(sized, "batch_size", None),
+            max_memory=getattr(sized, "max_memory", None),
             strategy=getattr(transform, "strategy", None),
             sharding=getattr(transform, "sharding", None),
             jit=_jit(transform),
