@@ -251,13 +251,15 @@ def test_rev_mode_takes_custom_vjp_functions():
         zm.BatchedGGN(fn, vector_loss, mode="fwd")(w, inputs)
 
 
-def test_streamed_and_products():
+def test_streamed_with_a_progress_bar_and_products(capfd):
     params = make_params()
     expected = reference_ggn(model, plain_loss, params, INPUTS, TARGETS)
-    transform = zm.BatchedGGN(model, plain_loss, batch_size=5)
+    transform = zm.BatchedGGN(model, plain_loss, batch_size=5, progress=True)
     host = zm.to_host(transform, params, INPUTS, TARGETS)
     assert isinstance(host, np.ndarray)
     close(host, np.asarray(expected))
+    bar = capfd.readouterr().err
+    assert "BatchedGGN" in bar and "5/5" in bar, bar  # 24 rows in blocks of 5
 
     @eqx.filter_jit
     def products(transforms, params, vectors):
