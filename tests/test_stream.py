@@ -404,3 +404,20 @@ def test_the_lock_is_released_when_the_call_fails(tmp_path):
     failing.clear()
     np.testing.assert_array_equal(zm.to_file(path, vmap, XS), jax.vmap(jnp.outer)(XS, XS))
     assert sorted(os.listdir(tmp_path)) == ["outer.npy", "outer.npy.journal"]
+
+
+def test_a_transform_sharded_by_rows_streams_on_one_device(tmp_path):
+    # A mesh of this one device: the rows of its one share, written by this process.
+    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    sharded = zm.BatchedHessian(loss, batch_size=3, sharding=rows)
+    expected = zm.BatchedHessian(loss, batch_size=3)(W, DATA)
+    path = str(tmp_path / "h.npy")
+    close(np.asarray(zm.to_file(path, sharded, W, DATA)), expected)
+    assert sorted(os.listdir(tmp_path)) == ["h.npy", "h.npy.journal.p0"]
+    close(zm.to_host(sharded, W, DATA), expected)
+    with pytest.raises(zm.SerialisationError, match="rows of a sharded call"):
+        zm.to_file(path, zm.BatchedHessian(loss, batch_size=3), W, DATA)
+    columns = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d"))
+    with pytest.raises(ValueError, match="Split the rows"):
+        zm.to_file(str(tmp_path / "c.npy"), zm.BatchedHessian(loss, sharding=columns), W, DATA)
