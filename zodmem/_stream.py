@@ -451,6 +451,8 @@ class _Shares(NamedTuple):
 
 
 def _shares(transform: Any, args: tuple, kwargs: dict, name: str) -> _Shares:
+    """The shares of a transform sharded by rows, and the blocks of each (traced, not
+    run, for one share: every share has the same blocks)."""
     split = _rows_split(transform, name)
     sink = OutputSink(_keep_nothing, 0)
 
