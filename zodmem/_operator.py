@@ -27,7 +27,7 @@ import lineax as lx
 from jax.sharding import NamedSharding
 
 from ._blocks import map_blocks, plan_blocks
-from ._budget import Work
+from ._budget import MemoryBudgetError, Work
 from ._checks import described
 from ._sharding import Split, check_divides, dispatch, split_of
 from ._transform import AbstractBlocked
@@ -223,7 +223,12 @@ class BlockedOperator(lx.AbstractLinearOperator):
                 f"{self._owner}: `matrix` has dtype {matrix.dtype}, but the operator takes "
                 f"{dtype}; cast it, e.g. matrix.astype({dtype})."
             )
-        return ProductBlocks.of(self)(matrix)
+        try:
+            return ProductBlocks.of(self)(matrix)
+        except MemoryBudgetError as error:
+            # The planner names the class it planned; the user called `mm`.
+            named = str(error).replace(f"{ProductBlocks.__name__}:", f"{self._owner}(...).mm:", 1)
+            raise MemoryBudgetError(named) from None
 
     def as_matrix(self) -> jax.Array:
         """The dense matrix, made by the transform's own blocked call."""
@@ -367,7 +372,7 @@ class ProductBlocks(AbstractBlocked):
 
     def _work(self, matrix: Any) -> Work:
         k = matrix.shape[1]
-        return Work(k, "vectors", "products", self._block_size(k)).per_device(self._split)
+        return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
 
     def _with_block_size(self, size: int, strategy: Any) -> ProductBlocks:
         return dataclasses.replace(
