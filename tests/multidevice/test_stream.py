@@ -113,26 +113,30 @@ def test_a_jacobian_streams_its_rows(tmp_path):
     close(jax.tree_util.tree_map(np.asarray, result), jax.jacrev(fn)(x))
 
 
-def _forget_rows(path, keep):
-    """The journal of `path` as if the job had stopped after writing `keep` runs of rows."""
+def _as_if_two_processes(path, keep):
+    """The journal of `path` split in two, as if two processes had written rows 0-7 and
+    8-15, and stopped after writing the first `keep` runs of rows of each."""
     journal = path + ".journal.p0"
     lines = open(journal, "rb").read().splitlines(keepends=True)
+    header = json.loads(lines[0].split(b" ", 1)[1])
     regions = [r for line in lines[1:] for r in json.loads(line.split(b" ", 1)[1])["rows"]]
-    with open(journal, "wb") as file:
-        file.writelines([lines[0], _record({"rows": regions[:keep]})])
+    for process in (0, 1):
+        mine = sorted(r for r in regions if r[3] // 8 == process)[:keep]
+        header["sharded"].update(process=process, processes=2)
+        with open(f"{path}.journal.p{process}", "wb") as file:
+            file.writelines([_record(header), _record({"rows": mine})])
 
 
-def test_a_file_resumes_over_another_mesh_with_the_unfinished_rows(tmp_path, writes):
+def test_a_file_resumes_over_another_mesh_and_processes_with_the_unfinished_rows(tmp_path, writes):
     path = str(tmp_path / "h.npy")
     zm.to_file(path, hessian(batch_size=1), *inputs())
-    _forget_rows(path, 5)
-    done = sum(rows_recorded(path).values())
-    assert 5 <= done < 16
+    _as_if_two_processes(path, 3)
+    assert rows_recorded(path) == {"h.npy.journal.p0": 3, "h.npy.journal.p1": 3}
     writes.clear()
-    # Another mesh takes the rows on disk as they are: rows are rows.
+    # One process over 2 devices takes the rows two processes left as they are.
     result = zm.to_file(path, hessian(batch_size=1, sharding=rows(2)), *inputs())
     close(np.asarray(result), reference())
-    assert len(writes) <= 16 - done + 1
+    assert sorted(writes) == [3, 4, 5, 6, 7, 11, 12, 13, 14, 15]
     assert sum(rows_recorded(path).values()) == 16
 
 
