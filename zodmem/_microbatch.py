@@ -650,7 +650,24 @@ def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) 
             f"{owner}: accumulator={transform.accumulator!r} does not combine the "
             "microbatches' matrices into one; use 'sum', 'mean' or 'running_mean'."
         )
-    return eqx.filter_eval_shape(lambda: transform.fn.operator(x, *args, **kwargs))
+    # At one microbatch's shapes, placed nowhere: as each microbatch will be seen.
+    call_args, call_kwargs = [x, *args], dict(kwargs)
+    size = min(transform.microbatch_size, _batch_size(_batch_of(transform, (x, *args), kwargs)))
+    positions = [*transform.batch_argnums, *transform.batch_argnames]
+    for position, axis in zip(positions, transform.batch_in_axes, strict=True):
+        holder = call_args if isinstance(position, int) else call_kwargs
+
+        def shrink(leaf, axis=axis):
+            shape = list(jnp.shape(leaf))
+            shape[axis % len(shape)] = size
+            return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+
+        holder[position] = jax.tree_util.tree_map(shrink, holder[position])
+
+    def inner(x, args, kwargs):
+        return transform.fn.operator(x, *args, **kwargs)
+
+    return eqx.filter_eval_shape(inner, call_args[0], tuple(call_args[1:]), call_kwargs)
 
 
 class _ProductAt(eqx.Module):

@@ -59,3 +59,22 @@ def test_vectors_the_devices_do_not_divide_are_refused():
     sharded = zm.BatchedHessian(loss, sharding=NamedSharding(mesh, P("d", None)))
     with pytest.raises(ValueError, match="splits the 6 vectors .* over 4 devices"):
         sharded.operator(PARAMS, DATA).mm(VECTORS[:, :6])
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_microbatcher_operator_of_a_sharded_batch(kind):
+    def mean_loss(w, x, y):
+        return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(kind,))
+    w = np.linspace(-0.3, 0.3, 3)
+    x, y = np.random.default_rng(1).normal(size=(16, 3)), np.arange(16.0) / 16
+    H = np.asarray(jax.jit(jax.hessian(mean_loss))(w, x, y))
+    xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+    ys = jax.device_put(y, NamedSharding(mesh, P("d")))
+    hessian = zm.Microbatcher(
+        zm.BatchedHessian(mean_loss), microbatch_size=2, argnums=(1, 2), accumulator="mean"
+    )
+    op = hessian.operator(w, xs, ys)  # each device reduces its own microbatches
+    close(op.mm(VECTORS[:3, :4]), H @ VECTORS[:3, :4])
+    close(op.mv(VECTORS[:3, 0]), H @ VECTORS[:3, 0])
