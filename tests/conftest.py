@@ -1,7 +1,19 @@
 """Test configuration: zodmem is imported under jaxtyping's import hook, so every
 annotated function in the package is checked by beartype while the tests run."""
 
-from jaxtyping import install_import_hook
+import os
+
+# The tests compile hundreds of small programs and run each once or twice: XLA's backend
+# (LLVM) optimisations would take about a third of the suite's time and buy nothing at
+# these sizes. They change no program's meaning (buffers are assigned before them, so
+# planned memory is the same too), only its speed, and every reference the tests compare
+# with is compiled alike. A run that sets the level itself keeps it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+    ).strip()
+
+from jaxtyping import install_import_hook  # noqa: E402
 
 with install_import_hook("zodmem", "beartype.beartype"):
     import zodmem  # noqa: F401

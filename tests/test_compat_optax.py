@@ -134,14 +134,17 @@ def test_argnums_argnames_and_in_axes():
     def fn(a, b):
         return jnp.einsum("bij,kbj->ik", a, b)
 
-    for name in TYPES:
+    ways = [
+        (dict(argnums=(0, 1), in_axes=(0, 1)), (a, b), {}),
+        (dict(argnums=(1, 0), in_axes=(1, 0)), (a, b), {}),
+        (dict(argnums=(), argnames=("b", "a"), in_axes=(1, 0)), (), {"a": a, "b": b}),
+        (dict(argnums=0, argnames="b", in_axes=(0, 1)), (a,), {"b": b}),
+    ]
+    # Which arguments are batched does not depend on the accumulator: every way with the
+    # first, the first way with every other.
+    for index, name in enumerate(TYPES):
         ours_acc, theirs_acc = both(name)
-        for kwargs, call_args, call_kwargs in [
-            (dict(argnums=(0, 1), in_axes=(0, 1)), (a, b), {}),
-            (dict(argnums=(1, 0), in_axes=(1, 0)), (a, b), {}),
-            (dict(argnums=(), argnames=("b", "a"), in_axes=(1, 0)), (), {"a": a, "b": b}),
-            (dict(argnums=0, argnames="b", in_axes=(0, 1)), (a,), {"b": b}),
-        ]:
+        for kwargs, call_args, call_kwargs in ways if index == 0 else ways[:1]:
             ours = zo.microbatch(fn, microbatch_size=2, accumulator=ours_acc, **kwargs)
             theirs = om.microbatch(fn, microbatch_size=2, accumulator=theirs_acc, **kwargs)
             close(ours(*call_args, **call_kwargs), theirs(*call_args, **call_kwargs), F32, F32)

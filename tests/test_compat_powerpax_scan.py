@@ -70,7 +70,7 @@ def powerpax_mishandles(length, start, stop, step, reverse):
 bounds = st.one_of(st.none(), st.integers(-18, 18))
 
 
-@settings(max_examples=15)
+@settings(max_examples=8)
 @given(
     length=st.integers(0, 15),
     start=bounds,
@@ -96,7 +96,7 @@ def test_sliced_scan_matches_powerpax(length, start, stop, step_, reverse, unrol
         close(got, powerpax.sliced_scan(*args, **slicing), exact=True)
 
 
-@settings(max_examples=15)
+@settings(max_examples=8)
 @given(
     length=st.integers(0, 15),
     chunk_size=st.one_of(st.none(), st.integers(1, 18)),

@@ -92,7 +92,7 @@ def test_per_example_hessians_at_shared_parameters():
     xs, ys = normal(1, (9, 3)), normal(2, (9,))
     stack = zm.ChunkedVmap(zm.BatchedHessian(loss), chunk_size=4, in_axes=(None, 0, 0))
     flat, fn = flat_reference(loss, params)
-    expected = jax.vmap(jax.hessian(fn), in_axes=(None, 0, 0))(flat, xs, ys)
+    expected = eqx.filter_jit(jax.vmap(jax.hessian(fn), in_axes=(None, 0, 0)))(flat, xs, ys)
     close(stack(params, xs, ys), expected)
     # The per-example Hessians average to the Hessian of the mean loss.
     mean_hessian = jax.hessian(lambda f: jnp.mean(jax.vmap(fn, (None, 0, 0))(f, xs, ys)))(flat)
@@ -108,7 +108,9 @@ def test_per_example_jacobians_with_aux():
     jacobian, aux = zm.ChunkedVmap(zm.BatchedJacobian(critic, has_aux=True), chunk_size=2)(
         xs, scales
     )
-    expected_jacobian, expected_aux = jax.vmap(jax.jacrev(critic, has_aux=True))(xs, scales)
+    expected_jacobian, expected_aux = eqx.filter_jit(jax.vmap(jax.jacrev(critic, has_aux=True)))(
+        xs, scales
+    )
     close(jacobian, expected_jacobian)
     close(aux, expected_aux)
 
@@ -116,7 +118,7 @@ def test_per_example_jacobians_with_aux():
 def test_hessian_as_jacobian_of_jacobian():
     params = {"b": jnp.asarray(0.4), "w": normal(0, (4,))}
     flat, fn = flat_reference(energy, params)
-    expected = jax.hessian(fn)(flat, 0.7)
+    expected = eqx.filter_jit(jax.hessian(fn))(flat, 0.7)
     gradient = zm.BatchedJacobian(energy, mode="rev")
     for outer_mode in ("fwd", "rev"):
         nested = zm.BatchedJacobian(gradient, mode=outer_mode, nbatches=2)(params, 0.7)
@@ -148,7 +150,7 @@ def test_dataset_hessian(microbatch_size):
         accumulator="mean",
     )
     flat, fn = flat_reference(regression_loss, params)
-    close(dataset_hessian(params, x, y), jax.hessian(fn)(flat, x, y))
+    close(dataset_hessian(params, x, y), eqx.filter_jit(jax.hessian(fn))(flat, x, y))
 
 
 def test_dataset_hessian_with_aux_and_summed_loss():
@@ -165,7 +167,7 @@ def test_dataset_hessian_with_aux_and_summed_loss():
     )
     hessian, largest = dataset_hessian(params, x, y)
     flat, fn = flat_reference(lambda p, x, y: summed_loss(p, x, y)[0], params)
-    close(hessian, jax.hessian(fn)(flat, x, y))
+    close(hessian, eqx.filter_jit(jax.hessian(fn))(flat, x, y))
     assert largest.shape == (3,)  # one scalar per microbatch: 4, 4 and 3 examples
     full = summed_loss(params, x, y)[1]
     np.testing.assert_allclose(jnp.max(largest), full)
@@ -209,7 +211,9 @@ def test_dataset_hessian_of_an_mlp():
     )(model, x, y)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     flat, unravel = ravel_pytree(params)
-    expected = jax.hessian(lambda f: mlp_loss(eqx.combine(unravel(f), static), x, y))(flat)
+    expected = eqx.filter_jit(
+        jax.hessian(lambda f: mlp_loss(eqx.combine(unravel(f), static), x, y))
+    )(flat)
     close(hessian, expected)
 
 
@@ -249,15 +253,17 @@ def test_chunked_vmap_of_sliced_scan(chunk_size):
     inits, xs = normal(0, (5, 2)), normal(1, (5, 9, 2))
     sliced = zm.SlicedScan(decay, start=1, step=3)
     carry, ys = zm.ChunkedVmap(sliced, chunk_size=chunk_size)(inits, xs)
-    expected_carry, expected_ys = jax.vmap(lambda c, x: jax.lax.scan(decay, c, x))(inits, xs)
+    expected_carry, expected_ys = eqx.filter_jit(jax.vmap(lambda c, x: jax.lax.scan(decay, c, x)))(
+        inits, xs
+    )
     close(carry, expected_carry)
     close(ys, jax.tree_util.tree_map(lambda y: y[:, 1::3], expected_ys))
 
     # Without inputs: a shared `xs` of None and a fixed length.
     sliced = zm.SlicedScan(decay_without_input, start=-4, step=-2, length=11)
     carry, ys = zm.ChunkedVmap(sliced, chunk_size=chunk_size)(inits)
-    expected_carry, expected_ys = jax.vmap(
-        lambda c: jax.lax.scan(decay_without_input, c, None, length=11)
+    expected_carry, expected_ys = eqx.filter_jit(
+        jax.vmap(lambda c: jax.lax.scan(decay_without_input, c, None, length=11))
     )(inits)
     close(carry, expected_carry)
     close(ys, expected_ys[:, -4::-2])
@@ -283,7 +289,10 @@ def test_checkpointed_scan_in_grad_in_chunked_vmap(chunk_size):
     x0s = normal(1, (5, 3))
     per_example = zm.ChunkedVmap(jax.grad(checkpointed, argnums=(0, 1)), chunk_size=2)
     actual = per_example(x0s, jnp.broadcast_to(ws, (5, 10)))
-    close(actual, jax.vmap(jax.grad(plain, argnums=(0, 1)), in_axes=(0, None))(x0s, ws))
+    close(
+        actual,
+        eqx.filter_jit(jax.vmap(jax.grad(plain, argnums=(0, 1)), in_axes=(0, None)))(x0s, ws),
+    )
 
 
 # ----------------------------------------------------------------------------------

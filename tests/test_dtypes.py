@@ -4,6 +4,7 @@
 
 import itertools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,12 +19,13 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 
 def block_options(total):
-    """Ways to cut `total` products: one block, a count that divides and one that does
-    not, a size that does not divide, and a size above the total."""
+    """Ways to cut `total` products that give different programs: one block, blocks of
+    one, a count that does not divide (a remainder block), and a size above the total.
+    (How counts and sizes turn into blocks is swept in test_blocks.py and the
+    transforms' own tests; here the dtypes are the point.)"""
     yield {}
     yield {"nbatches": total}
     yield {"nbatches": 2}
-    yield {"batch_size": 2}
     yield {"batch_size": total + 2}
 
 
@@ -37,7 +39,7 @@ def phase(x):
 
 def test_complex_outputs_of_a_real_x_give_jacfwds_complex_jacobian():
     x = jnp.arange(4.0)
-    expected = jax.jacfwd(phase)(x)
+    expected = eqx.filter_jit(jax.jacfwd(phase))(x)
     assert expected.dtype == jnp.complex128
     for mode in ("auto", "fwd"):
         for options in block_options(4):
@@ -49,7 +51,7 @@ def test_pytree_outputs_with_one_complex_leaf_choose_forward_mode():
         return {"real": jnp.sum(x), "complex": jnp.exp(1j * x[0])}
 
     x = jnp.arange(5.0)  # 5 variables, 2 outputs: "auto" would pick reverse mode
-    close(zm.BatchedJacobian(fn, nbatches=2)(x), jax.jacfwd(fn)(x))
+    close(zm.BatchedJacobian(fn, nbatches=2)(x), eqx.filter_jit(jax.jacfwd(fn))(x))
 
 
 def test_reverse_mode_refuses_complex_outputs_as_jacrev_does():
@@ -62,7 +64,7 @@ def test_reverse_mode_refuses_complex_outputs_as_jacrev_does():
     # zodiax's single block is jax.jacrev: the drop-in refuses alike.
     with pytest.raises(TypeError, match="requires real-valued outputs"):
         zc.jacobian(phase, x, nbatches=1)
-    close(zc.jacobian(phase, x, nbatches=2)[0], jax.jacfwd(phase)(x))
+    close(zc.jacobian(phase, x, nbatches=2)[0], eqx.filter_jit(jax.jacfwd(phase))(x))
 
 
 def test_a_hessian_of_a_complex_valued_function_of_real_variables_is_refused():
@@ -109,7 +111,7 @@ def test_holomorphic_refuses_real_variables_and_real_outputs(cls):
 
 def test_holomorphic_jacobians_equal_jacfwd_in_every_mode_and_block():
     z = jnp.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j])
-    expected = jax.jacfwd(holo, holomorphic=True)(z)
+    expected = eqx.filter_jit(jax.jacfwd(holo, holomorphic=True))(z)
     close(jax.jacrev(holo, holomorphic=True)(z), expected)
     for mode in MODES:
         for options in block_options(3):
@@ -119,7 +121,7 @@ def test_holomorphic_jacobians_equal_jacfwd_in_every_mode_and_block():
 
 def test_holomorphic_hessians_equal_jax_hessian_in_every_mode_and_block():
     z = jnp.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j])
-    expected = jax.hessian(holo_loss, holomorphic=True)(z)
+    expected = eqx.filter_jit(jax.hessian(holo_loss, holomorphic=True))(z)
     assert expected.dtype == jnp.complex128
     for mode in MODES:
         for options in block_options(3):
@@ -189,7 +191,7 @@ def mixed_loss(params):
 
 def test_hessian_to_pytree_blocks_have_jax_hessians_dtypes():
     params = {"a": jnp.asarray([0.3, -0.4], jnp.float32), "b": jnp.asarray([0.1, 0.2, 0.7])}
-    expected = jax.hessian(mixed_loss)(params)
+    expected = eqx.filter_jit(jax.hessian(mixed_loss))(params)
     assert expected["a"]["b"].dtype == jnp.float32 and expected["b"]["a"].dtype == jnp.float64
     for mode, nbatches in itertools.product(MODES, (2, 5)):
         H = zm.BatchedHessian(mixed_loss, mode=mode, nbatches=nbatches)(params)
@@ -219,7 +221,7 @@ def test_aux_with_non_array_leaves_is_returned_unchanged(mode, jit):
     H, aux = zm.BatchedHessian(scalar_with_aux, has_aux=True, mode=mode, jit=jit, nbatches=2)(x)
     # jax.hessian itself fails on such an aux (jacfwd batches it): compare with the
     # Hessian of the value and the aux of one call.
-    close(H, jax.hessian(lambda x: scalar_with_aux(x)[0])(x))
+    close(H, eqx.filter_jit(jax.hessian(lambda x: scalar_with_aux(x)[0]))(x))
     close(aux, scalar_with_aux(x)[1])
 
 

@@ -92,7 +92,7 @@ def python_loop(fn, w, x, y, size, accumulator, count=None, concat_like=None):
 # Values
 
 
-@settings(max_examples=20)
+@settings(max_examples=10)
 @given(batch=st.integers(1, 20), size=st.integers(1, 22))
 def test_every_accumulator_matches_unbatched(batch, size):
     w, x, y = data(batch)
@@ -103,7 +103,7 @@ def test_every_accumulator_matches_unbatched(batch, size):
     close(got, every_kind(np)[0](w, x, y))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(batch=st.integers(1, 20), size=st.integers(1, 21))
 def test_nested_pytree_of_accumulators(batch, size):
     w, x, y = data(batch, seed=1)
@@ -126,7 +126,7 @@ def test_nested_pytree_of_accumulators(batch, size):
     close(transform(w, x, y=y), fn(w, x, y, np))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(
     batch=st.integers(1, 12),
     size=st.integers(1, 13),
@@ -178,7 +178,7 @@ def grouped(xp=jnp):
     return fn
 
 
-@settings(max_examples=15)
+@settings(max_examples=10)
 @given(batch=st.integers(1, 16), size=st.integers(1, 17))
 def test_non_decomposable_function_matches_python_loop(batch, size):
     w, x, y = data(batch, seed=3)
@@ -376,7 +376,7 @@ def mean_loss_grad(w, x, y):
     return np.mean((2 * (pred - y) * (1 - pred**2))[:, None] * x, axis=0)
 
 
-@settings(max_examples=15)
+@settings(max_examples=10)
 @given(batch=st.integers(1, 20), size=st.integers(1, 21))
 def test_microbatched_gradient_equals_full_batch_gradient(batch, size):
     w, x, y = data(batch, seed=7)
@@ -419,7 +419,7 @@ def test_vmap_over_a_microbatcher():
     w, x, y = data(9, seed=9)
     ws = jnp.stack([w, 2 * w, -w])
     loss = zm.Microbatcher(mean_loss, microbatch_size=4, argnums=(1, 2), accumulator="mean")
-    expected = jax.vmap(mean_loss, in_axes=(0, None, None))(ws, x, y)
+    expected = eqx.filter_jit(jax.vmap(mean_loss, in_axes=(0, None, None)))(ws, x, y)
     close(jax.vmap(loss, in_axes=(0, None, None))(ws, x, y), expected)
 
 
