@@ -323,6 +323,25 @@ def map_knob(args: argparse.Namespace, chunk: int) -> _harness.Case:
     return _harness.Case(lambda: transform(p["xs"]), info, repeats=args.steady_calls)
 
 
+def map_same_blocks(args: argparse.Namespace, label: str) -> _harness.Case:
+    """The chunks that the budget `label` plans, given by hand (`chunk_size`)."""
+    import zodmem as zm
+
+    p = _map_problem(args)
+    budget = _budget(label, MAP_BUDGETS, p["scale"])
+    plan = zm.ChunkedVmap(p["f"], max_memory=budget).plan(p["xs"])
+    transform = zm.ChunkedVmap(p["f"], chunk_size=plan.block_size)
+    info = {
+        **p["info"],
+        "tool": "same-blocks",
+        "max_memory": budget,
+        "chunk_size": plan.block_size,
+        "block_size": plan.block_size,
+        "num_blocks": plan.num_blocks,
+    }
+    return _harness.Case(lambda: transform(p["xs"]), info, repeats=args.steady_calls)
+
+
 def map_xla(args: argparse.Namespace) -> _harness.Case:
     import zodmem as zm
 
@@ -346,7 +365,9 @@ CASES = {
     },
     "small/xla": partial(hessian_xla, group="small"),
     "map/floor": map_floor,
+    "map/matmul": matmul_rate,
     **{f"map/budget-{b}": partial(map_budget, label=b) for b in MAP_BUDGETS},
+    **{f"map/same-{b}": partial(map_same_blocks, label=b) for b in MAP_BUDGETS},
     **{f"map/chunk-{c}": partial(map_knob, chunk=c) for c in MAP_CHUNKS},
     "map/xla": map_xla,
 }

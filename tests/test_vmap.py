@@ -45,7 +45,7 @@ SWEEP_OUT_AXES = {"outer": 2, "total": 0}
 
 
 # Batch sizes from empty to 20, each with every chunk size up to two beyond it.
-@pytest.mark.parametrize("batch", [0, 1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 20])
+@pytest.mark.parametrize("batch", [0, 1, 2, 3, 4, 5, 7, 8, 16, 20])
 def test_every_chunk_size(batch):
     x = values((3, batch), jnp.float64)
     y = values((3,), jnp.float64, seed=1)
