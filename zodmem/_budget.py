@@ -6,11 +6,13 @@ here chooses the size. It compiles the transform's whole call at candidate block
 and reads XLA's own account of the call's buffers (`memory_analysis()`): the output
 plus the temporaries, which is what the budget bounds. Nothing runs to plan.
 
-The candidates are probes: compiled without the backend's code optimisations, which
-come after XLA has assigned the buffers, so that each costs about 60% of the call's own
-compile and reports the same memory. The chosen one is then compiled for the call (its
-memory checked again; should it not fit, the search is made again from programs compiled
-for the call), and that executable is the one the call runs.
+The two ends of the search (one item per block, everything in one block) are probes:
+compiled without the backend's code optimisations, which come after XLA has assigned the
+buffers, so that each costs about 60% of the call's own compile and reports the same
+memory. Sizes between them are compiled for the call, since the first that fits is
+usually the plan; a probe that is chosen is compiled again for the call (its memory
+checked again; should it not fit, the search is made again from programs compiled for
+the call). The chosen candidate's executable is the one the call runs.
 
 How `search` finds a size, in few compiles:
 
@@ -471,9 +473,17 @@ def compiled_plan(
         compiles += 1
         return result
 
+    probes: set[Any] = set()
+
     def memory(strategy: Any, size: int | None) -> Compiled:
         if (strategy, size) not in measured:
-            measured[strategy, size] = compiled(strategy, size, probing)
+            # The two ends (one item per block, and all in one block) give the slope and
+            # are seldom the plan: probes. A size between them is compiled for the call,
+            # since the first that fits is usually the plan.
+            probe = probing and size in (1, work.total) and work.total > 1
+            measured[strategy, size] = compiled(strategy, size, probe)
+            if probe:
+                probes.add((strategy, size))
         return measured[strategy, size]
 
     def compile_bytes() -> int | None:
@@ -531,7 +541,10 @@ def compiled_plan(
         final = memory(*chosen)
     else:
         chosen = choose()
-        final = compiled(*chosen, probe=False)
+        if chosen not in probes:
+            final = measured[chosen]
+        else:
+            final = compiled(*chosen, probe=False)
         if final.peak_bytes > usable_bytes(budget, platform, compile_bytes()):
             probing = False
             measured.clear()
