@@ -44,6 +44,11 @@ KEY_LINES = {
         "equal to jax.hessian of the full-batch loss: True",
         "Microbatcher(BatchedHessian(nbatches=16), microbatch_size=1024)",
     ],
+    "fisher_forecast.py": [
+        "the GGN and the Hessian agree: True",
+        "CG solve equals the dense solve: True",
+        "quality factor Q = ",
+    ],
     "sharded_hessian.py": [
         "sharded Hessian equals jax.hessian: True",
         "column split P(None, 'd') equals jax.hessian: True",
