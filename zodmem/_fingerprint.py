@@ -17,7 +17,7 @@ import jax.extend
 import numpy as np
 
 if TYPE_CHECKING:
-    from ._stream import Layout
+    from ._stream_call import Layout
 
 __all__ = ["call_fingerprint"]
 

@@ -23,7 +23,7 @@ from ._files import drop_cached, fsync_directory, pread_all, pwrite_all
 from ._serialise import SerialisationError
 
 if TYPE_CHECKING:
-    from ._stream import Layout
+    from ._stream_call import Layout
 
 __all__ = ["AFRESH", "ResultFiles"]
 

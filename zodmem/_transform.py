@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._budget import Plan, Work, compiled_plan, make_plan, run_compiled, runs_compiled
+from ._budget import Plan, Work, compiled_plan, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
+from ._compiled import run_compiled, runs_compiled
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
