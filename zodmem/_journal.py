@@ -34,6 +34,18 @@ def _record(record: dict[str, Any]) -> bytes:
     return f"{hashlib.sha256(body.encode()).hexdigest()[:16]} {body}\n".encode()
 
 
+def _header(fingerprint: dict[str, str], files: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """A journal's first record: its format, the call's fingerprint, the files it
+    describes and `fields`."""
+    return {
+        "format": _JOURNAL_FORMAT,
+        "version": _JOURNAL_VERSION,
+        "fingerprint": fingerprint,
+        "files": files.describe(),
+        **fields,
+    }
+
+
 class Journal:
     """The records beside a file: a header record (the call's fingerprint, the files,
     the block size), then `{"done": k, "blocks": [[index, regions], ...]}` once blocks
@@ -99,13 +111,7 @@ class Journal:
     ) -> None:
         """A new journal (written whole, then renamed into place), then the files."""
         os.makedirs(files.directory, exist_ok=True)
-        record = {
-            "format": _JOURNAL_FORMAT,
-            "version": _JOURNAL_VERSION,
-            "fingerprint": fingerprint,
-            "files": files.describe(),
-            **header,
-        }
+        record = _header(fingerprint, files, header)
         write_atomically(self.path, [_record(record)])
         files.create()
 
@@ -179,13 +185,7 @@ class RowJournal:
             self.append({"layout": layout})
             return
         os.makedirs(files.directory, exist_ok=True)
-        record = {
-            "format": _JOURNAL_FORMAT,
-            "version": _JOURNAL_VERSION,
-            "fingerprint": fingerprint,
-            "files": files.describe(),
-            "sharded": {"axis": 0, **layout},
-        }
+        record = _header(fingerprint, files, {"sharded": {"axis": 0, **layout}})
         write_atomically(self.path, [_record(record)])
 
     def append(self, record: dict[str, Any]) -> None:
