@@ -124,14 +124,10 @@ class AbstractBlocked(AbstractTransform):
         no bar is drawn (a bar's callback is not in the planned program). The bars of a
         run that fails are closed, not left for the next run to draw beneath."""
         with closing_bars():
-            if self.max_memory is None:
-                return self._run(*args, **kwargs)
-            plan, executable = compiled_plan(self._quiet, args, kwargs)
-            planned = (
-                self if plan.total == 0 else self._with_block_size(plan.block_size, plan.strategy)
-            )
-            if not self.progress and runs_compiled(executable, planned, args, kwargs):
-                return run_compiled(executable, planned, args, kwargs)
+            planned, executable = self._planned_call(args, kwargs)
+            if executable is not None and not self.progress:
+                if runs_compiled(executable, planned, args, kwargs):
+                    return run_compiled(executable, planned, args, kwargs)
             return planned._run(*args, **kwargs)
 
     def _planned(
@@ -139,12 +135,19 @@ class AbstractBlocked(AbstractTransform):
     ) -> AbstractBlocked:
         """This transform with the block size (and strategy) that its budget allows for
         `run(transform, args, kwargs)`, the call planned (by default, `_run`)."""
+        return self._planned_call(args, kwargs, run)[0]
+
+    def _planned_call(
+        self, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
+    ) -> tuple[AbstractBlocked, Any]:
+        """`_planned`, and the executable compiled for it while planning (`None` without
+        a budget)."""
         if self.max_memory is None:
-            return self
-        plan = make_plan(self._quiet, args, kwargs, run=run)
+            return self, None
+        plan, executable = compiled_plan(self._quiet, args, kwargs, run=run)
         if plan.total == 0:
-            return self
-        return self._with_block_size(plan.block_size, plan.strategy)
+            return self, executable
+        return self._with_block_size(plan.block_size, plan.strategy), executable
 
     @property
     def _strategies(self) -> tuple[Any, ...]:
