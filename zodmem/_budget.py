@@ -405,9 +405,9 @@ def compiled_plan(
     # not always the larger (one block of everything is a program without a loop).
     growths: list[int] = []
     budget, source = budget_of(transform.max_memory)
-    # With a budget, the candidates are probes (`compile_call`); the chosen one is then
-    # compiled for the call. Should its memory differ from its probe's and not fit, the
-    # search is made again from programs compiled for the call.
+    # With a budget, the search's two ends are probes (`compile_call`); a chosen probe is
+    # compiled again for the call. Should its memory then not fit, the search is made
+    # again from programs compiled for the call.
     probing = budget is not None and work.total > 0
     compiles = 0
 
