@@ -50,6 +50,7 @@ from ._serialise import SerialisationError
 from ._stream_call import (
     _block_size,
     _block_view,
+    _check_arrays,
     _check_concrete,
     _layout,
     _planned,
@@ -233,12 +234,11 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
     if getattr(transform, "sharding", None) is not None:
         return _to_file_sharded(path, transform, args, kwargs)
     layout = _layout(transform, args, kwargs)
-    for key, leaf in zip(layout.paths, layout.leaves, strict=True):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"zm.to_file: the result{key} is {leaf!r}, not an array; a file holds arrays "
-                "only. Use zm.to_host, or leave that output out of the result."
-            )
+    _check_arrays(
+        layout,
+        "to_file",
+        "a file holds arrays only. Use zm.to_host, or leave that output out of the result.",
+    )
     files = ResultFiles(path, layout)
     if RowJournal.paths(files):
         raise SerialisationError(

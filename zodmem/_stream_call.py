@@ -18,6 +18,7 @@ __all__ = [
     "Layout",
     "_block_size",
     "_block_view",
+    "_check_arrays",
     "_check_concrete",
     "_keep_nothing",
     "_layout",
@@ -115,3 +116,11 @@ def _block_view(array: np.ndarray, piece_shape: tuple, axis: int, start: int) ->
     total = array.size // others
     view = array.reshape(piece_shape[:axis] + (total,) + piece_shape[axis + 1 :])
     return view[(slice(None),) * axis + (slice(start, start + piece_shape[axis]),)]
+
+
+def _check_arrays(layout: Layout, name: str, why: str) -> None:
+    """Refuse a result with a leaf that is not an array (`why`: what takes arrays only,
+    and the way out)."""
+    for key, leaf in zip(layout.paths, layout.leaves, strict=True):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(f"zm.{name}: the result{key} is {leaf!r}, not an array; {why}")

@@ -26,7 +26,7 @@ from ._npy import AFRESH, ResultFiles
 from ._progress import closing_bars
 from ._serialise import SerialisationError
 from ._sharding import Share, Split, run_sharded, to_mesh
-from ._stream_call import Layout, _keep_nothing, _layout, _streamed_call
+from ._stream_call import Layout, _check_arrays, _keep_nothing, _layout, _streamed_call
 from ._syncer import Syncer
 
 __all__ = ["_rows_split", "_to_file_sharded", "_to_host_sharded"]
@@ -191,12 +191,11 @@ def _sharded_layout(transform: Any, args: tuple, kwargs: dict, name: str) -> tup
         )
     whole = dataclasses.replace(transform, sharding=None)
     layout = _layout(whole, args, kwargs)
-    for key, leaf in zip(layout.paths, layout.leaves, strict=True):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"zm.{name}: the result{key} is {leaf!r}, not an array; a sharded result "
-                "is streamed as arrays only. Leave that output out of the result."
-            )
+    _check_arrays(
+        layout,
+        name,
+        "a sharded result is streamed as arrays only. Leave that output out of the result.",
+    )
     return whole, layout
 
 
