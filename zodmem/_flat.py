@@ -9,6 +9,7 @@ a flat vector to a pytree shaped like the input structure, for a zodmem operator
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import lineax as lx
 
 from ._checks import described
-from ._operator import BlockedOperator, flat_product
+from ._operator import BlockedOperator
 
 __all__ = ["FlatView", "flat_view"]
 
@@ -29,7 +30,8 @@ class FlatView(eqx.Module):
 
     - `operator`: the operator itself.
     - `size`, `dtype`: the length and dtype of its flat vectors.
-    - `product(v)`: one product with a flat vector (traceable, unchecked).
+    - `linear()`: one product as a function of flat vectors (traceable, unchecked),
+      built once; `product(v)` builds it and applies it.
     - `unflatten(v)`: a flat vector as a pytree shaped like the input structure (for a
       zodmem operator, like the variables of `x`).
     """
@@ -40,11 +42,30 @@ class FlatView(eqx.Module):
     structure: Any = eqx.field(static=True)
 
     def product(self, vector: jax.Array) -> jax.Array:
-        if isinstance(self.operator, BlockedOperator):
-            return flat_product(self.operator, vector)
-        out = self.operator.mv(self.unflatten(vector))
-        leaves = jax.tree_util.tree_leaves(out)
-        return jnp.concatenate([jnp.ravel(leaf).astype(self.dtype) for leaf in leaves])
+        """One product with a flat vector. Each call builds the product anew (for a
+        curvature kept linearised, it linearises `fn` again): inside a loop, take
+        `linear()` once outside it and call that."""
+        return self.linear()(vector)
+
+    def linear(self, strategy: Any = None) -> Callable[[jax.Array], jax.Array]:
+        """The product as a function of flat vectors, built once: for a zodmem operator
+        whose transform keeps one linearisation (the default), `fn` is linearised here
+        and its residuals serve every product made with the function returned.
+        `strategy` (`"linearize"` or `"recompute"`) overrides the transform's."""
+        operator = self.operator
+        if isinstance(operator, BlockedOperator):
+            transform = operator.transform
+            if strategy is not None and hasattr(transform, "strategy"):
+                transform = dataclasses.replace(transform, strategy=strategy)
+                operator = dataclasses.replace(operator, transform=transform)
+            return operator._map()
+
+        def product(vector):
+            out = operator.mv(self.unflatten(vector))
+            leaves = jax.tree_util.tree_leaves(out)
+            return jnp.concatenate([jnp.ravel(leaf).astype(self.dtype) for leaf in leaves])
+
+        return product
 
     def unflatten(self, vector: jax.Array) -> Any:
         """A flat vector (or `(..., size)` stack of them) as a pytree like the input."""
