@@ -5,6 +5,7 @@ from . import (
     losses as losses,
 )
 from ._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
+from ._diagonal import diagonal as diagonal, trace as trace
 from ._ggn import BatchedGGN as BatchedGGN
 from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
@@ -43,12 +44,14 @@ __all__ = [
     "SerialisationError",
     "SlicedScan",
     "Static",
+    "diagonal",
     "hessian_to_pytree",
     "jacobian_to_pytree",
     "load",
     "save",
     "to_file",
     "to_host",
+    "trace",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,342 @@
+"""The diagonal and the trace of an operator: exactly, from unit vectors in planned blocks,
+or estimated from random probes (Hutchinson's estimator and its variance-reduced forms,
+Hutch++ for the trace and Diag++ for the diagonal)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+
+from ._checks import check_choice, check_int, described
+from ._flat import FlatView, flat_view
+from ._probes import ProbeJob, run_probes
+
+__all__ = ["diagonal", "trace"]
+
+_DIAGONAL_METHODS = ("exact", "hutchinson", "diag++")
+_TRACE_METHODS = ("exact", "hutchinson", "hutch++")
+
+
+# -- what the blocks of probes compute ---------------------------------------------------
+
+
+class UnitDiagonal(ProbeJob):
+    """The diagonal entries `e_i^T A e_i`, one unit vector a probe."""
+
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "unit vectors"
+
+    def count(self, view: FlatView) -> int:
+        return view.size
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        def entry(index):
+            return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
+
+        return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
+
+
+class Columns(ProbeJob):
+    """The products with the columns of a matrix, assembled as columns."""
+
+    matrix: jax.Array
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "vectors"
+    axis: ClassVar[int] = 1
+
+    def count(self, view: FlatView) -> int:
+        return self.matrix.shape[1]
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        columns = jax.lax.dynamic_slice_in_dim(self.matrix, start, size, axis=1)
+        return jax.vmap(product, in_axes=1, out_axes=1)(columns)
+
+
+class Hutchinson(ProbeJob):
+    """The sums of Hutchinson's samples and of their squares over random sign probes `g`
+    (probe `i` drawn from `fold_in(key, i)`, whatever the blocks): `g^T A g` for a trace,
+    `g * (A g)` for a diagonal. With `basis` (orthonormal columns `Q`, `P = Q Q^T`), the
+    samples of what `P` leaves: `g' ^T A g'` with `g' = (I - P) g` (Hutch++), or
+    `g * (I - P) A g` (Diag++)."""
+
+    key: jax.Array
+    basis: jax.Array | None
+    num: int = eqx.field(static=True)
+    for_trace: bool = eqx.field(static=True)
+    reduce: ClassVar[bool] = True
+    what: ClassVar[str] = "probes"
+
+    def count(self, view: FlatView) -> int:
+        return self.num
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        basis = self.basis
+
+        def deflated(vector):
+            return vector - basis @ (basis.T @ vector)
+
+        def sample(index):
+            probe = jax.random.rademacher(
+                jax.random.fold_in(self.key, index), (view.size,), view.dtype
+            )
+            if self.for_trace:
+                if basis is not None:
+                    probe = deflated(probe)
+                value = jnp.dot(probe, product(probe))
+            else:
+                applied = product(probe)
+                value = probe * (applied if basis is None else deflated(applied))
+            return value, value * value
+
+        values, squares = jax.vmap(sample)(start + jnp.arange(size, dtype=jnp.int32))
+        return jnp.sum(values, axis=0), jnp.sum(squares, axis=0)
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+def _check_key(key: Any, owner: str, method: str) -> jax.Array:
+    if key is None:
+        raise TypeError(
+            f"{owner}: method={method!r} draws random probes and needs a key, e.g. "
+            f"key=jax.random.key(0); got key=None."
+        )
+    if isinstance(key, jax.Array):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return key
+        if key.dtype == jnp.uint32 and key.shape == (2,):
+            return jax.random.wrap_key_data(key)
+    raise TypeError(
+        f"{owner}: `key` must be a JAX random key, such as jax.random.key(0) (or a "
+        f"jax.random.PRNGKey), got {described(key)}."
+    )
+
+
+def _check_probes(num_probes: Any, owner: str, method: str, least: int) -> int:
+    if num_probes is None:
+        raise TypeError(
+            f"{owner}: method={method!r} needs `num_probes`, the number of random probes "
+            f"(products with the operator), at least {least}; got num_probes=None."
+        )
+    return check_int(
+        num_probes, "num_probes", owner=owner, minimum=least, allowed=f"an int >= {least}"
+    )
+
+
+def _stochastic_view(operator: Any, owner: str, method: str) -> FlatView:
+    view = flat_view(operator, owner)
+    if jnp.issubdtype(view.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{owner}: method={method!r} estimates from real random probes and takes a "
+            f"real operator, but this one is {view.dtype}; use method='exact'."
+        )
+    return view
+
+
+def _mean_and_error(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
+    """The mean of `count` samples and its standard error, from their sum and the sum of
+    their squares."""
+    mean = sums / count
+    spread = jnp.maximum(squares - count * mean * mean, 0) / (count - 1)
+    return mean, jnp.sqrt(spread / count)
+
+
+def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:
+    """`(Q, A Q)`: an orthonormal basis of the range of `A S` for `width` random sign
+    probes `S` (it holds the directions of `A`'s largest eigenvalues), and its products."""
+    signs = jax.random.rademacher(key, (view.size, width), view.dtype)
+    sketch = run_probes(view, Columns(signs), **options)
+    basis, _ = jnp.linalg.qr(sketch)
+    return basis, run_probes(view, Columns(basis), **options)
+
+
+def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
+    return view.unflatten(vector) if pytree else vector
+
+
+# -- the public functions ------------------------------------------------------------------
+
+
+def diagonal(
+    operator: Any,
+    *,
+    method: str = "exact",
+    num_probes: Any = None,
+    key: Any = None,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: bool | None = None,
+    pytree: bool = False,
+) -> Any:
+    """The diagonal of a square operator: exactly, or estimated from random probes.
+
+    - `method="exact"`: `A[i, i] = e_i^T A e_i` for every unit vector `e_i`, in blocks of
+      unit vectors of which only the diagonal entries are kept. It takes `n` products,
+      the work of the dense matrix, but holds one block of products, never `n x n`.
+    - `method="hutchinson"`: the mean of `g * (A g)` over `num_probes` random sign
+      vectors `g` (unbiased: `E[g g^T] = I`), and its standard error, entry by entry.
+    - `method="diag++"`: a third of the probes sketch the range of `A` (`Q`, from the
+      products `A S`), whose part `diag(Q Q^T A)` is exact (another third), and the
+      last third estimate what is left, `diag((I - Q Q^T) A)`, by Hutchinson's
+      samples. Far more accurate than `"hutchinson"` with the same products when a few
+      eigenvalues dominate, as in a network's Hessian or Gauss-Newton matrix; it needs
+      a symmetric operator. The standard error is that of the last third's estimate.
+
+    **Arguments:**
+
+    - `operator`: a square linear operator: `transform.operator(x, *args)` of
+      `zm.BatchedHessian`, `zm.BatchedGGN` (or either wrapped in `zm.Microbatcher`, for
+      a dataset's curvature), or any `lineax` operator.
+    - `method`: `"exact"`, `"hutchinson"` or `"diag++"`.
+    - `num_probes`: the number of random probes (products) of a stochastic method: at
+      least 2 for `"hutchinson"`, 4 for `"diag++"`.
+    - `key`: a `jax.random.key` for the probes of a stochastic method; probe `i` is drawn
+      from `jax.random.fold_in(key, i)`, so the estimate does not depend on the blocks.
+    - `max_memory`, `batch_size`: at most one: the probes per block, given, or as many
+      as fit the budget (planned as any transform's blocks). By default the options of
+      the operator's transform (its budget, `nbatches` or `batch_size`).
+    - `sharding`: a `NamedSharding` whose first entry names the mesh axes that split the
+      probes over devices (their number must divide the probes); by default the
+      operator's transform's.
+    - `progress`: a progress bar of the blocks done; by default the transform's.
+    - `pytree`: return the diagonal shaped like the operator's input (for a curvature,
+      like the variables of `x`) instead of flat.
+
+    **Returns:**
+
+    The diagonal (flat `(n,)`, or a pytree), in the operator's dtype; for a stochastic
+    method, `(estimate, standard_error)`, both in that form.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w, x):
+            return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+        w, x = jnp.ones(50) / 10, jnp.ones((20, 50))
+        op = zm.BatchedHessian(loss, max_memory="100MB").operator(w, x)
+        exact = zm.diagonal(op)
+        estimate, error = zm.diagonal(op, method="hutchinson", num_probes=100,
+                                      key=jax.random.key(0))
+        ```
+    """
+    owner = "zm.diagonal"
+    check_choice(method, "method", _DIAGONAL_METHODS, owner=owner)
+    options = dict(
+        owner=owner,
+        max_memory=max_memory,
+        batch_size=batch_size,
+        sharding=sharding,
+        progress=progress,
+    )
+    if method == "exact":
+        view = flat_view(operator, owner)
+        return _shaped(view, run_probes(view, UnitDiagonal(), **options), pytree)
+    view = _stochastic_view(operator, owner, method)
+    key = _check_key(key, owner, method)
+    if method == "hutchinson":
+        num = _check_probes(num_probes, owner, method, 2)
+        sums, squares = run_probes(view, Hutchinson(key, None, num, False), **options)
+        mean, error = _mean_and_error(sums, squares, num)
+        return _shaped(view, mean, pytree), _shaped(view, error, pytree)
+    num = _check_probes(num_probes, owner, method, 4)
+    if not lx.is_symmetric(view.operator):
+        raise ValueError(
+            f"{owner}: method='diag++' needs a symmetric operator (its exact part is "
+            "diag(Q Q^T A) = sum(Q * (A Q), 1) only then); tag a symmetric one with "
+            "lineax.TaggedLinearOperator(op, lineax.symmetric_tag), or use "
+            "method='hutchinson'."
+        )
+    sketch_key, probe_key = jax.random.split(key)
+    width = num // 3
+    basis, products = _sketch(view, sketch_key, width, options)
+    known = jnp.sum(basis * products, axis=1)
+    rest = num - 2 * width
+    sums, squares = run_probes(view, Hutchinson(probe_key, basis, rest, False), **options)
+    mean, error = _mean_and_error(sums, squares, rest)
+    return _shaped(view, known + mean, pytree), _shaped(view, error, pytree)
+
+
+def trace(
+    operator: Any,
+    *,
+    method: str = "exact",
+    num_probes: Any = None,
+    key: Any = None,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: bool | None = None,
+) -> Any:
+    """The trace of a square operator: exactly, or estimated from random probes.
+
+    - `method="exact"`: the sum of the exact diagonal (`zm.diagonal`): `n` products in
+      blocks of unit vectors, one block held at a time.
+    - `method="hutchinson"`: the mean of `g^T A g` over `num_probes` random sign vectors
+      `g`, and its standard error. Its variance is `2 (||A||_F^2 - sum_i A_ii^2)` per
+      probe.
+    - `method="hutch++"` (Meyer, Musco, Musco and Woodruff, 2021): a third of the
+      probes sketch the range of `A` (`Q`), whose part `trace(Q^T A Q)` is exact
+      (another third), and the last third estimate the trace of what is left,
+      `(I - Q Q^T) A (I - Q Q^T)`. With the same products its error is far smaller when
+      a few eigenvalues dominate. The standard error is that of the last third's part.
+
+    **Arguments:** as for `zm.diagonal` (without `pytree`); `num_probes` at least 2 for
+    `"hutchinson"` and 4 for `"hutch++"`.
+
+    **Returns:**
+
+    The trace, a scalar in the operator's dtype; for a stochastic method,
+    `(estimate, standard_error)`.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w, x):
+            return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+        w, x = jnp.ones(50) / 10, jnp.ones((20, 50))
+        op = zm.BatchedHessian(loss).operator(w, x)
+        estimate, error = zm.trace(op, method="hutch++", num_probes=30,
+                                   key=jax.random.key(0))
+        ```
+    """
+    owner = "zm.trace"
+    check_choice(method, "method", _TRACE_METHODS, owner=owner)
+    options = dict(
+        owner=owner,
+        max_memory=max_memory,
+        batch_size=batch_size,
+        sharding=sharding,
+        progress=progress,
+    )
+    if method == "exact":
+        view = flat_view(operator, owner)
+        return jnp.sum(run_probes(view, UnitDiagonal(), **options))
+    view = _stochastic_view(operator, owner, method)
+    key = _check_key(key, owner, method)
+    if method == "hutchinson":
+        num = _check_probes(num_probes, owner, method, 2)
+        sums, squares = run_probes(view, Hutchinson(key, None, num, True), **options)
+        return _mean_and_error(sums, squares, num)
+    num = _check_probes(num_probes, owner, method, 4)
+    sketch_key, probe_key = jax.random.split(key)
+    width = num // 3
+    basis, products = _sketch(view, sketch_key, width, options)
+    known = jnp.sum(basis * products)
+    rest = num - 2 * width
+    sums, squares = run_probes(view, Hutchinson(probe_key, basis, rest, True), **options)
+    mean, error = _mean_and_error(sums, squares, rest)
+    return known + mean, error

@@ -1,0 +1,227 @@
+"""Products of an operator with many probe vectors, in planned blocks: the engine of the
+estimators.
+
+An estimator says what one block of probes does (`ProbeJob.block`): it makes its probe
+vectors (unit vectors, random signs from a key, the columns of a given matrix), takes
+their products with the operator and keeps what it needs of them, the entries on the
+diagonal, say, or the probes' quadratic forms. `Probes` runs the blocks: as a blocked
+transform, its block size is planned from `max_memory` like any other's, the blocks run
+in one compiled loop with an optional progress bar, and a `sharding` spreads the probes
+over devices. A job's results are either one per probe (`reduce = False`, assembled along
+`axis`) or summed over the probes (`reduce = True`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from ._blocks import map_blocks, plan_blocks, reduce_blocks
+from ._budget import MemoryBudgetError, Work
+from ._checks import check_int, described
+from ._flat import FlatView
+from ._memory import check_memory
+from ._operator import BlockedOperator
+from ._sharding import Split, check_divides, dispatch, split_of
+from ._transform import AbstractBlocked
+
+__all__ = ["ProbeJob", "Probes", "run_probes"]
+
+
+class ProbeJob(eqx.Module):
+    """What a block of probes computes. Its array fields (a key, a matrix) are leaves."""
+
+    reduce: eqx.AbstractClassVar[bool]
+    what: eqx.AbstractClassVar[str]  # the probes, for plans and messages
+    axis: ClassVar[int] = 0  # where a mapped job's results hold their probes
+
+    @abc.abstractmethod
+    def count(self, view: FlatView) -> int:
+        """How many probes the job has."""
+
+    @abc.abstractmethod
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        """The results of probes `start, ..., start + size - 1` (`start` traced), with
+        `product` one product with a flat vector: `size` results along `axis` for a
+        mapped job, their sum for a reduced one."""
+
+
+class Probes(AbstractBlocked):
+    """The probes of a job, in blocks: a blocked transform, planned as any other."""
+
+    fn: FlatView
+    job: ProbeJob = eqx.field(kw_only=True)
+    owner: str = eqx.field(static=True, kw_only=True)
+    batch_size: int | None = eqx.field(default=None, static=True)
+    nbatches: int | None = eqx.field(default=None, static=True)
+    max_memory: int | str | None = eqx.field(default=None, static=True)
+    strategy: Any = eqx.field(default=None, static=True)
+    sharding: NamedSharding | None = eqx.field(default=None, static=True)
+    jit: bool = eqx.field(default=True, static=True)
+    progress: bool = eqx.field(default=False, static=True)
+
+    @property
+    def _strategies(self) -> tuple[Any, ...]:
+        if self.strategy in (None, "linearize", "recompute"):
+            return (self.strategy,)
+        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
+
+    @property
+    def _split(self) -> Split | None:
+        """The probes spread over the mesh axes that `sharding`'s first entry names."""
+        if self.sharding is None:
+            return None
+        whole = split_of(self.sharding, owner=self.owner)
+        if whole.dim is None:
+            return None
+        return Split(whole.mesh, 0, whole.axes, whole.count)
+
+    def _block_size(self, total: int) -> int:
+        nbatches = None if self.nbatches is None else min(self.nbatches, total)
+        return plan_blocks(total, nbatches=nbatches, batch_size=self.batch_size).block_size
+
+    def _work(self) -> Work:
+        total = self.job.count(self.fn)
+        return Work(total, self.job.what, "result", self._block_size(total)).per_device(self._split)
+
+    def _with_block_size(self, size: int, strategy: Any) -> Probes:
+        return dataclasses.replace(
+            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
+        )
+
+    def _run(self) -> Any:
+        return (_probes_jit if self.jit else _probes)(self)
+
+
+def _probes(engine: Probes) -> Any:
+    total = engine.job.count(engine.fn)
+    split = engine._split
+    if split is not None:
+        check_divides(total, split, owner=engine.owner, what=engine.job.what)
+
+    def compute(share, split, engine):
+        if share is None or split.dim is None:
+            return _local(engine, 0, total)
+        count = total // split.count
+        result = _local(engine, share.offset(total), count)
+        if engine.job.reduce:  # each device's sum, stacked, then added up
+            result = jax.tree_util.tree_map(lambda leaf: leaf[None], result)
+        return result
+
+    if split is None:
+        return dispatch(compute, engine)
+
+    def specs(shapes):
+        dim = 0 if engine.job.reduce else engine.job.axis
+        return jax.tree_util.tree_map(lambda leaf: split.spec(leaf.ndim, dim % leaf.ndim), shapes)
+
+    result = dispatch(compute, engine, split, out_specs=specs)
+    if engine.job.reduce:
+        result = jax.tree_util.tree_map(lambda leaf: jnp.sum(leaf, axis=0), result)
+    return result
+
+
+_probes_jit = eqx.filter_jit(_probes)
+
+
+def _local(engine: Probes, offset: Any, count: int) -> Any:
+    """This device's probes, `offset` to `offset + count - 1`, block by block."""
+    view, job = engine.fn, engine.job
+    plan = plan_blocks(count, batch_size=engine._block_size(count))
+    product = view.linear(engine.strategy)  # built once: a linearisation serves every block
+    label = f"{engine.owner} {job.what}" if engine.progress else None
+    if not job.reduce:
+
+        def mapped(start):
+            return job.block(view, product, offset + start, plan.block_size)
+
+        return map_blocks(mapped, plan, axis=job.axis, progress=label)
+
+    def block(start, size):
+        return job.block(view, product, offset + start, size)
+
+    init = jax.tree_util.tree_map(
+        lambda leaf: jnp.zeros(leaf.shape, leaf.dtype),
+        jax.eval_shape(lambda start: block(start, plan.block_size), jnp.asarray(0, jnp.int32)),
+    )
+
+    def update(acc, result, index, size):
+        return jax.tree_util.tree_map(jnp.add, acc, result)
+
+    return reduce_blocks(block, plan, init, update, progress=label)
+
+
+def _transform_of(view: FlatView) -> Any:
+    operator = view.operator
+    return operator.transform if isinstance(operator, BlockedOperator) else None
+
+
+def run_probes(
+    view: FlatView,
+    job: ProbeJob,
+    *,
+    owner: str,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: Any = None,
+) -> Any:
+    """Run `job`'s probes of `view` in blocks: `batch_size` probes a block, or as many as
+    `max_memory` allows (at most one of the two), spread over the devices that
+    `sharding` splits its first axis over. Options left `None` are those of a zodmem
+    operator's transform (its budget, block count or size, sharding and bar; for a
+    `Microbatcher`, those of the transform it wraps)."""
+    transform = _transform_of(view)
+    sized = transform
+    if transform is not None and not hasattr(transform, "batch_size"):
+        sized = getattr(transform, "fn", None)
+    nbatches = None
+    if max_memory is None and batch_size is None and sized is not None:
+        max_memory = getattr(sized, "max_memory", None)
+        batch_size = getattr(sized, "batch_size", None)
+        nbatches = getattr(sized, "nbatches", None)
+    else:
+        check_memory(max_memory, owner=owner)
+        check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
+        if max_memory is not None and batch_size is not None:
+            raise ValueError(
+                f"{owner}: give at most one of `batch_size` (probes per block) and "
+                f"`max_memory` (a budget the blocks are planned to fit), got "
+                f"batch_size={batch_size!r} and max_memory={max_memory!r}."
+            )
+    if sharding is None and transform is not None:
+        sharding = getattr(transform, "sharding", None)
+    if sharding is not None and not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            f"{owner}: `sharding` must be a jax.sharding.NamedSharding whose first entry "
+            "names the mesh axes that split the probes, e.g. NamedSharding(mesh, "
+            f"PartitionSpec('d')), or None; got {described(sharding)}."
+        )
+    if progress is None:
+        progress = bool(getattr(transform, "progress", False))
+    elif not isinstance(progress, bool):
+        raise TypeError(f"{owner}: `progress` must be a bool or None, got {described(progress)}.")
+    engine = Probes(
+        view,
+        job=job,
+        owner=owner,
+        batch_size=batch_size,
+        nbatches=nbatches,
+        max_memory=max_memory,
+        strategy=getattr(transform, "strategy", None),
+        sharding=sharding,
+        jit=bool(getattr(transform, "jit", True)),
+        progress=bool(progress),
+    )
+    try:
+        return engine()
+    except MemoryBudgetError as error:
+        named = str(error).replace(f"{Probes.__name__}:", f"{owner}:", 1)
+        raise MemoryBudgetError(named) from None
