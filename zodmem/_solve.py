@@ -162,11 +162,12 @@ def _failure_messages(owner: str, solver: Any, max_steps: int | None) -> tuple[s
 
 
 @eqx.filter_jit
-def _solve_flat(operator, rhs, damping, tags, solver, owner):
-    """The solutions for the flat right-hand side(s) `rhs` and a failure code per solve."""
+def _solve_flat(operator, rhs, damping, tags, solver):
+    """The solutions for the flat right-hand side(s) `rhs` and a failure code per solve
+    (the operator already checked to be square)."""
     # A zodmem operator keeps one linearisation for every product of the solve, unless
     # its transform recomputes per product (a Microbatcher's data).
-    view = flat_view(lx.linearise(operator), owner)
+    view = flat_view(lx.linearise(operator), "zm.solve")
     structure = jax.ShapeDtypeStruct((view.size,), view.dtype)
     # Built on flat vectors with explicit tags: lineax's `damping * IdentityLinearOperator`
     # cannot tell the sign of a traced damping, and would drop the semi-definite tag.
@@ -240,7 +241,7 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, v
     damping = jnp.asarray(damping, view.dtype)
     if b_flat.ndim == 2 and b_flat.shape[1] == 0:
         return b_flat
-    value, code = _solve_flat(operator, b_flat, damping, tags, solver, owner)
+    value, code = _solve_flat(operator, b_flat, damping, tags, solver)
     return _raise_or_flag(value, code, _failure_messages(owner, solver, max_steps))
 
 
