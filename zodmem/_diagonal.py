@@ -14,7 +14,9 @@ import lineax as lx
 
 from ._checks import check_choice, check_int, described
 from ._flat import FlatView, flat_view
+from ._operator import BlockedOperator
 from ._probes import ProbeJob, run_probes
+from ._sharding import _sharding_of, replicate
 
 __all__ = ["diagonal", "trace"]
 
@@ -53,7 +55,12 @@ class Columns(ProbeJob):
         return self.matrix.shape[1]
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
-        columns = jax.lax.dynamic_slice_in_dim(self.matrix, start, size, axis=1)
+        # Each column read at its own index, clamped: a block that runs past the last
+        # column (on the last of devices that do not divide the columns) keeps its
+        # other columns in place.
+        last = self.matrix.shape[1] - 1
+        indices = jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), last)
+        columns = jnp.take(self.matrix, indices, axis=1)
         return jax.vmap(product, in_axes=1, out_axes=1)(columns)
 
 
@@ -91,6 +98,7 @@ class Hutchinson(ProbeJob):
             else:
                 applied = product(probe)
                 value = probe * (applied if basis is None else deflated(applied))
+            value = jnp.where(index < self.num, value, 0)  # past the last probe: nothing
             return value, value * value
 
         values, squares = jax.vmap(sample)(start + jnp.arange(size, dtype=jnp.int32))
@@ -150,9 +158,16 @@ def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:
     """`(Q, A Q)`: an orthonormal basis of the range of `A S` for `width` random sign
     probes `S` (it holds the directions of `A`'s largest eigenvalues), and its products."""
     signs = jax.random.rademacher(key, (view.size, width), view.dtype)
-    sketch = run_probes(view, Columns(signs), **options)
+    sketch = _whole(run_probes(view, Columns(signs), **options))
     basis, _ = jnp.linalg.qr(sketch)
-    return basis, run_probes(view, Columns(basis), **options)
+    return basis, _whole(run_probes(view, Columns(basis), **options))
+
+
+def _whole(array: jax.Array) -> jax.Array:
+    """`array` whole on every device, where its columns came back spread over explicit
+    mesh axes (a QR factorisation takes no split columns)."""
+    sharding = _sharding_of(array)
+    return array if sharding is None else replicate(array, sharding.mesh)
 
 
 def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
@@ -340,3 +355,10 @@ def trace(
     sums, squares = run_probes(view, Hutchinson(probe_key, basis, rest, True), **options)
     mean, error = _mean_and_error(sums, squares, rest)
     return known + mean, error
+
+
+@lx.diagonal.register(BlockedOperator)
+def _(operator):
+    # lineax's diagonal of a zodmem operator: exact, in the blocks of its transform,
+    # without the dense matrix.
+    return diagonal(operator)

@@ -484,11 +484,6 @@ def _blocks_of(operator: BlockedOperator) -> Any:
 _blocks_jit = eqx.filter_jit(_blocks_of)
 
 
-@lx.diagonal.register(BlockedOperator)
-def _(operator):
-    return jnp.diagonal(operator.as_matrix())
-
-
 @lx.tridiagonal.register(BlockedOperator)
 def _(operator):
     dense = operator.as_matrix()

@@ -29,7 +29,7 @@ from ._checks import check_int, described
 from ._flat import FlatView
 from ._memory import check_memory
 from ._operator import BlockedOperator
-from ._sharding import Split, check_divides, dispatch, split_of
+from ._sharding import Split, dispatch, replicate, split_of
 from ._transform import AbstractBlocked
 
 __all__ = ["ProbeJob", "Probes", "run_probes"]
@@ -50,7 +50,9 @@ class ProbeJob(eqx.Module):
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         """The results of probes `start, ..., start + size - 1` (`start` traced), with
         `product` one product with a flat vector: `size` results along `axis` for a
-        mapped job, their sum for a reduced one."""
+        mapped job, their sum for a reduced one. Spread over devices that do not divide
+        the probes, a block may run past the last probe: a mapped job's results there
+        are cut, and a reduced job must count them as zero."""
 
 
 class Probes(AbstractBlocked):
@@ -103,14 +105,17 @@ class Probes(AbstractBlocked):
 def _probes(engine: Probes) -> Any:
     total = engine.job.count(engine.fn)
     split = engine._split
+    padded = total
     if split is not None:
-        check_divides(total, split, owner=engine.owner, what=engine.job.what)
+        # Probes that the devices do not divide: the last device's share runs past the
+        # end; a mapped job's extra results are cut, a reduced job's count for nothing.
+        padded = -(-total // split.count) * split.count
 
     def compute(share, split, engine):
         if share is None or split.dim is None:
             return _local(engine, 0, total)
-        count = total // split.count
-        result = _local(engine, share.offset(total), count)
+        count = padded // split.count
+        result = _local(engine, share.index * count, count)
         if engine.job.reduce:  # each device's sum, stacked, then added up
             result = jax.tree_util.tree_map(lambda leaf: leaf[None], result)
         return result
@@ -124,7 +129,13 @@ def _probes(engine: Probes) -> Any:
 
     result = dispatch(compute, engine, split, out_specs=specs)
     if engine.job.reduce:
-        result = jax.tree_util.tree_map(lambda leaf: jnp.sum(leaf, axis=0), result)
+        return jax.tree_util.tree_map(lambda leaf: jnp.sum(leaf, axis=0), result)
+    if padded != total:
+        result = replicate(result, split.mesh)
+        axis = engine.job.axis
+        result = jax.tree_util.tree_map(
+            lambda leaf: jax.lax.slice_in_dim(leaf, 0, total, axis=axis % leaf.ndim), result
+        )
     return result
 
 
