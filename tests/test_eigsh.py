@@ -1,0 +1,251 @@
+"""`eigsh`: the extreme eigenpairs of symmetric operators by Lanczos, against the
+eigendecomposition of the dense matrix (`numpy.linalg.eigh`)."""
+
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from helpers import raveled
+from hypothesis import given, strategies as st
+
+import zodmem as zm
+from zodmem._lanczos import EigshInfo, eigsh
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+TOL = 1e-6
+
+
+def symmetric(spectrum, seed=0):
+    """`Q diag(spectrum) Q^T` for a random orthogonal `Q`, and `Q`."""
+    n = len(spectrum)
+    q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+    return q @ np.diag(spectrum) @ q.T, q
+
+
+def operator_of(matrix):
+    return lx.MatrixLinearOperator(jnp.asarray(matrix), lx.symmetric_tag)
+
+
+def reference(matrix, k, which):
+    values, vectors = np.linalg.eigh(matrix)
+    picked = slice(-k, None) if which == "LA" else slice(0, k)
+    return values[picked], vectors[:, picked]
+
+
+def check_pairs(values, vectors, matrix, k, which, *, rtol=TOL, subspace=False):
+    """Eigenvalues to `rtol` (relative to the largest), and eigenvectors up to sign (or
+    the subspace they span, for a cluster) against the dense decomposition."""
+    expected_values, expected_vectors = reference(np.asarray(matrix), k, which)
+    values, vectors = np.asarray(values), np.asarray(vectors)
+    assert values.shape == (k,) and vectors.shape == (len(matrix), k)
+    scale = np.max(np.abs(np.linalg.eigvalsh(matrix)))
+    np.testing.assert_allclose(values, expected_values, rtol=0, atol=rtol * scale)
+    np.testing.assert_allclose(vectors.T @ vectors, np.eye(k), atol=1e-8)
+    overlaps = expected_vectors.T @ vectors
+    if subspace:
+        # The cosines of the principal angles between the two subspaces are all ~1.
+        np.testing.assert_allclose(np.linalg.svd(overlaps, compute_uv=False), 1, atol=1e-5)
+    else:
+        np.testing.assert_allclose(np.abs(np.diag(overlaps)), 1, atol=1e-5)
+
+
+SEPARATED = np.concatenate([np.linspace(-1, 1, 34), [-9.0, -6.0, -4.0, 3.0, 5.0, 8.0]])
+
+
+@pytest.mark.parametrize("which", ["LA", "SA"])
+def test_separated_spectrum(which):
+    matrix, _ = symmetric(SEPARATED)
+    values, vectors = eigsh(operator_of(matrix), 3, which=which)
+    check_pairs(values, vectors, matrix, 3, which)
+
+
+def test_clustered_spectrum():
+    # The top 3 within 1e-4 of each other, well apart from the rest (the size and `k`
+    # of the tests above: the same compiled program).
+    spectrum = np.concatenate([np.linspace(0, 1, 37), [10.0, 10.0001, 10.0002]])
+    matrix, _ = symmetric(spectrum, seed=1)
+    values, vectors = eigsh(operator_of(matrix), 3)
+    check_pairs(values, vectors, matrix, 3, "LA", subspace=True)
+
+
+def test_repeated_eigenvalues_are_found_after_the_krylov_space_is_exhausted():
+    # From one start vector, the Krylov space holds one vector per distinct eigenvalue
+    # (3 here) and then breaks down; the restart finds the second copy of the top one.
+    spectrum = jnp.asarray([1.0] * 10 + [2.0] * 5 + [5.0] * 5)
+    values, vectors, info = eigsh(lx.DiagonalLinearOperator(spectrum), 2, return_info=True)
+    np.testing.assert_allclose(values, [5.0, 5.0], rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(vectors)[:15], 0, atol=1e-10)
+    assert bool(info.converged) and int(info.num_products) < 20
+
+
+def loss(params, data):
+    z = data @ params["w"] + jnp.sum(params["m"]) * params["b"]
+    return jnp.sum(jnp.cosh(z)) + jnp.sum(params["m"] ** 3) * params["b"] ** 2
+
+
+def point():
+    params = {
+        "b": jnp.asarray(0.7),
+        "m": jnp.arange(6.0).reshape(2, 3) / 7,
+        "n": 3,  # not a variable: held fixed
+        "w": jnp.linspace(-0.5, 0.5, 3),
+    }
+    return params, jnp.arange(12.0).reshape(4, 3) / 10
+
+
+def dense_hessian():
+    fn, flat = raveled(loss, *point())
+    return np.asarray(jax.jit(jax.hessian(fn))(flat))
+
+
+@pytest.mark.parametrize("which", ["LA", "SA"])
+def test_hessian_operator_of_a_pytree(which):
+    op = zm.BatchedHessian(loss).operator(*point())
+    values, vectors = eigsh(op, 2, which=which)
+    check_pairs(values, vectors, dense_hessian(), 2, which)
+
+
+def test_pytree_eigenvectors_are_shaped_like_the_variables():
+    params, data = point()
+    op = zm.BatchedHessian(loss).operator(params, data)
+    values, flat = eigsh(op, 2)
+    _, tree = eigsh(op, 2, pytree=True)
+    assert tree["n"] is None
+    assert {name: tree[name].shape for name in "bmw"} == {"b": (2,), "m": (2, 2, 3), "w": (2, 3)}
+    for j in range(2):
+        vector = jax.tree_util.tree_map(lambda leaf, j=j: leaf[j], tree)
+        pieces = [jnp.ravel(vector[name]) for name in "bmw"]
+        np.testing.assert_array_equal(jnp.concatenate(pieces), flat[:, j])
+
+
+def test_gauss_newton_and_microbatched_operators():
+    def model(w, inputs, targets):
+        return jnp.tanh(inputs @ w["a"]) * w["c"]
+
+    def mean_loss(w, inputs, targets):
+        return jnp.mean((model(w, inputs, targets) - targets) ** 2)
+
+    rng = np.random.default_rng(0)
+    w = {"a": jnp.asarray(rng.normal(size=6)) / 3, "c": jnp.asarray(1.5)}
+    data = (jnp.asarray(rng.normal(size=(10, 6))), jnp.linspace(0, 1, 10))
+    fn, flat = raveled(model, w, *data)
+    jacobian = np.asarray(jax.jit(jax.jacfwd(fn))(flat))
+    ggn = zm.BatchedGGN(model, zm.losses.SquaredError()).operator(w, *data)
+    check_pairs(*eigsh(ggn, 2), jacobian.T @ jacobian, 2, "LA")
+
+    fn, flat = raveled(mean_loss, w, *data)
+    hessian = np.asarray(jax.jit(jax.hessian(fn))(flat))
+    batched = zm.Microbatcher(
+        zm.BatchedHessian(mean_loss), microbatch_size=4, argnums=(1, 2), accumulator="mean"
+    )
+    check_pairs(*eigsh(batched.operator(w, *data), 2, which="SA"), hessian, 2, "SA")
+
+
+def test_info_counts_the_products():
+    matrix, _ = symmetric(SEPARATED)
+    calls = []
+
+    def product(v):
+        jax.debug.callback(lambda: calls.append(1))
+        return jnp.asarray(matrix) @ v
+
+    structure = jax.ShapeDtypeStruct((len(matrix),), jnp.float64)
+    op = lx.FunctionLinearOperator(product, structure, lx.symmetric_tag)
+    values, vectors, info = eigsh(op, 3, return_info=True)
+    assert isinstance(info, EigshInfo)
+    assert bool(info.converged)
+    assert int(info.num_products) == len(calls) <= len(matrix)
+    # The residual norms are those of the returned pairs, and within the tolerance.
+    residuals = np.linalg.norm(matrix @ vectors - vectors * values, axis=0)
+    np.testing.assert_allclose(info.residual_norms, residuals, rtol=1e-3, atol=1e-12)
+    assert np.all(residuals <= TOL * np.abs(values))
+    check_pairs(values, vectors, matrix, 3, "LA")
+
+
+def test_under_jit():
+    @jax.jit
+    def top(params, data):
+        return eigsh(zm.BatchedHessian(loss).operator(params, data), 2, which="SA", pytree=True)
+
+    values, tree = top(*point())
+    flat = jnp.concatenate([jnp.reshape(tree[name], (2, -1)) for name in "bmw"], axis=1)
+    check_pairs(values, flat.T, dense_hessian(), 2, "SA")
+
+
+def test_float32_is_kept():
+    matrix, _ = symmetric(SEPARATED)
+    op = lx.MatrixLinearOperator(jnp.asarray(matrix, jnp.float32), lx.symmetric_tag)
+    values, vectors, info = eigsh(op, 2, tol=1e-5, return_info=True)
+    assert values.dtype == vectors.dtype == info.residual_norms.dtype == jnp.float32
+    np.testing.assert_allclose(values, [5.0, 8.0], rtol=1e-5)
+
+
+def test_not_converging_raises_or_reports():
+    matrix, _ = symmetric(SEPARATED)
+    op = operator_of(matrix)
+    message = (
+        r"the 3 eigenpairs did not converge to tol=1e-06 within max_steps=4 .*larger "
+        r"`max_steps`.*return_info=True"
+    )
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(eigsh(op, 3, max_steps=4))
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(jax.jit(lambda m: eigsh(operator_of(m), 3, max_steps=4))(matrix))
+    values, vectors, info = eigsh(op, 3, max_steps=4, return_info=True)
+    assert not bool(info.converged) and int(info.num_products) == 4
+    assert values.shape == (3,) and vectors.shape == (40, 3)
+
+
+def test_refusals():
+    matrix, _ = symmetric(SEPARATED[:10])
+    op = operator_of(matrix)
+    with pytest.raises(TypeError, match=r"zm.eigsh: `operator` must be a linear operator"):
+        eigsh(jnp.asarray(matrix), 2)
+    with pytest.raises(ValueError, match=r"must be symmetric.*lx.TaggedLinearOperator"):
+        eigsh(lx.MatrixLinearOperator(jnp.asarray(matrix)), 2)
+    with pytest.raises(TypeError, match=r"complex dtype complex128"):
+        eigsh(lx.MatrixLinearOperator(jnp.asarray(matrix, complex), lx.symmetric_tag), 2)
+    jacobian = zm.BatchedJacobian(jnp.sin).operator(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"must be symmetric"):
+        eigsh(jacobian, 1)
+    with pytest.raises(ValueError, match=r"must be square"):
+        eigsh(zm.BatchedJacobian(jnp.outer).operator(jnp.ones(3), jnp.ones(2)), 1)
+    with pytest.raises(ValueError, match=r"1 <= k < n = 10 .*got k=10"):
+        eigsh(op, 10)
+    with pytest.raises(ValueError, match=r"`k` must be a positive int, got k=0"):
+        eigsh(op, 0)
+    with pytest.raises(TypeError, match=r"`k` must be a positive int, got 2.0 of type float"):
+        eigsh(op, 2.0)
+    with pytest.raises(ValueError, match=r"`which` must be one of 'LA', 'SA'; got 'LM'"):
+        eigsh(op, 2, which="LM")
+    with pytest.raises(ValueError, match=r"`tol` must be a positive finite number, got 0"):
+        eigsh(op, 2, tol=0)
+    with pytest.raises(TypeError, match=r"`tol` must be a positive number, got '1e-3'"):
+        eigsh(op, 2, tol="1e-3")
+    with pytest.raises(ValueError, match=r"k \+ 1 = 3 <= max_steps <= n = 10, got max_steps=2"):
+        eigsh(op, 2, max_steps=2)
+    with pytest.raises(ValueError, match=r"max_steps=11"):
+        eigsh(op, 2, max_steps=11)
+    with pytest.raises(TypeError, match=r"`key` must be None or a single JAX random key"):
+        eigsh(op, 2, key=0)
+    with pytest.raises(TypeError, match=r"`pytree` must be True or False"):
+        eigsh(op, 2, pytree=1)
+    with pytest.raises(TypeError, match=r"`return_info` must be True or False"):
+        eigsh(op, 2, return_info="yes")
+
+
+@given(
+    n=st.sampled_from([8, 16]),
+    k=st.integers(1, 2),
+    which=st.sampled_from(["LA", "SA"]),
+    seed=st.integers(0, 2**16),
+)
+def test_sweep(n, k, which, seed):
+    rng = np.random.default_rng(seed)
+    # Gaps of at least 0.05 between neighbours in [-3, 3], in random order.
+    spectrum = np.sort(rng.permutation(np.linspace(-3, 3, 2 * n))[:n])
+    matrix, _ = symmetric(spectrum, seed=seed)
+    values, vectors = eigsh(operator_of(matrix), k, which=which, key=jax.random.key(seed))
+    check_pairs(values, vectors, matrix, k, which)

@@ -1,0 +1,590 @@
+"""Lanczos on a symmetric operator: its extreme eigenpairs (`eigsh`) and its spectral
+density by stochastic Lanczos quadrature (`lanczos_quadrature`, `spectral_density`).
+
+Both keep the whole Krylov basis, one preallocated `(steps, n)` buffer, and orthogonalise
+every new vector against all of it (two passes of classical Gram-Schmidt), so the
+tridiagonal matrix stays faithful in floating point: no spurious copies of converged
+eigenvalues, at the price of `steps * n` numbers of memory and `4 * steps * n` flops a
+step beside the product. Every loop is a `lax` loop inside one compiled program, with
+the operator's product traced once in its body.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+
+from ._checks import check_bool, check_choice, check_int, described
+from ._flat import FlatView, flat_view
+from ._traceback import public
+
+__all__ = ["EigshInfo", "eigsh", "lanczos_quadrature", "spectral_density"]
+
+# Convergence is checked every few steps (fewer when `max_steps` is large): an `eigh`
+# of the tridiagonal matrix costs a fraction of a product, but not nothing.
+_CHECK_EVERY = 4
+# A step whose new direction is this many rounding errors of the operator's norm (or
+# less) has found an invariant subspace.
+_BREAKDOWN = 10.0
+# The default kernel width of `spectral_density`, as a fraction of the spectrum's width.
+_SIGMA_FRACTION = 0.01
+_GRID_POINTS = 512
+
+
+class EigshInfo(NamedTuple):
+    """What `eigsh(..., return_info=True)` reports beside the eigenpairs.
+
+    - `num_products`: the number of products with the operator (Lanczos steps) taken.
+    - `converged`: whether all `k` wanted pairs met the tolerance.
+    - `residual_norms`: the `k` residual norms `|A y - theta y|`, in the order of the
+      eigenvalues, as the Lanczos recurrence gives them (`|beta_m s_{m,i}|`).
+    """
+
+    num_products: jax.Array
+    converged: jax.Array
+    residual_norms: jax.Array
+
+
+# -- checks -------------------------------------------------------------------------------
+
+
+def _view_of(operator: Any, owner: str) -> FlatView:
+    """The operator as flat vectors, refused unless it is real and symmetric."""
+    view = flat_view(operator, owner)
+    if jnp.issubdtype(view.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{owner}: `operator` has the complex dtype {view.dtype}; only real symmetric "
+            "operators are supported (float32 or float64)."
+        )
+    if not jnp.issubdtype(view.dtype, jnp.floating):
+        raise TypeError(
+            f"{owner}: `operator` has dtype {view.dtype}; only real floating operators "
+            "(float32 or float64) are supported."
+        )
+    if not lx.is_symmetric(operator):
+        raise ValueError(
+            f"{owner}: `operator` must be symmetric, but {type(operator).__name__} does not "
+            "say it is. If it is, tag it: `lx.TaggedLinearOperator(operator, "
+            "lx.symmetric_tag)` (or build it with `lx.symmetric_tag`, as in "
+            "`lx.MatrixLinearOperator(A, lx.symmetric_tag)`)."
+        )
+    return view
+
+
+def _check_key(key: Any, owner: str) -> jax.Array:
+    if key is None:
+        return jax.random.key(0)
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape == ():
+            return key
+    elif isinstance(key, jax.Array) and key.shape == (2,) and key.dtype == jnp.uint32:
+        return key
+    raise TypeError(
+        f"{owner}: `key` must be None or a single JAX random key such as "
+        f"`jax.random.key(0)`, got {described(key)}."
+    )
+
+
+def _check_positive(value: Any, name: str, owner: str, *, optional: bool = False) -> Any:
+    """A positive finite real number (or None when `optional`), as a Python float."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        allowed = "a positive number" + (" or None" if optional else "")
+        raise TypeError(f"{owner}: `{name}` must be {allowed}, got {described(value)}.")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{owner}: `{name}` must be a positive finite number, got {value!r}.")
+    return float(value)
+
+
+# -- the Lanczos step ---------------------------------------------------------------------
+
+
+def _orthogonalise(basis: jax.Array, vector: jax.Array) -> jax.Array:
+    """`vector` less its components along the rows of `basis` (rows not yet used are
+    zero): classical Gram-Schmidt twice, which leaves it orthogonal to working precision."""
+    vector = vector - basis.T @ (basis @ vector)
+    return vector - basis.T @ (basis @ vector)
+
+
+def _normalised(vector: jax.Array) -> jax.Array:
+    norm = jnp.linalg.norm(vector)
+    return vector / jnp.where(norm > 0, norm, 1)
+
+
+def _step(
+    product: Callable,
+    basis: jax.Array,
+    j: Any,
+    vector: jax.Array,
+    fresh: Any,
+    norm: Any,
+    key: jax.Array,
+) -> tuple:
+    """Lanczos step `j` from the unit `vector`, orthogonal to rows `0..j-1` of `basis`;
+    with `fresh` true, from a new random direction (drawn from `fold_in(key, j)`)
+    orthogonal to them instead, the way to go on once the Krylov space is exhausted.
+
+    Returns `(basis, alpha, beta, next_vector, broke, norm)`: the step's unit vector
+    stored as row `j`, the diagonal entry `alpha`, the coupling `beta` to
+    `next_vector`, whether the Krylov space broke down here (then `beta` is 0 and the
+    next step must be `fresh`), and the running estimate of the operator's norm (the
+    largest norm of a product seen).
+    """
+
+    def draw(vector):
+        drawn = jax.random.normal(jax.random.fold_in(key, j), vector.shape, basis.dtype)
+        return _normalised(_orthogonalise(basis, drawn))
+
+    # One random draw in the whole loop, behind a branch that runs only on a breakdown.
+    vector = jax.lax.cond(fresh, draw, lambda vector: vector, vector)
+    basis = jax.lax.dynamic_update_index_in_dim(basis, vector, j, axis=0)
+    image = product(vector).astype(basis.dtype)
+    norm = jnp.maximum(norm, jnp.linalg.norm(image))
+    coefficients = basis @ image
+    alpha = coefficients[j]
+    residual = image - basis.T @ coefficients
+    residual = residual - basis.T @ (basis @ residual)
+    beta = jnp.linalg.norm(residual)
+    broke = beta <= _BREAKDOWN * jnp.finfo(basis.dtype).eps * norm
+    beta = jnp.where(broke, 0, beta)
+    return basis, alpha, beta, residual / jnp.where(broke, 1, beta), broke, norm
+
+
+def _tridiagonal(alphas: jax.Array, betas: jax.Array) -> jax.Array:
+    return jnp.diag(alphas) + jnp.diag(betas, 1) + jnp.diag(betas, -1)
+
+
+# -- eigsh ----------------------------------------------------------------------------------
+
+
+def _check_every(max_steps: int) -> int:
+    """Steps between convergence checks: an `eigh` of the `(max_steps, max_steps)`
+    tridiagonal matrix costs a fraction of a product up to a hundred or so steps; with
+    more, fewer checks keep their share of the time small."""
+    return max(_CHECK_EVERY, max_steps // 25)
+
+
+def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int) -> tuple:
+    """The `k` largest Ritz values of the first `m` steps (ascending), their
+    eigenvectors of the tridiagonal matrix (as `(max_steps, k)`), and their residual
+    norms.
+
+    The tridiagonal matrix has a fixed size, `max_steps`: its unused part is padded
+    with diagonal entries below the Gershgorin interval of the used part and zero
+    couplings, so that the padded matrix's largest eigenpairs are the used part's.
+    """
+    size = alphas.shape[0]
+    rows = jnp.arange(size)
+    used = rows < m
+    diagonal = jnp.where(used, alphas, 0)
+    couplings = jnp.where(rows[:-1] < m - 1, betas[:-1], 0)
+    zero = jnp.zeros(1, couplings.dtype)
+    radius = jnp.abs(jnp.concatenate([couplings, zero])) + jnp.abs(
+        jnp.concatenate([zero, couplings])
+    )
+    lower = jnp.min(jnp.where(used, diagonal - radius, jnp.inf))
+    upper = jnp.max(jnp.where(used, diagonal + radius, -jnp.inf))
+    width = (upper - lower) + jnp.maximum(jnp.abs(lower), jnp.abs(upper))
+    width = jnp.where(width > 0, width, 1)
+    padded = jnp.where(used, diagonal, lower - width)
+    values, vectors = jnp.linalg.eigh(_tridiagonal(padded, couplings))
+    values, vectors = values[size - k :], vectors[:, size - k :]
+    last = jax.lax.dynamic_index_in_dim(vectors, m - 1, axis=0, keepdims=False)
+    return values, vectors, jnp.abs(betas[m - 1] * last)
+
+
+class _State(NamedTuple):
+    m: Any  # steps taken (products made)
+    basis: jax.Array
+    alphas: jax.Array
+    betas: jax.Array
+    vector: jax.Array
+    fresh: Any  # the next step starts from a new random direction
+    norm: Any
+    converged: Any
+    values: jax.Array
+    vectors: jax.Array
+    residuals: jax.Array
+
+
+def _eigsh(
+    view: FlatView, key: jax.Array, tol: jax.Array, sign: jax.Array, k: int, max_steps: int
+) -> tuple:
+    """The Lanczos iteration of `eigsh`, compiled once per operator type and shapes:
+    the `k` largest eigenpairs of `sign * A` (so `sign = -1` gives the smallest of `A`,
+    with the same program)."""
+    n, dtype = view.size, view.dtype
+    every = _check_every(max_steps)
+    floor = jnp.finfo(dtype).eps ** (2 / 3)
+
+    def cond(state):
+        return ~state.converged & (state.m < max_steps)
+
+    def body(state):
+        j = state.m
+        basis, alpha, beta, vector, broke, norm = _step(
+            lambda v: sign * view.product(v),
+            state.basis,
+            j,
+            state.vector,
+            state.fresh,
+            state.norm,
+            key,
+        )
+        alphas = state.alphas.at[j].set(alpha)
+        betas = state.betas.at[j].set(beta)
+        m = j + 1
+        # After a breakdown, the wanted pairs may lie outside the exhausted space: go on
+        # in a new direction before deciding.
+        check = ((m % every == 0) & ~broke) | (m == max_steps)
+
+        def checked(_):
+            return _ritz(alphas, betas, m, k)
+
+        def kept(_):
+            return state.values, state.vectors, state.residuals
+
+        values, vectors, residuals = jax.lax.cond(check, checked, kept, None)
+        bound = tol * jnp.maximum(jnp.abs(values), floor * norm)
+        converged = check & (m >= k) & jnp.all(residuals <= bound)
+        return _State(
+            m, basis, alphas, betas, vector, broke, norm, converged, values, vectors, residuals
+        )
+
+    init = _State(
+        m=jnp.asarray(0, jnp.int32),
+        basis=jnp.zeros((max_steps, n), dtype),
+        alphas=jnp.zeros(max_steps, dtype),
+        betas=jnp.zeros(max_steps, dtype),
+        vector=jnp.zeros(n, dtype),
+        fresh=jnp.asarray(True),
+        norm=jnp.zeros((), dtype),
+        converged=jnp.asarray(False),
+        values=jnp.zeros(k, dtype),
+        vectors=jnp.zeros((max_steps, k), dtype),
+        residuals=jnp.full(k, jnp.inf, dtype),
+    )
+    state = jax.lax.while_loop(cond, body, init)
+    eigenvectors = state.basis.T @ state.vectors
+    # Ascending for A: the largest of -A, negated, come in descending order.
+    smallest = sign < 0
+    values = jnp.where(smallest, -state.values[::-1], state.values)
+    eigenvectors = jnp.where(smallest, eigenvectors[:, ::-1], eigenvectors)
+    residuals = jnp.where(smallest, state.residuals[::-1], state.residuals)
+    return values, eigenvectors, EigshInfo(state.m, state.converged, residuals)
+
+
+_eigsh_jit = eqx.filter_jit(_eigsh)
+
+
+def _default_max_steps(n: int, k: int) -> int:
+    return min(n, max(100, 10 * k))
+
+
+@public
+def eigsh(
+    operator: Any,
+    k: int,
+    *,
+    which: str = "LA",
+    tol: float = 1e-6,
+    max_steps: int | None = None,
+    key: Any = None,
+    pytree: bool = False,
+    return_info: bool = False,
+) -> Any:
+    """The `k` largest or smallest eigenvalues of a symmetric operator, and their
+    eigenvectors, from its products with vectors only.
+
+    Use it for the top of a Hessian's or Gauss-Newton matrix's spectrum (sharpness, the
+    directions of largest curvature) or its most negative eigenvalues, where the
+    `(n, n)` matrix does not fit: it follows `scipy.sparse.linalg.eigsh`'s convention.
+    The method is Lanczos with full reorthogonalisation from a random start, in one
+    compiled loop that stops as soon as the `k` wanted Ritz pairs `(theta_i, y_i)` have
+    converged:
+
+    `|A y_i - theta_i y_i| = |beta_m s_{m,i}| <= tol * max(|theta_i|, eps**(2/3) * |A|)`
+
+    with `beta_m` the last Lanczos coupling, `s_{m,i}` the last entry of the tridiagonal
+    matrix's eigenvector, `eps` the dtype's rounding unit and `|A|` the largest norm of
+    a product seen (the floor lets eigenvalues at 0 converge). Convergence is checked
+    every 4 steps. A breakdown (an invariant Krylov space) restarts from a new random
+    direction orthogonal to the basis.
+
+    **Arguments:**
+
+    - `operator`: a symmetric real operator: a zodmem curvature operator
+      (`zm.BatchedHessian(f).operator(x, *args)`, `zm.BatchedGGN(fn, loss).operator(...)`,
+      one wrapped in `zm.Microbatcher`) or any `lineax` operator that `lx.is_symmetric`
+      accepts.
+    - `k`: how many eigenpairs, `1 <= k < n` (`n` the operator's size).
+    - `which`: `"LA"` for the largest (algebraic) eigenvalues, `"SA"` for the smallest.
+    - `tol`: the relative residual tolerance above.
+    - `max_steps`: the most Lanczos steps (products), `k + 1 <= max_steps <= n`; by
+      default `min(n, max(100, 10 * k))`, enough for the top 5 of a typical network's
+      Hessian to converge to `1e-6`. It sizes the basis: `max_steps * n` numbers.
+    - `key`: the `jax.random` key of the random start (default `jax.random.key(0)`).
+    - `pytree`: return the eigenvectors shaped like the operator's input (for a zodmem
+      operator, like `x`'s variables) instead of as flat columns.
+    - `return_info`: also return an `EigshInfo`, and never raise for non-convergence.
+
+    **Returns:**
+
+    `(eigenvalues, eigenvectors)`: the `k` eigenvalues in ascending order (both for
+    `"LA"` and `"SA"`, as scipy), and the eigenvectors as an `(n, k)` array of unit
+    columns (column `i` for eigenvalue `i`; signs are arbitrary), or with `pytree=True`
+    a pytree like the input whose leaves have a leading axis of `k` (eigenvector `i`
+    is `jax.tree_util.tree_map(lambda leaf: leaf[i], eigenvectors)`). Both in the
+    operator's dtype. With `return_info=True`, `(eigenvalues, eigenvectors, info)`.
+
+    Not converged within `max_steps`, it raises (an `EquinoxRuntimeError`, eagerly and
+    under `jax.jit` alike) unless `return_info=True`, which returns the current Ritz
+    pairs with `info.converged` false.
+
+    **Cost:** as many products as steps (at most `max_steps`), and memory for the basis,
+    `max_steps * n` numbers, beside one product's. Each step also orthogonalises against
+    the basis (`4 * steps * n` flops).
+
+    !!! warning
+
+        One start vector finds one copy of each eigenvalue, unless a breakdown restarts
+        it: an eigenvalue of multiplicity 2 or more among the wanted ones (exactly
+        repeated, not merely close) may be returned once, and the next one in its place.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w):
+            return jnp.sum(jnp.arange(1.0, 31.0) * w**2) + jnp.sum(w) ** 2
+
+        op = zm.BatchedHessian(loss).operator(jnp.zeros(30))
+        values, vectors = zm.eigsh(op, 3)  # the 3 largest, ascending
+        assert vectors.shape == (30, 3)
+        ```
+    """
+    owner = "zm.eigsh"
+    view = _view_of(operator, owner)
+    n = view.size
+    if n < 2:
+        raise ValueError(f"{owner}: `operator` has size {n}; eigsh needs a size of at least 2.")
+    k = check_int(k, "k", owner=owner, minimum=1)
+    if k >= n:
+        raise ValueError(
+            f"{owner}: `k` must be an int with 1 <= k < n = {n} (the operator's size), got "
+            f"k={k}; for all the eigenvalues, use jnp.linalg.eigh(operator.as_matrix())."
+        )
+    check_choice(which, "which", ("LA", "SA"), owner=owner)
+    tol = _check_positive(tol, "tol", owner)
+    max_steps = check_int(max_steps, "max_steps", owner=owner, optional=True)
+    if max_steps is None:
+        max_steps = _default_max_steps(n, k)
+    elif not k + 1 <= max_steps <= n:
+        raise ValueError(
+            f"{owner}: `max_steps` must be an int with k + 1 = {k + 1} <= max_steps <= n = "
+            f"{n}, got max_steps={max_steps}."
+        )
+    key = _check_key(key, owner)
+    check_bool(pytree, "pytree", owner=owner)
+    check_bool(return_info, "return_info", owner=owner)
+
+    sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
+    values, vectors, info = _eigsh_jit(view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps)
+    if not return_info:
+        values = eqx.error_if(
+            values,
+            ~info.converged,
+            f"{owner}: the {k} eigenpairs did not converge to tol={tol} within "
+            f"max_steps={max_steps} Lanczos steps. Give a larger `max_steps` (at most "
+            f"n = {n}) or `tol`, or pass `return_info=True` for the partial result and "
+            "its residual norms.",
+        )
+    if pytree:
+        vectors = view.unflatten(vectors.T)
+    return (values, vectors, info) if return_info else (values, vectors)
+
+
+# -- stochastic Lanczos quadrature ----------------------------------------------------------
+
+
+def lanczos_quadrature(
+    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: int
+) -> tuple[jax.Array, jax.Array]:
+    """The Gauss quadrature rule of a symmetric operator's spectral measure seen from
+    one probe vector: `num_steps` Lanczos steps (with full reorthogonalisation) from
+    `probe / |probe|`.
+
+    It is exact for polynomials of degree below `2 * num_steps`:
+    `sum(weights * p(nodes)) == u^T p(A) u` with `u = probe / |probe|`. Traceable and
+    vmappable over `probe` (one basis of `num_steps * n` numbers per probe).
+
+    **Arguments:**
+
+    - `product`: `v -> A v` for flat vectors of `A`'s size and dtype.
+    - `probe`: a flat vector (any nonzero norm), of the dtype of the products.
+    - `num_steps`: the number of steps and of nodes, `1 <= num_steps <= n`.
+
+    **Returns:**
+
+    `(nodes, weights)`, each of shape `(num_steps,)`: the eigenvalues of the Lanczos
+    tridiagonal matrix, and the squared first entries of its eigenvectors (summing
+    to 1). After a breakdown (the Krylov space of `probe` is invariant), the steps go on
+    in a new direction and its nodes get weight 0.
+    """
+    n = probe.shape[-1]
+    num_steps = check_int(num_steps, "num_steps", owner="lanczos_quadrature", minimum=1)
+    if num_steps > n:
+        raise ValueError(
+            f"lanczos_quadrature: `num_steps` must be at most the probe's size {n}, got "
+            f"num_steps={num_steps}."
+        )
+    dtype = probe.dtype
+    key = jax.random.key(0)
+
+    def body(j, carry):
+        basis, alphas, betas, vector, fresh, norm = carry
+        basis, alpha, beta, vector, fresh, norm = _step(product, basis, j, vector, fresh, norm, key)
+        return basis, alphas.at[j].set(alpha), betas.at[j].set(beta), vector, fresh, norm
+
+    init = (
+        jnp.zeros((num_steps, n), dtype),
+        jnp.zeros(num_steps, dtype),
+        jnp.zeros(num_steps, dtype),
+        _normalised(probe),
+        jnp.asarray(False),
+        jnp.zeros((), dtype),
+    )
+    _, alphas, betas, _, _, _ = jax.lax.fori_loop(0, num_steps, body, init)
+    nodes, vectors = jnp.linalg.eigh(_tridiagonal(alphas, betas[:-1]))
+    return nodes, vectors[0] ** 2
+
+
+def _slq(
+    view: FlatView,
+    key: jax.Array,
+    grid: Any,
+    sigma: Any,
+    num_probes: int,
+    num_steps: int,
+    batch_size: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Nodes and weights for every probe, then the smoothed density on the grid."""
+    n, dtype = view.size, view.dtype
+
+    def one_probe(i):
+        probe = jax.random.rademacher(jax.random.fold_in(key, i), (n,), dtype)
+        return lanczos_quadrature(view.product, probe, num_steps)
+
+    nodes, weights = jax.lax.map(one_probe, jnp.arange(num_probes), batch_size=batch_size)
+    lower, upper = jnp.min(nodes), jnp.max(nodes)
+    width = upper - lower
+    width = jnp.where(width > 0, width, jnp.maximum(jnp.abs(upper), 1))
+    if sigma is None:
+        sigma = _SIGMA_FRACTION * width
+    if isinstance(grid, int):
+        grid = jnp.linspace(lower - 3 * sigma, upper + 3 * sigma, grid, dtype=dtype)
+    # The mean over probes of each rule's weights on Gaussians at its nodes.
+    offsets = (grid[:, None] - nodes.reshape(-1)[None, :]) / sigma
+    kernel = jnp.exp(-0.5 * offsets**2) / (sigma * math.sqrt(2 * math.pi))
+    density = kernel @ weights.reshape(-1) / num_probes
+    return grid, density.astype(dtype)
+
+
+_slq_jit = eqx.filter_jit(_slq)
+
+
+@public
+def spectral_density(
+    operator: Any,
+    *,
+    num_probes: int = 10,
+    num_steps: int = 40,
+    key: Any = None,
+    grid: Any = None,
+    sigma: float | None = None,
+    batch_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The eigenvalue density of a symmetric operator, estimated by stochastic Lanczos
+    quadrature (Ubaru, Chen and Saad, 2017) from products with vectors only.
+
+    Use it to see the whole spectrum of a Hessian or Gauss-Newton matrix too large to
+    diagonalise: its bulk, its outliers, its negative part. Each of `num_probes`
+    Rademacher probes gives a Gauss quadrature rule of `num_steps` nodes (see
+    `lanczos_quadrature`); the density is the mean of the rules, each node a Gaussian
+    of width `sigma` weighted by its weight. It is the density of eigenvalues per unit
+    of the operator's size: it integrates to about 1, and `n * density` counts the
+    eigenvalues per unit length.
+
+    **Arguments:**
+
+    - `operator`: a symmetric real operator, as for `zm.eigsh`.
+    - `num_probes`: how many probes; probe `i` is drawn from
+      `jax.random.fold_in(key, i)`, whatever the batches.
+    - `num_steps`: the Lanczos steps (products, and nodes) per probe; more than the
+      operator's size `n` is cut to `n` (then the rules are exact).
+    - `key`: the `jax.random` key of the probes (default `jax.random.key(0)`).
+    - `grid`: the points to evaluate the density at: a 1-D array, or a number of points
+      spread evenly over `[min node - 3 sigma, max node + 3 sigma]` (default 512).
+    - `sigma`: the Gaussian kernel's width; by default 1% of the distance between the
+      smallest and the largest node.
+    - `batch_size`: how many probes run together (vmapped); by default one at a time.
+
+    **Returns:**
+
+    `(grid, density)`, two 1-D arrays of the operator's dtype.
+
+    **Cost:** `num_probes * num_steps` products; memory for `batch_size` bases of
+    `num_steps * n` numbers beside the products' own.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import lineax as lx
+        import zodmem as zm
+
+        spectrum = jnp.concatenate([jnp.zeros(50), jnp.full(50, 10.0)])
+        op = lx.DiagonalLinearOperator(spectrum)
+        grid, density = zm.spectral_density(op, num_steps=10)
+        # half of the eigenvalues lie near 10
+        near_ten = (grid > 5) * density
+        assert abs(jnp.sum(near_ten) * (grid[1] - grid[0]) - 0.5) < 0.05
+        ```
+    """
+    owner = "zm.spectral_density"
+    view = _view_of(operator, owner)
+    num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=1)
+    num_steps = min(check_int(num_steps, "num_steps", owner=owner, minimum=1), view.size)
+    key = _check_key(key, owner)
+    if grid is None:
+        grid = _GRID_POINTS
+    elif isinstance(grid, (int, np.integer)) and not isinstance(grid, (bool, np.bool_)):
+        grid = check_int(grid, "grid", owner=owner, minimum=2)
+    elif eqx.is_array_like(grid) and not isinstance(grid, (bool, np.bool_, float, complex)):
+        grid = jnp.asarray(grid, view.dtype)
+        if grid.ndim != 1:
+            raise ValueError(
+                f"{owner}: `grid` must be a 1-D array of points or a number of points, "
+                f"got an array of shape {grid.shape}."
+            )
+    else:
+        raise TypeError(
+            f"{owner}: `grid` must be None, a number of points (an int >= 2) or a 1-D "
+            f"array of points, got {described(grid)}."
+        )
+    sigma = _check_positive(sigma, "sigma", owner, optional=True)
+    if sigma is not None:
+        sigma = jnp.asarray(sigma, view.dtype)
+    batch_size = check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
+    return _slq_jit(view, key, grid, sigma, num_probes, num_steps, batch_size)
