@@ -312,7 +312,7 @@ def solve(
         import jax.numpy as jnp
         import zodmem as zm
 
-        def model(params, t):
+        def model(params, t, y):
             return params["a"] * jnp.tanh(params["w"] * t)
 
         params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
@@ -401,7 +401,7 @@ def marginal_variances(
         import jax.numpy as jnp
         import zodmem as zm
 
-        def model(params, t):
+        def model(params, t, y):
             return params["a"] * jnp.tanh(params["w"] * t)
 
         params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
