@@ -105,7 +105,7 @@ def test_gauss_newton_operator_takes_cg_and_damping():
     op = G.operator(model, inputs, targets)
     assert lx.is_positive_semidefinite(op)
     fn, flat = raveled(lambda m, t: jax.vmap(m)(t), model, inputs)
-    J = np.asarray(jax.jacfwd(fn)(flat)).reshape(20, -1)
+    J = np.asarray(jax.jit(jax.jacfwd(fn))(flat)).reshape(20, -1)
     dense = J.T @ J
     # ReLU units that no input switches on leave G singular: damping makes it solvable.
     assert np.linalg.matrix_rank(dense) < flat.size
@@ -126,7 +126,8 @@ def test_microbatched_dataset_hessian():
         zm.BatchedHessian(example_loss), microbatch_size=2, argnums=(1,), accumulator="mean"
     )
     op = transform.operator(w, rows)
-    dense = np.asarray(transform(w, rows))
+    # The mean over unequal microbatches (2, 2, 1) is the mean over the 5 rows.
+    dense = np.asarray(jax.jit(jax.hessian(example_loss))(w, rows))
     b = rhs(3, 2)
     close(solve(op, jnp.asarray(b)), np.linalg.solve(dense, b), **SOLVED)
 
@@ -168,7 +169,7 @@ def test_float32_stays_float32():
     solved = solve(G, b, damping=DAMPING, rtol=1e-4, atol=1e-4)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(solved))
     fn, flat = raveled(model, *point())
-    J = np.asarray(jax.jacfwd(fn)(flat)).reshape(-1, 10)
+    J = np.asarray(jax.jit(jax.jacfwd(fn))(flat)).reshape(-1, 10)
     expected = np.linalg.solve(J.T @ J + DAMPING * np.eye(10), flat_of(point()[0]) + 1)
     close(flat_of(solved), expected.astype(np.float32), 2e-3, 2e-3)
 
@@ -274,7 +275,7 @@ def test_marginal_variances_refuse_bad_indices():
 # -- covariance --------------------------------------------------------------------------
 
 
-@given(n=st.sampled_from([1, 6, 12]), seed=st.integers(0, 10**6))
+@given(n=st.sampled_from([1, 6, 10]), seed=st.integers(0, 10**6))
 def test_covariance_sweep(n, seed):
     F = spd(n, seed, shift=0.5)
     inverse = np.linalg.inv(F)
