@@ -228,8 +228,8 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, v
             raise ValueError(
                 f"{owner}: `damping` must be >= 0 for a positive semi-definite operator, got "
                 f"damping={damping}: A + damping I would be indefinite, and CG wrong. To "
-                f"shift it anyway, pass an indefinite solver, e.g. `solver=lx.GMRES(...)`, "
-                f"on an operator without the tag."
+                f"shift it anyway, solve with the operator untagged, "
+                f"`lx.FunctionLinearOperator(operator.mv, operator.in_structure())`."
             )
         if psd:
             tags.add(lx.positive_semidefinite_tag)
