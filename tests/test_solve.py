@@ -13,7 +13,7 @@ from helpers import close, make_mlp, raveled
 from hypothesis import given, strategies as st
 
 import zodmem as zm
-from zodmem._solve import covariance, marginal_variances, solve
+from zodmem import covariance, marginal_variances, solve
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -5,6 +5,7 @@ from . import (
     losses as losses,
 )
 from ._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
+from ._covariance import covariance as covariance
 from ._diagonal import diagonal as diagonal, trace as trace
 from ._ggn import BatchedGGN as BatchedGGN
 from ._hessian import BatchedHessian as BatchedHessian
@@ -24,6 +25,7 @@ from ._serialise import (
     load as load,
     save as save,
 )
+from ._solve import marginal_variances as marginal_variances, solve as solve
 from ._static import Static as Static
 from ._stream import to_file as to_file, to_host as to_host
 from ._transform import AbstractTransform as AbstractTransform
@@ -44,11 +46,14 @@ __all__ = [
     "SerialisationError",
     "SlicedScan",
     "Static",
+    "covariance",
     "diagonal",
     "hessian_to_pytree",
     "jacobian_to_pytree",
     "load",
+    "marginal_variances",
     "save",
+    "solve",
     "to_file",
     "to_host",
     "trace",

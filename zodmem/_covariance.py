@@ -1,0 +1,227 @@
+"""The covariance of a dense Fisher or Hessian matrix, inverted through its Cholesky
+factor (or its pseudo-inverse), and the standard errors on its diagonal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from ._checks import check_bool, described
+from ._pytree import split_variables
+from ._solve import _check_real, _is_traced
+from ._traceback import public
+
+__all__ = ["covariance"]
+
+# Failures of the dense inverse, as codes: 0 none.
+_ASYMMETRIC, _NOT_DEFINITE, _SINGULAR = 1, 2, 3
+
+
+def _asymmetry(F: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(difference, scale)`: `max |F v - F^T v|` and `max |F| |v|` for one fixed vector
+    `v`, a symmetry check that costs two products and no second matrix."""
+    # Entries spread without pattern (an irrational step), so that no structured
+    # asymmetry of F maps `v` to zero.
+    v = jnp.sin(jnp.arange(1, F.shape[0] + 1, dtype=F.dtype) * 0.7548776662466927)
+    return jnp.max(jnp.abs(F @ v - v @ F)), jnp.max(jnp.abs(F) @ jnp.abs(v))
+
+
+@jax.jit
+def _cholesky_inverse(F):
+    """`(inverse, code, row, pivot, ratio)`: `F^{-1}` from its Cholesky factor; the
+    failure code, the first bad row of the factor and its pivot, the asymmetry ratio."""
+    n = F.shape[0]
+    eps = jnp.finfo(F.dtype).eps
+    factor = jax.scipy.linalg.cho_factor(F, lower=True)
+    pivots = jnp.diagonal(factor[0])
+    inverse = jax.scipy.linalg.cho_solve(factor, jnp.eye(n, dtype=F.dtype))
+    # A pivot whose square is below n eps of the largest diagonal entry leaves no correct
+    # digit in the inverse: F is singular to working precision.
+    tiny = pivots**2 <= n * eps * jnp.max(jnp.abs(jnp.diagonal(F)))
+    broken = ~jnp.isfinite(pivots) | (pivots <= 0)
+    bad = broken | tiny
+    row = jnp.argmax(bad)
+    difference, scale = _asymmetry(F)
+    ratio = difference / jnp.where(scale > 0, scale, 1)
+    code = jnp.select(
+        [ratio > jnp.sqrt(eps), jnp.any(broken), jnp.any(tiny)],
+        [_ASYMMETRIC, _NOT_DEFINITE, _SINGULAR],
+        0,
+    )
+    return inverse, code, row, pivots[row], ratio
+
+
+@jax.jit
+def _pseudo_inverse(F, rcond):
+    """`(pseudo-inverse, code, smallest eigenvalue, ratio)` from the eigendecomposition."""
+    eigenvalues, vectors = jnp.linalg.eigh(F, symmetrize_input=False)
+    cutoff = rcond * jnp.max(jnp.abs(eigenvalues))
+    kept = jnp.abs(eigenvalues) > cutoff
+    root = jnp.sqrt(jnp.where(kept & (eigenvalues > 0), 1 / jnp.where(kept, eigenvalues, 1), 0))
+    weighted = vectors * root
+    inverse = weighted @ weighted.T
+    difference, scale = _asymmetry(F)
+    ratio = difference / jnp.where(scale > 0, scale, 1)
+    smallest = eigenvalues[0]
+    code = jnp.select(
+        [ratio > jnp.sqrt(jnp.finfo(F.dtype).eps), smallest < -cutoff],
+        [_ASYMMETRIC, _NOT_DEFINITE],
+        0,
+    )
+    return inverse, code, smallest, ratio
+
+
+def _refusal(owner: str, code: int, pseudo_inverse: bool, values: Any = None) -> str:
+    """Why `F` is refused; with `values` (eagerly) the numbers that show it."""
+    shown = values is not None
+    way_out = (
+        ""
+        if pseudo_inverse
+        else " Pass pseudo_inverse=True for the pseudo-inverse, or add a small multiple of "
+        "the identity to F."
+    )
+    if code == _ASYMMETRIC:
+        size = f" (|F v - F^T v| is {values['ratio']:.2g} of its scale)" if shown else ""
+        return f"{owner}: `F` is not symmetric{size}; pass a symmetric matrix."
+    if code == _NOT_DEFINITE:
+        kind = "semi-definite" if pseudo_inverse else "definite"
+        smallest = f": its smallest eigenvalue is {values['smallest']:.3g}" if shown else ""
+        return (
+            f"{owner}: `F` is not positive {kind}{smallest}, so it is no covariance's "
+            f"inverse (a Hessian away from a minimum?).{way_out}"
+        )
+    if not shown:
+        why = ": a pivot of its Cholesky factor vanishes"
+    elif "smallest" in values:
+        why = (
+            f": its smallest eigenvalue is {values['smallest']:.3g}, its largest "
+            f"{values['largest']:.3g}"
+        )
+    else:
+        why = f": pivot {values['row']} of its Cholesky factor is {values['pivot']:.3g}"
+    return f"{owner}: `F` is singular to working precision{why}.{way_out}"
+
+
+def _check_matrix(F: Any, *, owner: str) -> jax.Array:
+    if not eqx.is_array(F):
+        raise TypeError(
+            f"{owner}: `F` must be an (n, n) array (a Fisher or Hessian matrix), got "
+            f"{described(F)}."
+        )
+    if jnp.ndim(F) != 2 or F.shape[0] != F.shape[1]:
+        raise ValueError(f"{owner}: `F` must be a square (n, n) array, got shape {F.shape}.")
+    if not jnp.issubdtype(F.dtype, jnp.floating):
+        raise TypeError(
+            f"{owner}: `F` must have a real floating dtype, got {F.dtype}; cast it, e.g. "
+            f"F.astype(float)."
+        )
+    return jnp.asarray(F)
+
+
+@public
+def covariance(
+    F: Any, *, pseudo_inverse: Any = False, rcond: Any = None, like: Any = None
+) -> tuple[Array, Any]:
+    """The covariance `F^{-1}` of a dense symmetric positive-definite matrix and the
+    standard errors `sqrt(diag(F^{-1}))`.
+
+    `F` is a Fisher information matrix (`zm.BatchedGGN` of a negative log-likelihood)
+    or the Hessian of one at its minimum (`zm.BatchedHessian`): its inverse is the
+    asymptotic covariance of the fitted parameters (the Laplace approximation), and the
+    square roots of its diagonal their standard errors. For a few parameters of a model
+    too large for the dense matrix, `zm.marginal_variances` takes solves instead.
+
+    The inverse comes from a Cholesky factorisation, `cho_solve(cho_factor(F), I)`. A
+    matrix that is not positive definite, or singular to working precision (a pivot of
+    its factor whose square is below `n * eps` of its largest diagonal entry), is
+    refused, never answered with NaNs: eagerly by a `ValueError`; under `jax.jit` by the
+    same message through `eqx.error_if` when the call runs. With `pseudo_inverse=True`
+    the Moore-Penrose pseudo-inverse is taken instead, from an eigendecomposition with
+    the eigenvalues below `rcond * max|eigenvalue|` dropped: the covariance of the
+    directions the data determine.
+
+    Only the lower triangle of `F` is factored; `F` is checked to be symmetric to within
+    `sqrt(eps)` of its scale by comparing `F v` with `F^T v` for one vector `v`.
+
+    **Arguments:**
+
+    - `F`: a real `(n, n)` floating-point array, symmetric positive definite
+      (semi-definite with `pseudo_inverse=True`).
+    - `pseudo_inverse`: `True` for the pseudo-inverse of a singular `F`. Default `False`.
+    - `rcond`: with `pseudo_inverse=True`, the relative cutoff for small eigenvalues;
+      `None` (the default) is `n * eps` of `F`'s dtype, as `jnp.linalg.pinv`.
+    - `like`: `None`, or the pytree `x` that `F` was taken at: the standard errors are
+      then returned shaped like its variables (its inexact-array leaves; `None` at the
+      other leaves). `zm.hessian_to_pytree(covariance, x)` cuts the matrix alike.
+
+    **Returns:**
+
+    `(covariance, standard_errors)`: the `(n, n)` inverse and the `(n,)` standard errors
+    (a pytree with `like=`), in `F`'s dtype.
+
+    **Cost:** `O(n^3)` time; memory beside `F`: the output and the Cholesky factor, about
+    twice `F` (with `pseudo_inverse=True`, the eigenvectors in place of the factor).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def nll(params, t, y):
+            return 0.5 * jnp.sum((params["a"] * t + params["b"] - y) ** 2)
+
+        params = {"a": jnp.asarray(1.0), "b": jnp.asarray(0.0)}
+        t = jnp.linspace(0, 1, 20)
+        F = zm.BatchedHessian(nll)(params, t, 2 * t)
+        cov, errors = zm.covariance(F, like=params)   # errors["a"], errors["b"]
+        ```
+    """
+    owner = "zm.covariance"
+    F = _check_matrix(F, owner=owner)
+    check_bool(pseudo_inverse, "pseudo_inverse", owner=owner)
+    n = F.shape[0]
+    variables = None
+    if like is not None:
+        variables = split_variables(like, argname="like", owner=owner)[1]
+        if variables.size != n:
+            raise ValueError(
+                f"{owner}: `like` has {variables.size} scalar variables, but `F` is "
+                f"{n} x {n}; pass the pytree that `F` was taken at."
+            )
+    if pseudo_inverse:
+        if rcond is None:
+            rcond = n * float(jnp.finfo(F.dtype).eps)
+        rcond = _check_real(rcond, "rcond", owner=owner)
+        inverse, code, smallest, ratio = _pseudo_inverse(F, jnp.asarray(rcond, F.dtype))
+        details = {"smallest": smallest, "ratio": ratio}
+    else:
+        if rcond is not None:
+            raise ValueError(
+                f"{owner}: `rcond` applies only with pseudo_inverse=True, got rcond={rcond!r}."
+            )
+        inverse, code, row, pivot, ratio = _cholesky_inverse(F)
+        details = {"row": row, "pivot": pivot, "ratio": ratio}
+    if _is_traced(code):
+        messages = tuple(_refusal(owner, c, pseudo_inverse) for c in range(1, 4))
+        inverse = eqx.branched_error_if(inverse, code > 0, jnp.maximum(code - 1, 0), messages)
+    elif int(code) > 0:
+        code = int(code)
+        values = {name: np.asarray(value).item() for name, value in details.items()}
+        if code == _NOT_DEFINITE and not pseudo_inverse:
+            # Only on the way to an error: the failed factor says neither where nor by how
+            # much, the eigenvalues do (and tell a singular F from an indefinite one).
+            eigenvalues = np.asarray(jnp.linalg.eigvalsh(F))
+            values["smallest"], values["largest"] = eigenvalues[0], eigenvalues[-1]
+            if eigenvalues[0] >= -n * np.finfo(F.dtype).eps * np.max(np.abs(eigenvalues)):
+                code = _SINGULAR
+        raise ValueError(_refusal(owner, code, pseudo_inverse, values))
+    errors = jnp.sqrt(jnp.diagonal(inverse))
+    if variables is not None:
+        errors = variables.fill(variables.split_per_leaf(errors), keep_fixed=False)
+    return inverse, errors
