@@ -120,6 +120,18 @@ def _normalised(vector: jax.Array) -> jax.Array:
     return vector / jnp.where(norm > 0, norm, 1)
 
 
+def _direction(j: Any, n: int, dtype: Any) -> jax.Array:
+    """A pseudo-random vector of `n` entries in [-1, 1), different for each `j`: an
+    integer hash of (index, j), a handful of operations where `jax.random` would
+    compile a generator into the loop for a branch that seldom runs."""
+    x = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    x = x + jnp.asarray(j, jnp.uint32) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0x27D4EB2F)
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return x.astype(dtype) * 2.0**-31 - 1
+
+
 def _step(
     product: Callable,
     basis: jax.Array,
@@ -127,11 +139,10 @@ def _step(
     vector: jax.Array,
     fresh: Any,
     norm: Any,
-    key: jax.Array,
 ) -> tuple:
     """Lanczos step `j` from the unit `vector`, orthogonal to rows `0..j-1` of `basis`;
-    with `fresh` true, from a new random direction (drawn from `fold_in(key, j)`)
-    orthogonal to them instead, the way to go on once the Krylov space is exhausted.
+    with `fresh` true, from a new pseudo-random direction (`_direction(j)`) orthogonal
+    to them instead, the way to go on once the Krylov space is exhausted.
 
     Returns `(basis, alpha, beta, next_vector, broke, norm)`: the step's unit vector
     stored as row `j`, the diagonal entry `alpha`, the coupling `beta` to
@@ -141,10 +152,9 @@ def _step(
     """
 
     def draw(vector):
-        drawn = jax.random.normal(jax.random.fold_in(key, j), vector.shape, basis.dtype)
+        drawn = _direction(j, vector.shape[0], basis.dtype)
         return _normalised(_orthogonalise(basis, drawn))
 
-    # One random draw in the whole loop, behind a branch that runs only on a breakdown.
     vector = jax.lax.cond(fresh, draw, lambda vector: vector, vector)
     basis = jax.lax.dynamic_update_index_in_dim(basis, vector, j, axis=0)
     image = product(vector).astype(basis.dtype)
@@ -173,10 +183,11 @@ def _check_every(max_steps: int) -> int:
     return max(_CHECK_EVERY, max_steps // 25)
 
 
-def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int) -> tuple:
+def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int, start: Any) -> tuple:
     """The `k` largest Ritz values of the first `m` steps (ascending), their
-    eigenvectors of the tridiagonal matrix (as `(max_steps, k)`), and their residual
-    norms.
+    eigenvectors of the tridiagonal matrix (as `(max_steps, k)`) and their residual
+    norms; then the largest Ritz value of the steps since the last restart (`start`
+    on) and its residual norm.
 
     The tridiagonal matrix has a fixed size, `max_steps`: its unused part is padded
     with diagonal entries below the Gershgorin interval of the used part and zero
@@ -196,10 +207,17 @@ def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int) -> tuple:
     width = (upper - lower) + jnp.maximum(jnp.abs(lower), jnp.abs(upper))
     width = jnp.where(width > 0, width, 1)
     padded = jnp.where(used, diagonal, lower - width)
-    values, vectors = jnp.linalg.eigh(_tridiagonal(padded, couplings))
-    values, vectors = values[size - k :], vectors[:, size - k :]
+    # Symmetric as built: no symmetrising copy.
+    vectors, values = jax.lax.linalg.eigh(_tridiagonal(padded, couplings), symmetrize_input=False)
     last = jax.lax.dynamic_index_in_dim(vectors, m - 1, axis=0, keepdims=False)
-    return values, vectors, jnp.abs(betas[m - 1] * last)
+    residuals = jnp.abs(betas[m - 1] * last)
+    # The restarted block is decoupled from the earlier ones: its Ritz vectors lie on
+    # its own rows.
+    block = (rows >= start) & used
+    in_block = jnp.sum(jnp.where(block[:, None], vectors**2, 0), axis=0) > 0.5
+    top = jnp.argmax(jnp.where(in_block, values, -jnp.inf))
+    wanted = slice(size - k, size)
+    return values[wanted], vectors[:, wanted], residuals[wanted], values[top], residuals[top]
 
 
 class _State(NamedTuple):
@@ -209,6 +227,7 @@ class _State(NamedTuple):
     betas: jax.Array
     vector: jax.Array
     fresh: Any  # the next step starts from a new random direction
+    start: Any  # the first step since the last restart
     norm: Any
     converged: Any
     values: jax.Array
@@ -226,10 +245,7 @@ def _eigsh(
     every = _check_every(max_steps)
     floor = jnp.finfo(dtype).eps ** (2 / 3)
 
-    def cond(state):
-        return ~state.converged & (state.m < max_steps)
-
-    def body(state):
+    def step(state):
         j = state.m
         basis, alpha, beta, vector, broke, norm = _step(
             lambda v: sign * view.product(v),
@@ -238,42 +254,59 @@ def _eigsh(
             state.vector,
             state.fresh,
             state.norm,
-            key,
         )
         alphas = state.alphas.at[j].set(alpha)
         betas = state.betas.at[j].set(beta)
-        m = j + 1
-        # After a breakdown, the wanted pairs may lie outside the exhausted space: go on
-        # in a new direction before deciding.
-        check = ((m % every == 0) & ~broke) | (m == max_steps)
-
-        def checked(_):
-            return _ritz(alphas, betas, m, k)
-
-        def kept(_):
-            return state.values, state.vectors, state.residuals
-
-        values, vectors, residuals = jax.lax.cond(check, checked, kept, None)
-        bound = tol * jnp.maximum(jnp.abs(values), floor * norm)
-        converged = check & (m >= k) & jnp.all(residuals <= bound)
-        return _State(
-            m, basis, alphas, betas, vector, broke, norm, converged, values, vectors, residuals
+        return state._replace(
+            m=j + 1,
+            basis=basis,
+            alphas=alphas,
+            betas=betas,
+            vector=vector,
+            fresh=broke,
+            start=jnp.where(state.fresh, j, state.start),
+            norm=norm,
         )
+
+    def steps_and_check(state):
+        # The steps up to the next check run in a loop of their own: the check is then
+        # no branch inside every step's loop, which keeps the program small.
+        stop = jnp.minimum(state.m + every, max_steps)
+        state = jax.lax.while_loop(lambda state: state.m < stop, step, state)
+        values, vectors, residuals, top, top_residual = _ritz(
+            state.alphas, state.betas, state.m, k, state.start
+        )
+        bound = tol * jnp.maximum(jnp.abs(values), floor * state.norm)
+        # After a breakdown, the pairs found so far are exact, but wanted ones may lie
+        # outside the exhausted space: decide only once the largest eigenvalue of the
+        # new direction's space has converged too (or no steps are left).
+        top_bound = tol * jnp.maximum(jnp.abs(top), floor * state.norm)
+        restarted = (state.start > 0) | state.fresh
+        decided = ~restarted | ((top_residual <= top_bound) & ~state.fresh)
+        decided = decided | (state.m == max_steps)
+        converged = decided & (state.m >= k) & jnp.all(residuals <= bound)
+        return state._replace(
+            converged=converged, values=values, vectors=vectors, residuals=residuals
+        )
+
+    def unfinished(state):
+        return ~state.converged & (state.m < max_steps)
 
     init = _State(
         m=jnp.asarray(0, jnp.int32),
         basis=jnp.zeros((max_steps, n), dtype),
         alphas=jnp.zeros(max_steps, dtype),
         betas=jnp.zeros(max_steps, dtype),
-        vector=jnp.zeros(n, dtype),
-        fresh=jnp.asarray(True),
+        vector=_normalised(jax.random.normal(key, (n,), dtype)),
+        fresh=jnp.asarray(False),
+        start=jnp.asarray(0, jnp.int32),
         norm=jnp.zeros((), dtype),
         converged=jnp.asarray(False),
         values=jnp.zeros(k, dtype),
         vectors=jnp.zeros((max_steps, k), dtype),
         residuals=jnp.full(k, jnp.inf, dtype),
     )
-    state = jax.lax.while_loop(cond, body, init)
+    state = jax.lax.while_loop(unfinished, steps_and_check, init)
     eigenvectors = state.basis.T @ state.vectors
     # Ascending for A: the largest of -A, negated, come in descending order.
     smallest = sign < 0
@@ -317,8 +350,9 @@ def eigsh(
     with `beta_m` the last Lanczos coupling, `s_{m,i}` the last entry of the tridiagonal
     matrix's eigenvector, `eps` the dtype's rounding unit and `|A|` the largest norm of
     a product seen (the floor lets eigenvalues at 0 converge). Convergence is checked
-    every 4 steps. A breakdown (an invariant Krylov space) restarts from a new random
-    direction orthogonal to the basis.
+    every 4 steps (every `max_steps // 25` when that is more), and at the last step. A
+    breakdown (an invariant Krylov space) goes on from a new random direction
+    orthogonal to the basis: eigenvalues outside the space so far may still be wanted.
 
     **Arguments:**
 
@@ -356,9 +390,12 @@ def eigsh(
 
     !!! warning
 
-        One start vector finds one copy of each eigenvalue, unless a breakdown restarts
-        it: an eigenvalue of multiplicity 2 or more among the wanted ones (exactly
-        repeated, not merely close) may be returned once, and the next one in its place.
+        One start vector finds one copy of each eigenvalue: an eigenvalue of
+        multiplicity 2 or more among the wanted ones (exactly repeated, not merely
+        close) may be returned once, and the next one in its place. Only where the
+        Krylov space is exhausted (a breakdown, as for an operator with few distinct
+        eigenvalues) do the restarts find the other copies, at the price of more
+        steps, up to `n`.
 
     !!! example
 
@@ -450,11 +487,10 @@ def lanczos_quadrature(
             f"num_steps={num_steps}."
         )
     dtype = probe.dtype
-    key = jax.random.key(0)
 
     def body(j, carry):
         basis, alphas, betas, vector, fresh, norm = carry
-        basis, alpha, beta, vector, fresh, norm = _step(product, basis, j, vector, fresh, norm, key)
+        basis, alpha, beta, vector, fresh, norm = _step(product, basis, j, vector, fresh, norm)
         return basis, alphas.at[j].set(alpha), betas.at[j].set(beta), vector, fresh, norm
 
     init = (
