@@ -52,6 +52,9 @@ def test_quadrature_after_a_breakdown_is_exact():
     probe = jnp.asarray(np.random.default_rng(2).normal(size=12))
     nodes, weights = rule_of(jnp.diag(spectrum), probe)
     assert np.sum(np.isclose(nodes, 5.0) | np.isclose(nodes, 2.0) | np.isclose(nodes, 1.0)) >= 3
+    # The step after the breakdown goes on in a new direction of the space, so its
+    # node is a Ritz value of A too (not the 0 of a zero vector).
+    assert np.all((nodes > 1 - 1e-9) & (nodes < 5 + 1e-9))
     u = probe / jnp.linalg.norm(probe)
     np.testing.assert_allclose(jnp.sum(weights * jnp.exp(nodes)), jnp.sum(u**2 * jnp.exp(spectrum)))
     np.testing.assert_allclose(jnp.sum(weights), 1, rtol=1e-12)
