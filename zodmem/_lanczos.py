@@ -6,11 +6,13 @@ every new vector against all of it (two passes of classical Gram-Schmidt), so th
 tridiagonal matrix stays faithful in floating point: no spurious copies of converged
 eigenvalues, at the price of `steps * n` numbers of memory and `4 * steps * n` flops a
 step beside the product. Every loop is a `lax` loop inside one compiled program, with
-the operator's product traced once in its body.
+the operator's product traced once in its body; `eigsh`'s convergence checks call back
+to the host for the wanted eigenpairs of the tridiagonal matrix.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+import scipy.linalg
 
 from ._checks import check_bool, check_choice, check_int, described
 from ._flat import FlatView, flat_view
@@ -28,8 +31,8 @@ from ._traceback import public
 
 __all__ = ["EigshInfo", "eigsh", "lanczos_quadrature", "spectral_density"]
 
-# Convergence is checked every few steps (fewer when `max_steps` is large): an `eigh`
-# of the tridiagonal matrix costs a fraction of a product, but not nothing.
+# Steps between convergence checks: each one calls back to the host (a fraction of a
+# product's time), and a check every step would add that to every product.
 _CHECK_EVERY = 4
 # A step whose new direction is this many rounding errors of the operator's norm (or
 # less) has found an invariant subspace.
@@ -176,48 +179,64 @@ def _tridiagonal(alphas: jax.Array, betas: jax.Array) -> jax.Array:
 # -- eigsh ----------------------------------------------------------------------------------
 
 
-def _check_every(max_steps: int) -> int:
-    """Steps between convergence checks: an `eigh` of the `(max_steps, max_steps)`
-    tridiagonal matrix costs a fraction of a product up to a hundred or so steps; with
-    more, fewer checks keep their share of the time small."""
-    return max(_CHECK_EVERY, max_steps // 25)
+def _host_ritz(alphas: Any, betas: Any, m: Any, start: Any, k: int) -> tuple:
+    """`_ritz` on the host, with NumPy arrays."""
+    alphas, betas = np.asarray(alphas), np.asarray(betas)
+    m, start, dtype = int(m), int(start), alphas.dtype
+    values = np.full(k, -np.inf, dtype)
+    vectors = np.zeros((alphas.shape[0], k), dtype)
+    residuals = np.full(k, np.inf, dtype)
+    found = min(k, m)
+    pairs = _largest_pairs(alphas[:m], betas[: m - 1], found)
+    values[k - found :], vectors[:m, k - found :] = pairs
+    residuals[k - found :] = np.abs(betas[m - 1] * pairs[1][m - 1])
+    top, top_vector = _largest_pairs(alphas[start:m], betas[start : m - 1], 1)
+    top_residual = np.abs(betas[m - 1] * top_vector[-1, 0])
+    return values, vectors, residuals, top[0].astype(dtype), top_residual.astype(dtype)
+
+
+def _largest_pairs(diagonal: np.ndarray, couplings: np.ndarray, count: int) -> tuple:
+    """The `count` largest eigenpairs of a symmetric tridiagonal matrix (ascending)."""
+    size = diagonal.shape[0]
+    if size == 1:
+        return diagonal.copy(), np.ones((1, 1), diagonal.dtype)
+    try:
+        # Bisection and inverse iteration (LAPACK's stebz and stein): no BLAS threads,
+        # and only the wanted pairs.
+        values, vectors = scipy.linalg.eigh_tridiagonal(
+            diagonal,
+            couplings,
+            select="i",
+            select_range=(size - count, size - 1),
+            check_finite=False,
+        )
+    except np.linalg.LinAlgError:  # inverse iteration failed: the dense solver
+        dense = np.diag(diagonal) + np.diag(couplings, 1) + np.diag(couplings, -1)
+        values, vectors = np.linalg.eigh(dense)
+        values, vectors = values[size - count :], vectors[:, size - count :]
+    return values.astype(diagonal.dtype), vectors.astype(diagonal.dtype)
 
 
 def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int, start: Any) -> tuple:
     """The `k` largest Ritz values of the first `m` steps (ascending), their
     eigenvectors of the tridiagonal matrix (as `(max_steps, k)`) and their residual
     norms; then the largest Ritz value of the steps since the last restart (`start`
-    on) and its residual norm.
+    on; that block is decoupled from the earlier ones) and its residual norm.
 
-    The tridiagonal matrix has a fixed size, `max_steps`: its unused part is padded
-    with diagonal entries below the Gershgorin interval of the used part and zero
-    couplings, so that the padded matrix's largest eigenpairs are the used part's.
+    Computed on the host, a call back from the compiled loop at each check: the
+    tridiagonal eigensolvers there take only the wanted pairs and use no threaded
+    BLAS, where a dense `eigh` in the program (LAPACK's syevd on CPU) wakes BLAS
+    threads that contend with XLA's own from about 70 steps on, at up to 0.1 s a call.
     """
-    size = alphas.shape[0]
-    rows = jnp.arange(size)
-    used = rows < m
-    diagonal = jnp.where(used, alphas, 0)
-    couplings = jnp.where(rows[:-1] < m - 1, betas[:-1], 0)
-    zero = jnp.zeros(1, couplings.dtype)
-    radius = jnp.abs(jnp.concatenate([couplings, zero])) + jnp.abs(
-        jnp.concatenate([zero, couplings])
+    dtype = alphas.dtype
+    shapes = (
+        jax.ShapeDtypeStruct((k,), dtype),
+        jax.ShapeDtypeStruct((alphas.shape[0], k), dtype),
+        jax.ShapeDtypeStruct((k,), dtype),
+        jax.ShapeDtypeStruct((), dtype),
+        jax.ShapeDtypeStruct((), dtype),
     )
-    lower = jnp.min(jnp.where(used, diagonal - radius, jnp.inf))
-    upper = jnp.max(jnp.where(used, diagonal + radius, -jnp.inf))
-    width = (upper - lower) + jnp.maximum(jnp.abs(lower), jnp.abs(upper))
-    width = jnp.where(width > 0, width, 1)
-    padded = jnp.where(used, diagonal, lower - width)
-    # Symmetric as built: no symmetrising copy.
-    vectors, values = jax.lax.linalg.eigh(_tridiagonal(padded, couplings), symmetrize_input=False)
-    last = jax.lax.dynamic_index_in_dim(vectors, m - 1, axis=0, keepdims=False)
-    residuals = jnp.abs(betas[m - 1] * last)
-    # The restarted block is decoupled from the earlier ones: its Ritz vectors lie on
-    # its own rows.
-    block = (rows >= start) & used
-    in_block = jnp.sum(jnp.where(block[:, None], vectors**2, 0), axis=0) > 0.5
-    top = jnp.argmax(jnp.where(in_block, values, -jnp.inf))
-    wanted = slice(size - k, size)
-    return values[wanted], vectors[:, wanted], residuals[wanted], values[top], residuals[top]
+    return jax.pure_callback(functools.partial(_host_ritz, k=k), shapes, alphas, betas, m, start)
 
 
 class _State(NamedTuple):
@@ -242,7 +261,6 @@ def _eigsh(
     the `k` largest eigenpairs of `sign * A` (so `sign = -1` gives the smallest of `A`,
     with the same program)."""
     n, dtype = view.size, view.dtype
-    every = _check_every(max_steps)
     floor = jnp.finfo(dtype).eps ** (2 / 3)
 
     def step(state):
@@ -271,7 +289,7 @@ def _eigsh(
     def steps_and_check(state):
         # The steps up to the next check run in a loop of their own: the check is then
         # no branch inside every step's loop, which keeps the program small.
-        stop = jnp.minimum(state.m + every, max_steps)
+        stop = jnp.minimum(state.m + _CHECK_EVERY, max_steps)
         state = jax.lax.while_loop(lambda state: state.m < stop, step, state)
         values, vectors, residuals, top, top_residual = _ritz(
             state.alphas, state.betas, state.m, k, state.start
@@ -350,9 +368,12 @@ def eigsh(
     with `beta_m` the last Lanczos coupling, `s_{m,i}` the last entry of the tridiagonal
     matrix's eigenvector, `eps` the dtype's rounding unit and `|A|` the largest norm of
     a product seen (the floor lets eigenvalues at 0 converge). Convergence is checked
-    every 4 steps (every `max_steps // 25` when that is more), and at the last step. A
-    breakdown (an invariant Krylov space) goes on from a new random direction
-    orthogonal to the basis: eigenvalues outside the space so far may still be wanted.
+    every 4 steps and at the last one, by the wanted eigenpairs of the tridiagonal
+    matrix, computed on the host (a call back from the loop that takes a fraction of a
+    product's time; nothing else leaves the device). A breakdown (an invariant Krylov
+    space) goes on from a new pseudo-random direction orthogonal to the basis, and then
+    the pairs are taken as converged only once the largest one of the new space has
+    converged too: eigenvalues outside the space so far may still be wanted.
 
     **Arguments:**
 
@@ -386,7 +407,8 @@ def eigsh(
 
     **Cost:** as many products as steps (at most `max_steps`), and memory for the basis,
     `max_steps * n` numbers, beside one product's. Each step also orthogonalises against
-    the basis (`4 * steps * n` flops).
+    the basis (`4 * max_steps * n` flops). One compiled program per operator type,
+    shapes, `k` and `max_steps` (not per `which`, `tol` or `key`).
 
     !!! warning
 
