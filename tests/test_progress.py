@@ -139,8 +139,9 @@ def test_a_bar_reaches_its_total_once_per_call(case, capsys):
 def test_values_are_those_without_progress(case, capsys):
     make, args, _, _ = CASES[case]
     # Bit for bit, as a user's programs are compiled (the suite turns the backend's
-    # optimisations off, and without them a callback may change how XLA rounds).
-    optimised = {"xla_backend_optimization_level": 2}
+    # optimisations and fusion emitters off, and without them a callback may change how
+    # XLA rounds).
+    optimised = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True}
 
     def call(progress):
         return jax.jit(lambda *a: make(progress)(*a), compiler_options=optimised)(*args)
