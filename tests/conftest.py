@@ -6,7 +6,7 @@ import os
 # The tests compile hundreds of small programs and run each once or twice, so most of the
 # suite's time is XLA compiling. Two settings of its CPU backend buy nothing at these sizes:
 # - the backend's (LLVM's) optimisations, about a third of the suite's time;
-# - its newer fusion emitters (MLIR), about a quarter of what remains: the older emitters
+# - its newer fusion emitters (MLIR), a third or more of what remains: the older emitters
 #   generate the same fusions' code at less cost (jaxlib 0.10.0 has the flag too).
 # Both come after XLA has assigned the program's buffers, so they change no program's
 # meaning and no planned memory, only the speed of compiling and running, and every
