@@ -11,15 +11,17 @@ import os
 # Both come after XLA has assigned the program's buffers, so they change no program's
 # meaning and no planned memory, only the speed of compiling and running, and every
 # reference the tests compare with is compiled alike. A run that sets either keeps its own.
-FAST_COMPILES = {
-    "xla_backend_optimization_level": "0",
-    "xla_cpu_use_fusion_emitters": "false",
-}
-for _flag, _value in FAST_COMPILES.items():
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = " ".join(
-            [os.environ.get("XLA_FLAGS", ""), f"--{_flag}={_value}"]
-        ).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", "")]
+    + [
+        f"--{flag}={value}"
+        for flag, value in [
+            ("xla_backend_optimization_level", "0"),
+            ("xla_cpu_use_fusion_emitters", "false"),
+        ]
+        if flag not in os.environ.get("XLA_FLAGS", "")
+    ]
+).strip()
 
 from jaxtyping import install_import_hook  # noqa: E402
 
