@@ -10,6 +10,7 @@ from ._diagonal import diagonal as diagonal, trace as trace
 from ._ggn import BatchedGGN as BatchedGGN
 from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
+from ._lanczos import eigsh as eigsh, spectral_density as spectral_density
 from ._microbatch import (
     AccumulationType as AccumulationType,
     Accumulator as Accumulator,
@@ -48,12 +49,14 @@ __all__ = [
     "Static",
     "covariance",
     "diagonal",
+    "eigsh",
     "hessian_to_pytree",
     "jacobian_to_pytree",
     "load",
     "marginal_variances",
     "save",
     "solve",
+    "spectral_density",
     "to_file",
     "to_host",
     "trace",
