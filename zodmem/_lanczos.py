@@ -123,16 +123,35 @@ def _normalised(vector: jax.Array) -> jax.Array:
     return vector / jnp.where(norm > 0, norm, 1)
 
 
-def _direction(j: Any, n: int, dtype: Any) -> jax.Array:
-    """A pseudo-random vector of `n` entries in [-1, 1), different for each `j`: an
-    integer hash of (index, j), a handful of operations where `jax.random` would
-    compile a generator into the loop for a branch that seldom runs."""
+def _hashed_bits(n: int, stream: Any, seed: Any = 0) -> jax.Array:
+    """`n` pseudo-random 32-bit words, an integer hash of (index, stream, seed): a
+    handful of operations where `jax.random` would compile a generator (Threefry,
+    twenty rounds) into the program."""
     x = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    x = x + jnp.asarray(j, jnp.uint32) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0x27D4EB2F)
-    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-    x = x ^ (x >> 16)
-    return x.astype(dtype) * 2.0**-31 - 1
+    x = x + jnp.asarray(stream).astype(jnp.uint32) * jnp.uint32(0x85EBCA6B)
+    x = x + jnp.asarray(seed).astype(jnp.uint32) * jnp.uint32(0xC2B2AE35) + jnp.uint32(0x27D4EB2F)
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 0x2C1B3C6D)):
+        x = (x ^ (x >> shift)) * jnp.uint32(factor)
+    return x ^ (x >> 16)
+
+
+def _direction(j: Any, n: int, dtype: Any) -> jax.Array:
+    """A pseudo-random vector of `n` entries in [-1, 1), different for each `j`: the
+    new direction after a breakdown (a branch that seldom runs)."""
+    return _hashed_bits(n, j).astype(dtype) * 2.0**-31 - 1
+
+
+def _normal_start(key: jax.Array, n: int, dtype: Any) -> jax.Array:
+    """A unit vector of standard normal entries (Box-Muller over hashed words), drawn
+    from the words of `key`."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    words = jnp.ravel(key).astype(jnp.uint32)
+    seed = words[0] * jnp.uint32(0x165667B1) ^ words[-1]
+    # In (0, 1], so that the logarithm is finite.
+    u1 = (_hashed_bits(n, 0, seed).astype(dtype) + 1) * 2.0**-32
+    u2 = _hashed_bits(n, 1, seed).astype(dtype) * 2.0**-32
+    return _normalised(jnp.sqrt(-2 * jnp.log(u1)) * jnp.cos(2 * math.pi * u2))
 
 
 def _step(
@@ -315,7 +334,7 @@ def _eigsh(
         basis=jnp.zeros((max_steps, n), dtype),
         alphas=jnp.zeros(max_steps, dtype),
         betas=jnp.zeros(max_steps, dtype),
-        vector=_normalised(jax.random.normal(key, (n,), dtype)),
+        vector=_normal_start(key, n, dtype),
         fresh=jnp.asarray(False),
         start=jnp.asarray(0, jnp.int32),
         norm=jnp.zeros((), dtype),
@@ -387,7 +406,8 @@ def eigsh(
     - `max_steps`: the most Lanczos steps (products), `k + 1 <= max_steps <= n`; by
       default `min(n, max(100, 10 * k))`, enough for the top 5 of a typical network's
       Hessian to converge to `1e-6`. It sizes the basis: `max_steps * n` numbers.
-    - `key`: the `jax.random` key of the random start (default `jax.random.key(0)`).
+    - `key`: a `jax.random` key, whose words seed the pseudo-random normal start
+      vector (default `jax.random.key(0)`).
     - `pytree`: return the eigenvectors shaped like the operator's input (for a zodmem
       operator, like `x`'s variables) instead of as flat columns.
     - `return_info`: also return an `EigshInfo`, and never raise for non-convergence.
