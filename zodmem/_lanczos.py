@@ -363,14 +363,14 @@ def _default_max_steps(n: int, k: int) -> int:
 @public
 def eigsh(
     operator: Any,
-    k: int,
+    k: Any,
     *,
-    which: str = "LA",
-    tol: float = 1e-6,
-    max_steps: int | None = None,
+    which: Any = "LA",
+    tol: Any = 1e-6,
+    max_steps: Any = None,
     key: Any = None,
-    pytree: bool = False,
-    return_info: bool = False,
+    pytree: Any = False,
+    return_info: Any = False,
 ) -> Any:
     """The `k` largest or smallest eigenvalues of a symmetric operator, and their
     eigenvectors, from its products with vectors only.
@@ -498,7 +498,7 @@ def eigsh(
 
 
 def lanczos_quadrature(
-    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: int
+    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: Any
 ) -> tuple[jax.Array, jax.Array]:
     """The Gauss quadrature rule of a symmetric operator's spectral measure seen from
     one probe vector: `num_steps` Lanczos steps (with full reorthogonalisation) from
@@ -586,12 +586,12 @@ _slq_jit = eqx.filter_jit(_slq)
 def spectral_density(
     operator: Any,
     *,
-    num_probes: int = 10,
-    num_steps: int = 40,
+    num_probes: Any = 10,
+    num_steps: Any = 40,
     key: Any = None,
     grid: Any = None,
-    sigma: float | None = None,
-    batch_size: int | None = None,
+    sigma: Any = None,
+    batch_size: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The eigenvalue density of a symmetric operator, estimated by stochastic Lanczos
     quadrature (Ubaru, Chen and Saad, 2017) from products with vectors only.
