@@ -176,6 +176,13 @@ def test_under_jit():
     check_pairs(values, flat.T, dense_hessian(), 2, "SA")
 
 
+def test_under_vmap_over_operators():
+    matrices = np.stack([symmetric(SEPARATED[:12] + shift, seed=2)[0] for shift in (0.0, 3.0)])
+    values, vectors = jax.vmap(lambda m: eigsh(operator_of(m), 2))(jnp.asarray(matrices))
+    for matrix, value, vector in zip(matrices, values, vectors, strict=True):
+        check_pairs(value, vector, matrix, 2, "LA")
+
+
 def test_float32_is_kept():
     matrix, _ = symmetric(SEPARATED)
     op = lx.MatrixLinearOperator(jnp.asarray(matrix, jnp.float32), lx.symmetric_tag)

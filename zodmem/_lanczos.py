@@ -255,7 +255,16 @@ def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int, start: Any) -> tu
         jax.ShapeDtypeStruct((), dtype),
         jax.ShapeDtypeStruct((), dtype),
     )
-    return jax.pure_callback(functools.partial(_host_ritz, k=k), shapes, alphas, betas, m, start)
+    # Under `jax.vmap` (the pairs of a batch of operators), one call per operator.
+    return jax.pure_callback(
+        functools.partial(_host_ritz, k=k),
+        shapes,
+        alphas,
+        betas,
+        m,
+        start,
+        vmap_method="sequential",
+    )
 
 
 class _State(NamedTuple):
