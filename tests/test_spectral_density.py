@@ -132,3 +132,21 @@ def test_refusals():
         spectral_density(op, batch_size=0)
     with pytest.raises(ValueError, match=r"`num_steps` must be at most the probe's size 3"):
         lanczos_quadrature(lambda v: v, jnp.ones(3), 4)
+
+
+def test_density_of_a_hessian_in_planned_blocks_with_a_bar(buffers_only, capfd):
+    import zodmem as zm
+
+    def loss(w):
+        return jnp.sum(jnp.cosh(w) * jnp.arange(1.0, 13.0)) + jnp.sum(w) ** 2
+
+    w = jnp.linspace(-1.0, 1.0, 12)
+    key = jax.random.key(1)
+    reference = spectral_density(zm.BatchedHessian(loss).operator(w), key=key, batch_size=1)
+    planned = zm.BatchedHessian(loss, max_memory="15kB", progress=True).operator(w)
+    grid, density = spectral_density(planned, key=key)
+    np.testing.assert_allclose(grid, reference[0], rtol=1e-10)
+    np.testing.assert_allclose(density, reference[1], rtol=1e-8, atol=1e-10)
+    # The budget holds a few of the 10 probes' bases at a time: several blocks.
+    bar = capfd.readouterr().err
+    assert "zm.spectral_density probes" in bar and "1/1" not in bar

@@ -16,7 +16,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -27,6 +27,7 @@ import scipy.linalg
 
 from ._checks import check_bool, check_choice, check_int, described
 from ._flat import FlatView, flat_view
+from ._probes import ProbeJob, run_probes
 from ._traceback import public
 
 __all__ = ["EigshInfo", "eigsh", "lanczos_quadrature", "spectral_density"]
@@ -290,11 +291,12 @@ def _eigsh(
     with the same program)."""
     n, dtype = view.size, view.dtype
     floor = jnp.finfo(dtype).eps ** (2 / 3)
+    product = view.linear()  # built once: a kept linearisation serves every step
 
     def step(state):
         j = state.m
         basis, alpha, beta, vector, broke, norm = _step(
-            lambda v: sign * view.product(v),
+            lambda v: sign * product(v),
             state.basis,
             j,
             state.vector,
@@ -557,23 +559,35 @@ def lanczos_quadrature(
     return nodes, vectors[0] ** 2
 
 
-def _slq(
-    view: FlatView,
-    key: jax.Array,
-    grid: Any,
-    sigma: Any,
-    num_probes: int,
-    num_steps: int,
-    batch_size: int | None,
+class Quadrature(ProbeJob):
+    """The Gauss quadrature rules of random sign probes (probe `i` drawn from
+    `fold_in(key, i)`): `num_steps` nodes and weights each."""
+
+    key: jax.Array
+    num: int = eqx.field(static=True)
+    num_steps: int = eqx.field(static=True)
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "probes"
+
+    def count(self, view: FlatView) -> int:
+        return self.num
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        def one_probe(index):
+            probe = jax.random.rademacher(
+                jax.random.fold_in(self.key, index), (view.size,), view.dtype
+            )
+            return lanczos_quadrature(product, probe, self.num_steps)
+
+        return jax.vmap(one_probe)(start + jnp.arange(size, dtype=jnp.int32))
+
+
+@eqx.filter_jit
+def _density(
+    nodes: jax.Array, weights: jax.Array, grid: Any, sigma: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """Nodes and weights for every probe, then the smoothed density on the grid."""
-    n, dtype = view.size, view.dtype
-
-    def one_probe(i):
-        probe = jax.random.rademacher(jax.random.fold_in(key, i), (n,), dtype)
-        return lanczos_quadrature(view.product, probe, num_steps)
-
-    nodes, weights = jax.lax.map(one_probe, jnp.arange(num_probes), batch_size=batch_size)
+    """The rules' mean, each node a Gaussian of width `sigma`, on the grid."""
+    dtype = nodes.dtype
     lower, upper = jnp.min(nodes), jnp.max(nodes)
     width = upper - lower
     width = jnp.where(width > 0, width, jnp.maximum(jnp.abs(upper), 1))
@@ -584,11 +598,8 @@ def _slq(
     # The mean over probes of each rule's weights on Gaussians at its nodes.
     offsets = (grid[:, None] - nodes.reshape(-1)[None, :]) / sigma
     kernel = jnp.exp(-0.5 * offsets**2) / (sigma * math.sqrt(2 * math.pi))
-    density = kernel @ weights.reshape(-1) / num_probes
+    density = kernel @ weights.reshape(-1) / nodes.shape[0]
     return grid, density.astype(dtype)
-
-
-_slq_jit = eqx.filter_jit(_slq)
 
 
 @public
@@ -601,6 +612,9 @@ def spectral_density(
     grid: Any = None,
     sigma: Any = None,
     batch_size: Any = None,
+    max_memory: Any = None,
+    sharding: Any = None,
+    progress: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The eigenvalue density of a symmetric operator, estimated by stochastic Lanczos
     quadrature (Ubaru, Chen and Saad, 2017) from products with vectors only.
@@ -625,14 +639,21 @@ def spectral_density(
       spread evenly over `[min node - 3 sigma, max node + 3 sigma]` (default 512).
     - `sigma`: the Gaussian kernel's width; by default 1% of the distance between the
       smallest and the largest node.
-    - `batch_size`: how many probes run together (vmapped); by default one at a time.
+    - `batch_size`, `max_memory`: at most one: the probes per block (vmapped together),
+      given, or as many as fit the budget, planned as any transform's blocks. By default
+      the options of the operator's transform, or for any other operator all probes in
+      one block.
+    - `sharding`: a `NamedSharding` whose first entry names the mesh axes that split the
+      probes over devices; by default the operator's transform's.
+    - `progress`: a progress bar of the blocks of probes done; by default the
+      transform's.
 
     **Returns:**
 
     `(grid, density)`, two 1-D arrays of the operator's dtype.
 
-    **Cost:** `num_probes * num_steps` products; memory for `batch_size` bases of
-    `num_steps * n` numbers beside the products' own.
+    **Cost:** `num_probes * num_steps` products; memory for one block's bases, `num_steps
+    * n` numbers a probe, beside the products' own.
 
     !!! example
 
@@ -673,5 +694,13 @@ def spectral_density(
     sigma = _check_positive(sigma, "sigma", owner, optional=True)
     if sigma is not None:
         sigma = jnp.asarray(sigma, view.dtype)
-    batch_size = check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
-    return _slq_jit(view, key, grid, sigma, num_probes, num_steps, batch_size)
+    nodes, weights = run_probes(
+        view,
+        Quadrature(key, num_probes, num_steps),
+        owner=owner,
+        max_memory=max_memory,
+        batch_size=batch_size,
+        sharding=sharding,
+        progress=progress,
+    )
+    return _density(nodes, weights, grid, sigma)

@@ -72,3 +72,14 @@ def test_probes_the_devices_do_not_divide():
         zm.trace(op, method="hutchinson", num_probes=10, key=key),
         rtol=1e-12,
     )
+
+
+def test_sharded_spectral_density():
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    op = zm.BatchedHessian(loss).operator(PARAMS, DATA)
+    key = jax.random.key(5)
+    expected = zm.spectral_density(op, num_probes=6, num_steps=5, key=key)
+    result = zm.spectral_density(
+        op, num_probes=6, num_steps=5, key=key, sharding=NamedSharding(mesh, P("d"))
+    )
+    close(result, expected, rtol=1e-9, atol=1e-12)
