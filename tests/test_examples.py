@@ -49,6 +49,13 @@ KEY_LINES = {
         "CG solve equals the dense solve: True",
         "quality factor Q = ",
     ],
+    "hessian_spectrum.py": [
+        "equal to jnp.linalg.eigh's top 5: True",
+        "trace equal to the sum of the eigenvalues: True",
+        "Hutch++ estimate within 3 standard errors",
+        "exact diagonal equals the dense one: True",
+        "spectral density integrates to 1.000",
+    ],
     "sharded_hessian.py": [
         "sharded Hessian equals jax.hessian: True",
         "column split P(None, 'd') equals jax.hessian: True",
