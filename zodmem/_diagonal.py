@@ -257,28 +257,15 @@ def diagonal(
         view = flat_view(operator, owner)
         return _shaped(view, run_probes(view, UnitDiagonal(), **options), pytree)
     view = _stochastic_view(operator, owner, method)
-    key = _check_key(key, owner, method)
-    if method == "hutchinson":
-        num = _check_probes(num_probes, owner, method, 2)
-        sums, squares = run_probes(view, Hutchinson(key, None, num, False), **options)
-        mean, error = _mean_and_error(sums, squares, num)
-        return _shaped(view, mean, pytree), _shaped(view, error, pytree)
-    num = _check_probes(num_probes, owner, method, 4)
-    if not lx.is_symmetric(view.operator):
+    if method == "diag++" and not lx.is_symmetric(view.operator):
         raise ValueError(
             f"{owner}: method='diag++' needs a symmetric operator (its exact part is "
             "diag(Q Q^T A) = sum(Q * (A Q), 1) only then); tag a symmetric one with "
             "lineax.TaggedLinearOperator(op, lineax.symmetric_tag), or use "
             "method='hutchinson'."
         )
-    sketch_key, probe_key = jax.random.split(key)
-    width = num // 3
-    basis, products = _sketch(view, sketch_key, width, options)
-    known = jnp.sum(basis * products, axis=1)
-    rest = num - 2 * width
-    sums, squares = run_probes(view, Hutchinson(probe_key, basis, rest, False), **options)
-    mean, error = _mean_and_error(sums, squares, rest)
-    return _shaped(view, known + mean, pytree), _shaped(view, error, pytree)
+    estimate, error = _estimate(view, method, num_probes, key, options, for_trace=False)
+    return _shaped(view, estimate, pytree), _shaped(view, error, pytree)
 
 
 def trace(
@@ -341,19 +328,29 @@ def trace(
         view = flat_view(operator, owner)
         return jnp.sum(run_probes(view, UnitDiagonal(), **options))
     view = _stochastic_view(operator, owner, method)
+    return _estimate(view, method, num_probes, key, options, for_trace=True)
+
+
+def _estimate(
+    view: FlatView, method: str, num_probes: Any, key: Any, options: dict, for_trace: bool
+) -> tuple:
+    """A stochastic estimate of the trace or the diagonal, and its standard error:
+    Hutchinson's, or with a third of the probes sketching the range of `A` and another
+    third taking its exact part (Hutch++, Diag++)."""
+    owner = options["owner"]
     key = _check_key(key, owner, method)
     if method == "hutchinson":
         num = _check_probes(num_probes, owner, method, 2)
-        sums, squares = run_probes(view, Hutchinson(key, None, num, True), **options)
+        sums, squares = run_probes(view, Hutchinson(key, None, num, for_trace), **options)
         return _mean_and_error(sums, squares, num)
     num = _check_probes(num_probes, owner, method, 4)
     sketch_key, probe_key = jax.random.split(key)
     width = num // 3
     basis, products = _sketch(view, sketch_key, width, options)
-    known = jnp.sum(basis * products)
+    known = jnp.sum(basis * products) if for_trace else jnp.sum(basis * products, axis=1)
     rest = num - 2 * width
-    sums, squares = run_probes(view, Hutchinson(probe_key, basis, rest, True), **options)
-    mean, error = _mean_and_error(sums, squares, rest)
+    job = Hutchinson(probe_key, basis, rest, for_trace)
+    mean, error = _mean_and_error(*run_probes(view, job, **options), rest)
     return known + mean, error
 
 
