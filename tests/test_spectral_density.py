@@ -7,7 +7,7 @@ import lineax as lx
 import numpy as np
 import pytest
 
-from zodmem._lanczos import lanczos_quadrature, spectral_density
+from zodmem._spectral import lanczos_quadrature, spectral_density
 
 pytestmark = pytest.mark.usefixtures("float64")
 

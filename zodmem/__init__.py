@@ -10,7 +10,7 @@ from ._diagonal import diagonal as diagonal, trace as trace
 from ._ggn import BatchedGGN as BatchedGGN
 from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
-from ._lanczos import eigsh as eigsh, spectral_density as spectral_density
+from ._lanczos import eigsh as eigsh
 from ._microbatch import (
     AccumulationType as AccumulationType,
     Accumulator as Accumulator,
@@ -27,6 +27,7 @@ from ._serialise import (
     save as save,
 )
 from ._solve import marginal_variances as marginal_variances, solve as solve
+from ._spectral import spectral_density as spectral_density
 from ._static import Static as Static
 from ._stream import to_file as to_file, to_host as to_host
 from ._transform import AbstractTransform as AbstractTransform
