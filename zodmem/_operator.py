@@ -14,11 +14,12 @@ reads.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -32,7 +33,7 @@ from ._checks import described
 from ._sharding import Split, check_divides, dispatch, split_of
 from ._transform import AbstractBlocked
 
-__all__ = ["BlockedOperator", "make_operator", "flat_product"]
+__all__ = ["AbstractVectorBlocks", "BlockedOperator", "make_operator", "flat_product"]
 
 Products = Callable[[Any, Any, tuple, dict], tuple]
 
@@ -318,18 +319,60 @@ def flat_product(operator: BlockedOperator, vector: jax.Array) -> jax.Array:
 # -- the blocks of `mm` ------------------------------------------------------------------
 
 
-class ProductBlocks(AbstractBlocked):
-    """The products of an operator with the columns of a matrix, in blocks of columns:
-    a blocked transform, so a budget is planned as for any other."""
+class AbstractVectorBlocks(AbstractBlocked):
+    """Work on many vectors of an operator (products, probes) in blocks of vectors: a
+    blocked transform, so a budget is planned as for any other. The options are those
+    of the operator's transform; `sharding` spreads the vectors over the devices of the
+    mesh axes it splits (whichever axis of the transform's result it splits)."""
+
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
+    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    max_memory: int | str | None = eqx.field(default=None, static=True, kw_only=True)
+    strategy: Any = eqx.field(default=None, static=True, kw_only=True)
+    sharding: NamedSharding | None = eqx.field(default=None, static=True, kw_only=True)
+    jit: bool = eqx.field(default=True, static=True, kw_only=True)
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
+    # The axis of the result that holds the vectors, split over the devices.
+    _vector_axis: ClassVar[int]
+
+    @property
+    @abc.abstractmethod
+    def _owner(self) -> str:
+        """The name messages give the work."""
+
+    @property
+    def _strategies(self) -> tuple[Any, ...]:
+        if self.strategy in (None, "linearize", "recompute"):
+            return (self.strategy,)
+        # As the transform's own call: one linearisation kept, or `fn` again per block.
+        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
+
+    @property
+    def _split(self) -> Split | None:
+        """The vectors spread over the devices of the mesh axes that `sharding` splits;
+        `None` without a split."""
+        if self.sharding is None:
+            return None
+        whole = split_of(self.sharding, owner=self._owner)
+        if whole.dim is None:
+            return None
+        return Split(whole.mesh, self._vector_axis, whole.axes, whole.count)
+
+    def _block_size(self, k: int) -> int:
+        nbatches = None if self.nbatches is None else min(self.nbatches, k)
+        return plan_blocks(k, nbatches=nbatches, batch_size=self.batch_size).block_size
+
+    def _with_block_size(self, size: int, strategy: Any) -> AbstractVectorBlocks:
+        return dataclasses.replace(
+            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
+        )
+
+
+class ProductBlocks(AbstractVectorBlocks):
+    """The products of an operator with the columns of a matrix, in blocks of columns."""
 
     fn: BlockedOperator
-    nbatches: int | None = eqx.field(default=None, static=True)
-    batch_size: int | None = eqx.field(default=None, static=True)
-    max_memory: int | str | None = eqx.field(default=None, static=True)
-    strategy: Any = eqx.field(default=None, static=True)
-    sharding: NamedSharding | None = eqx.field(default=None, static=True)
-    jit: bool = eqx.field(default=True, static=True)
-    progress: bool = eqx.field(default=False, static=True)
+    _vector_axis: ClassVar[int] = 1
 
     @classmethod
     def of(cls, operator: BlockedOperator) -> ProductBlocks:
@@ -349,35 +392,12 @@ class ProductBlocks(AbstractBlocked):
         )
 
     @property
-    def _strategies(self) -> tuple[Any, ...]:
-        if self.strategy in (None, "linearize", "recompute"):
-            return (self.strategy,)
-        # As the transform's own call: one linearisation kept, or `fn` again per block.
-        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
-
-    @property
-    def _split(self) -> Split | None:
-        """The vectors (the columns of the result) spread over the devices of the mesh
-        axes that `sharding` splits; `None` without a split."""
-        if self.sharding is None:
-            return None
-        whole = split_of(self.sharding, owner=type(self.fn.transform).__name__)
-        if whole.dim is None:
-            return None
-        return Split(whole.mesh, 1, whole.axes, whole.count)
-
-    def _block_size(self, k: int) -> int:
-        nbatches = None if self.nbatches is None else min(self.nbatches, k)
-        return plan_blocks(k, nbatches=nbatches, batch_size=self.batch_size).block_size
+    def _owner(self) -> str:
+        return type(self.fn.transform).__name__
 
     def _work(self, matrix: Any) -> Work:
         k = matrix.shape[1]
         return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
-
-    def _with_block_size(self, size: int, strategy: Any) -> ProductBlocks:
-        return dataclasses.replace(
-            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
-        )
 
     def _run(self, matrix: Any) -> Any:
         return (_blocked_jit if self.jit else _blocked)(self, matrix)

@@ -14,7 +14,6 @@ over devices. A job's results are either one per probe (`reduce = False`, assemb
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -28,9 +27,8 @@ from ._budget import MemoryBudgetError, Work
 from ._checks import check_int, described
 from ._flat import FlatView
 from ._memory import check_memory
-from ._operator import BlockedOperator
-from ._sharding import Split, dispatch, replicate, split_of
-from ._transform import AbstractBlocked
+from ._operator import AbstractVectorBlocks, BlockedOperator
+from ._sharding import dispatch, replicate
 
 __all__ = ["ProbeJob", "Probes", "run_probes"]
 
@@ -55,48 +53,22 @@ class ProbeJob(eqx.Module):
         are cut, and a reduced job must count them as zero."""
 
 
-class Probes(AbstractBlocked):
-    """The probes of a job, in blocks: a blocked transform, planned as any other."""
+class Probes(AbstractVectorBlocks):
+    """The probes of a job, in blocks: spread over the devices of the mesh axes that
+    `sharding` splits (any axis of a transform's result, or the first of the probes')."""
 
     fn: FlatView
     job: ProbeJob = eqx.field(kw_only=True)
     owner: str = eqx.field(static=True, kw_only=True)
-    batch_size: int | None = eqx.field(default=None, static=True)
-    nbatches: int | None = eqx.field(default=None, static=True)
-    max_memory: int | str | None = eqx.field(default=None, static=True)
-    strategy: Any = eqx.field(default=None, static=True)
-    sharding: NamedSharding | None = eqx.field(default=None, static=True)
-    jit: bool = eqx.field(default=True, static=True)
-    progress: bool = eqx.field(default=False, static=True)
+    _vector_axis: ClassVar[int] = 0
 
     @property
-    def _strategies(self) -> tuple[Any, ...]:
-        if self.strategy in (None, "linearize", "recompute"):
-            return (self.strategy,)
-        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
-
-    @property
-    def _split(self) -> Split | None:
-        """The probes spread over the mesh axes that `sharding`'s first entry names."""
-        if self.sharding is None:
-            return None
-        whole = split_of(self.sharding, owner=self.owner)
-        if whole.dim is None:
-            return None
-        return Split(whole.mesh, 0, whole.axes, whole.count)
-
-    def _block_size(self, total: int) -> int:
-        nbatches = None if self.nbatches is None else min(self.nbatches, total)
-        return plan_blocks(total, nbatches=nbatches, batch_size=self.batch_size).block_size
+    def _owner(self) -> str:
+        return self.owner
 
     def _work(self) -> Work:
         total = self.job.count(self.fn)
         return Work(total, self.job.what, "result", self._block_size(total)).per_device(self._split)
-
-    def _with_block_size(self, size: int, strategy: Any) -> Probes:
-        return dataclasses.replace(
-            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
-        )
 
     def _run(self) -> Any:
         return (_probes_jit if self.jit else _probes)(self)
