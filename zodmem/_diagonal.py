@@ -170,6 +170,17 @@ def _whole(array: jax.Array) -> jax.Array:
     return array if sharding is None else replicate(array, sharding.mesh)
 
 
+def _options(owner: str, max_memory: Any, batch_size: Any, sharding: Any, progress: Any) -> dict:
+    """The options of the probes' blocks, as `run_probes` takes them."""
+    return dict(
+        owner=owner,
+        max_memory=max_memory,
+        batch_size=batch_size,
+        sharding=sharding,
+        progress=progress,
+    )
+
+
 def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
     return view.unflatten(vector) if pytree else vector
 
@@ -246,13 +257,7 @@ def diagonal(
     """
     owner = "zm.diagonal"
     check_choice(method, "method", _DIAGONAL_METHODS, owner=owner)
-    options = dict(
-        owner=owner,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
-    )
+    options = _options(owner, max_memory, batch_size, sharding, progress)
     if method == "exact":
         view = flat_view(operator, owner)
         return _shaped(view, run_probes(view, UnitDiagonal(), **options), pytree)
@@ -317,13 +322,7 @@ def trace(
     """
     owner = "zm.trace"
     check_choice(method, "method", _TRACE_METHODS, owner=owner)
-    options = dict(
-        owner=owner,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
-    )
+    options = _options(owner, max_memory, batch_size, sharding, progress)
     if method == "exact":
         view = flat_view(operator, owner)
         return jnp.sum(run_probes(view, UnitDiagonal(), **options))
