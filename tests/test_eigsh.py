@@ -258,3 +258,12 @@ def test_sweep(n, k, which, seed):
     matrix, _ = symmetric(spectrum, seed=seed)
     values, vectors = eigsh(operator_of(matrix), k, which=which, key=jax.random.key(seed))
     check_pairs(values, vectors, matrix, k, which)
+
+
+def test_a_progress_bar_of_the_steps(capfd):
+    A = np.diag(np.arange(1.0, 41.0))
+    op = lx.MatrixLinearOperator(jnp.asarray(A), lx.symmetric_tag)
+    values, _ = eigsh(op, 2, progress=True)
+    np.testing.assert_allclose(values, [39.0, 40.0], rtol=1e-6)
+    bar = capfd.readouterr().err
+    assert "zm.eigsh steps" in bar and "40/40" in bar

@@ -27,6 +27,7 @@ import scipy.linalg
 
 from ._checks import check_bool, check_choice, check_int, described
 from ._flat import FlatView, flat_view
+from ._progress import progress_bar
 from ._traceback import public
 
 __all__ = ["EigshInfo", "eigsh"]
@@ -280,7 +281,13 @@ class _State(NamedTuple):
 
 
 def _eigsh(
-    view: FlatView, key: jax.Array, tol: jax.Array, sign: jax.Array, k: int, max_steps: int
+    view: FlatView,
+    key: jax.Array,
+    tol: jax.Array,
+    sign: jax.Array,
+    k: int,
+    max_steps: int,
+    progress: bool = False,
 ) -> tuple:
     """The Lanczos iteration of `eigsh`, compiled once per operator type and shapes:
     the `k` largest eigenpairs of `sign * A` (so `sign = -1` gives the smallest of `A`,
@@ -329,6 +336,8 @@ def _eigsh(
         decided = ~restarted | ((top_residual <= top_bound) & ~state.fresh)
         decided = decided | (state.m == max_steps)
         converged = decided & (state.m >= k) & jnp.all(residuals <= bound)
+        # The bar counts steps; a converged run fills it at once.
+        bar.done(jnp.where(converged, max_steps, state.m), residuals)
         return state._replace(
             converged=converged, values=values, vectors=vectors, residuals=residuals
         )
@@ -350,6 +359,8 @@ def _eigsh(
         vectors=jnp.zeros((max_steps, k), dtype),
         residuals=jnp.full(k, jnp.inf, dtype),
     )
+    bar = progress_bar("zm.eigsh steps" if progress else None, max_steps, unit="step")
+    bar.start()
     state = jax.lax.while_loop(unfinished, steps_and_check, init)
     eigenvectors = state.basis.T @ state.vectors
     # Ascending for A: the largest of -A, negated, come in descending order.
@@ -378,6 +389,7 @@ def eigsh(
     key: Any = None,
     pytree: Any = False,
     return_info: Any = False,
+    progress: Any = False,
 ) -> Any:
     """The `k` largest or smallest eigenvalues of a symmetric operator, and their
     eigenvectors, from its products with vectors only.
@@ -418,6 +430,8 @@ def eigsh(
     - `pytree`: return the eigenvectors shaped like the operator's input (for a zodmem
       operator, like `x`'s variables) instead of as flat columns.
     - `return_info`: also return an `EigshInfo`, and never raise for non-convergence.
+    - `progress`: a progress bar of the Lanczos steps on stderr, out of `max_steps` (filled
+      when the pairs converge).
 
     **Returns:**
 
@@ -484,9 +498,12 @@ def eigsh(
     key = _check_key(key, owner)
     check_bool(pytree, "pytree", owner=owner)
     check_bool(return_info, "return_info", owner=owner)
+    check_bool(progress, "progress", owner=owner)
 
     sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
-    values, vectors, info = _eigsh_jit(view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps)
+    values, vectors, info = _eigsh_jit(
+        view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress
+    )
     if not return_info:
         values = eqx.error_if(
             values,
