@@ -355,3 +355,18 @@ def test_covariance_refuses_bad_input():
     for error, match, bad, kwargs in refusals:
         with pytest.raises(error, match=match):
             covariance(bad, **kwargs)
+
+
+def test_right_hand_sides_in_blocks_with_a_bar(capfd):
+    H = dense_hessian() + DAMPING * np.eye(10)
+    op = hessian_operator()
+    B = rhs(10, 5, seed=3)
+    solved = solve(op, jnp.asarray(B), damping=DAMPING, batch_size=2, progress=True)
+    close(solved, np.linalg.solve(H, B), **SOLVED)
+    assert "zm.solve right-hand sides" in capfd.readouterr().err
+    inverse = np.linalg.inv(H)
+    close(
+        marginal_variances(op, [0, 3, 7], damping=DAMPING, batch_size=1),
+        np.diag(inverse)[[0, 3, 7]],
+        **SOLVED,
+    )

@@ -155,12 +155,13 @@ def run_probes(
     batch_size: Any = None,
     sharding: Any = None,
     progress: Any = None,
+    spread: bool = True,
 ) -> Any:
     """Run `job`'s probes of `view` in blocks: `batch_size` probes a block, or as many as
     `max_memory` allows (at most one of the two), spread over the devices that
-    `sharding` splits its first axis over. Options left `None` are those of a zodmem
-    operator's transform (its budget, block count or size, sharding and bar; for a
-    `Microbatcher`, those of the transform it wraps)."""
+    `sharding` splits its first axis over (never, with `spread=False`). Options left
+    `None` are those of a zodmem operator's transform (its budget, block count or size,
+    sharding and bar; for a `Microbatcher`, those of the transform it wraps)."""
     transform = _transform_of(view)
     sized = transform
     if transform is not None and not hasattr(transform, "batch_size"):
@@ -179,7 +180,9 @@ def run_probes(
                 f"`max_memory` (a budget the blocks are planned to fit), got "
                 f"batch_size={batch_size!r} and max_memory={max_memory!r}."
             )
-    if sharding is None and transform is not None:
+    if not spread:
+        sharding = None
+    elif sharding is None and transform is not None:
         sharding = getattr(transform, "sharding", None)
     if sharding is not None and not isinstance(sharding, NamedSharding):
         raise TypeError(

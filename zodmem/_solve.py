@@ -6,7 +6,8 @@ inverse). A dense matrix's inverse is `zm.covariance`'s (`_covariance.py`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -16,8 +17,9 @@ import numpy as np
 from jaxtyping import Array
 
 from ._checks import check_int, described
-from ._flat import flat_view
+from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator
+from ._probes import ProbeJob, run_probes
 from ._traceback import public
 
 __all__ = ["solve", "marginal_variances"]
@@ -162,8 +164,8 @@ def _failure_messages(owner: str, solver: Any, max_steps: int | None) -> tuple[s
 
 @eqx.filter_jit
 def _solve_flat(operator, rhs, damping, tags, solver):
-    """The solutions for the flat right-hand side(s) `rhs` and a failure code per solve
-    (the operator already checked to be square)."""
+    """The solution for the flat right-hand side `rhs` and its failure code (the
+    operator already checked to be square)."""
     # A zodmem operator keeps one linearisation for every product of the solve, unless
     # its transform recomputes per product (a Microbatcher's data).
     view = flat_view(lx.linearise(operator), "zm.solve")
@@ -178,9 +180,43 @@ def _solve_flat(operator, rhs, damping, tags, solver):
         solution = lx.linear_solve(damped, b, solver, throw=False)
         return solution.value, _failure_code(solution.result)
 
-    if rhs.ndim == 1:
-        return one(rhs)
-    return jax.vmap(one, in_axes=1, out_axes=(1, 0))(rhs)
+    return one(rhs)
+
+
+class Solves(ProbeJob):
+    """The solves with the columns of a matrix of right-hand sides, in blocks of columns:
+    each block's solutions as columns, and its failure codes as a row."""
+
+    matrix: jax.Array
+    damping: jax.Array
+    tags: frozenset = eqx.field(static=True)
+    solver: Any = eqx.field(static=True)
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "right-hand sides"
+    axis: ClassVar[int] = 1
+
+    def count(self, view: FlatView) -> int:
+        return self.matrix.shape[1]
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        def shifted(v):
+            return product(v) + self.damping * v
+
+        def one(b):
+            # The structure of `b` itself: inside a `shard_map` it carries the manual
+            # mesh, and lineax asks a vector's structure to match the operator's exactly.
+            structure = jax.eval_shape(lambda v: v, b)
+            damped = lx.FunctionLinearOperator(shifted, structure, tuple(self.tags))
+            solution = lx.linear_solve(damped, b, self.solver, throw=False)
+            return solution.value, _failure_code(solution.result)
+
+        # Each column at its own index, clamped (as `_diagonal.Columns`).
+        last = self.matrix.shape[1] - 1
+        indices = jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), last)
+        values, codes = jax.vmap(one, in_axes=1, out_axes=(1, 0))(
+            jnp.take(self.matrix, indices, axis=1)
+        )
+        return values, codes[None]
 
 
 def _raise_or_flag(value: Any, code: jax.Array, messages: tuple[str, ...]) -> Any:
@@ -194,8 +230,9 @@ def _raise_or_flag(value: Any, code: jax.Array, messages: tuple[str, ...]) -> An
     return value
 
 
-def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, view):
-    """The checked solve of flat `(n,)` or `(n, k)` right-hand sides."""
+def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, view, blocks):
+    """The checked solve of flat `(n,)` or `(n, k)` right-hand sides; the columns of
+    the latter in blocks, as `blocks` (the options of `run_probes`) say."""
     rtol = _check_real(rtol, "rtol", owner=owner)
     atol = _check_real(atol, "atol", owner=owner)
     if _is_traced(rtol) or _is_traced(atol):
@@ -240,7 +277,15 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, v
     damping = jnp.asarray(damping, view.dtype)
     if b_flat.ndim == 2 and b_flat.shape[1] == 0:
         return b_flat
-    value, code = _solve_flat(operator, b_flat, damping, tags, solver)
+    if b_flat.ndim == 1:
+        value, code = _solve_flat(operator, b_flat, damping, tags, solver)
+    else:
+        # The engine builds the product once in its own trace (linearised there, on each
+        # device of a split), not through a linearisation made out here.
+        job = Solves(b_flat, damping, tags, solver)
+        # Solves stay on one device: lineax's solves do not take the vectors a
+        # `shard_map` types with its manual mesh.
+        value, code = run_probes(view, job, owner=owner, spread=False, **blocks)
     return _raise_or_flag(value, code, _failure_messages(owner, solver, max_steps))
 
 
@@ -254,6 +299,9 @@ def solve(
     atol: Any = 1e-6,
     max_steps: Any = None,
     solver: Any = None,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    progress: Any = None,
 ) -> Any:
     """The solution `y` of `(A + damping I) y = b`, from products with `A` only.
 
@@ -288,6 +336,12 @@ def solve(
       step; GMRES: a restart cycle of up to 50 products a step).
     - `solver`: a lineax solver instead of the choice above; its own tolerances then
       apply, and `rtol`, `atol` and `max_steps` are not read.
+    - `max_memory`, `batch_size`, `progress`: for `k` right-hand sides, the columns
+      solved together (vmapped) per block: `batch_size` of them, or as many as fit the
+      budget, with a bar of the blocks. As for `zm.diagonal`: left out, the options of
+      the operator's transform. The solves run on one device (lineax's solves do not
+      take vectors split over a `shard_map`'s devices), whatever the transform's
+      `sharding`.
 
     **Returns:**
 
@@ -297,8 +351,8 @@ def solve(
 
     **Cost:** one product per CG step, at most about `10 n` steps unless `max_steps`
     says otherwise, far fewer on a well-conditioned matrix. Memory: a few vectors of size
-    `n` for CG (51 for GMRES) per right-hand side, plus one product's memory, `k` times
-    for `k` columns; a zodmem operator keeps one linearisation of `fn` for the whole
+    `n` for CG (51 for GMRES) per right-hand side, plus one product's memory, for each
+    column of a block; a zodmem operator keeps one linearisation of `fn` for the whole
     solve.
 
     A solve that does not converge raises a `RuntimeError` that says what to change
@@ -323,7 +377,10 @@ def solve(
     owner = "zm.solve"
     view = flat_view(operator, owner)
     rhs, form = _read_rhs(operator, view, b, owner=owner)
-    value = _solve(operator, rhs, damping, rtol, atol, max_steps, solver, owner=owner, view=view)
+    blocks = dict(max_memory=max_memory, batch_size=batch_size, progress=progress)
+    value = _solve(
+        operator, rhs, damping, rtol, atol, max_steps, solver, owner=owner, view=view, blocks=blocks
+    )
     return view.unflatten(value) if form == "tree" else value
 
 
@@ -369,6 +426,9 @@ def marginal_variances(
     atol: Any = 1e-6,
     max_steps: Any = None,
     solver: Any = None,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    progress: Any = None,
 ) -> Array:
     """A few diagonal entries `[(A + damping I)^{-1}]_ii` of the inverse, by solving with
     the unit vectors `e_i`.
@@ -385,14 +445,15 @@ def marginal_variances(
     - `indices`: the flat parameter indices `i` (in the raveled order of the variables,
       `0 <= i < n`): a sequence of ints or a 1-d int array (traced ones are checked when
       the call runs).
-    - `damping`, `rtol`, `atol`, `max_steps`, `solver`: as for `zm.solve`.
+    - `damping`, `rtol`, `atol`, `max_steps`, `solver`, `max_memory`, `batch_size`,
+      `progress`: as for `zm.solve` (the unit vectors are its `k` columns).
 
     **Returns:**
 
     A 1-d array of the `k` entries, in the operator's dtype.
 
-    **Cost:** `k` solves together (`zm.solve` with an `(n, k)` block of unit vectors):
-    memory for `k` right-hand sides, products taken `k` at a time.
+    **Cost:** `k` solves (`zm.solve` with an `(n, k)` array of unit vectors), in blocks
+    of right-hand sides solved together: memory for one block's.
 
     !!! example
 
@@ -416,7 +477,17 @@ def marginal_variances(
     if k == 0:
         return jnp.zeros((0,), view.dtype)
     units = jax.nn.one_hot(indices, view.size, dtype=view.dtype).T
+    blocks = dict(max_memory=max_memory, batch_size=batch_size, progress=progress)
     solutions = _solve(
-        operator, units, damping, rtol, atol, max_steps, solver, owner=owner, view=view
+        operator,
+        units,
+        damping,
+        rtol,
+        atol,
+        max_steps,
+        solver,
+        owner=owner,
+        view=view,
+        blocks=blocks,
     )
     return solutions[indices, jnp.arange(k)]

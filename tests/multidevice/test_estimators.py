@@ -83,3 +83,17 @@ def test_sharded_spectral_density():
         op, num_probes=6, num_steps=5, key=key, sharding=NamedSharding(mesh, P("d"))
     )
     close(result, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_solves_of_a_sharded_transform_run_on_one_device():
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    sharded = zm.BatchedHessian(loss, sharding=NamedSharding(mesh, P("d", None)))
+    op, plain = sharded.operator(PARAMS, DATA), zm.BatchedHessian(loss).operator(PARAMS, DATA)
+    B = np.random.default_rng(1).normal(size=(8, 6))
+    close(zm.solve(op, B, damping=1.0), zm.solve(plain, B, damping=1.0), rtol=1e-9, atol=1e-12)
+    close(
+        zm.marginal_variances(op, [1, 4, 6], damping=1.0),
+        zm.marginal_variances(plain, [1, 4, 6], damping=1.0),
+        rtol=1e-9,
+        atol=1e-12,
+    )
