@@ -38,6 +38,8 @@ _CHECK_EVERY = 4
 # A step whose new direction is this many rounding errors of the operator's norm (or
 # less) has found an invariant subspace.
 _BREAKDOWN = 10.0
+# Rows of the Krylov basis a pass of Gram-Schmidt reads at a time.
+_CHUNK = 16
 # A pass of Gram-Schmidt that leaves less than this fraction of a vector's norm is
 # repeated once ("twice is enough").
 _TWICE = 2**-0.5
@@ -119,6 +121,23 @@ def _orthogonalise(basis: jax.Array, vector: jax.Array) -> jax.Array:
     return vector - basis.T @ (basis @ vector)
 
 
+def _projection(basis: jax.Array, j: Any, vector: jax.Array) -> jax.Array:
+    """`basis.T @ (basis @ vector)` over rows `0..j` only (the rows after are zero), in
+    chunks of `_CHUNK` rows: a step reads the part of the basis it has filled, not all
+    of it, and each pass costs as much as a product here."""
+    rows, n = basis.shape
+    size = min(_CHUNK, rows)
+
+    def chunk(c, total):
+        start = jnp.minimum(c * size, rows - size)  # the last chunk may overlap the one before
+        block = jax.lax.dynamic_slice_in_dim(basis, start, size, axis=0)
+        index = start + jnp.arange(size)
+        coefficients = jnp.where((index >= c * size) & (index <= j), block @ vector, 0)
+        return total + block.T @ coefficients
+
+    return jax.lax.fori_loop(0, j // size + 1, chunk, jnp.zeros_like(vector))
+
+
 def _normalised(vector: jax.Array) -> jax.Array:
     norm = jnp.linalg.norm(vector)
     return vector / jnp.where(norm > 0, norm, 1)
@@ -191,9 +210,9 @@ def _step(
     coupling = jnp.where(j > 0, jnp.vdot(previous, image), 0)
     residual = image - alpha * vector - coupling * previous
     before = jnp.linalg.norm(residual)
-    residual = residual - basis.T @ (basis @ residual)
+    residual = residual - _projection(basis, j, residual)
     again = jnp.linalg.norm(residual) < _TWICE * before
-    residual = jax.lax.cond(again, lambda r: r - basis.T @ (basis @ r), lambda r: r, residual)
+    residual = jax.lax.cond(again, lambda r: r - _projection(basis, j, r), lambda r: r, residual)
     beta = jnp.linalg.norm(residual)
     broke = beta <= _BREAKDOWN * jnp.finfo(basis.dtype).eps * norm
     beta = jnp.where(broke, 0, beta)
