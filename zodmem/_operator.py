@@ -33,7 +33,14 @@ from ._checks import described
 from ._sharding import Split, check_divides, dispatch, split_of
 from ._transform import AbstractBlocked
 
-__all__ = ["AbstractVectorBlocks", "BlockedOperator", "make_operator", "flat_product"]
+__all__ = [
+    "AbstractVectorBlocks",
+    "BlockedOperator",
+    "check_leaves",
+    "flat_product",
+    "make_operator",
+    "variables_of",
+]
 
 Products = Callable[[Any, Any, tuple, dict], tuple]
 
@@ -131,23 +138,9 @@ class BlockedOperator(lx.AbstractLinearOperator):
                     f"the operator's input is {dtype}; cast it, e.g. {name}.astype({dtype})."
                 )
             return vector, True
+        if not self.transposed:
+            vector = variables_of(vector, self.x, treedef)
         given = jax.tree_util.tree_structure(vector)
-        if given != treedef and not self.transposed:
-            # The whole of `x` as a vector: its leaves that are not variables are ignored.
-            whole = jax.tree_util.tree_structure(self.x)
-            if given == whole:
-                is_variable = [
-                    eqx.is_inexact_array(leaf) for leaf in jax.tree_util.tree_leaves(self.x)
-                ]
-                picked = [
-                    leaf
-                    for leaf, is_var in zip(
-                        jax.tree_util.tree_leaves(vector), is_variable, strict=True
-                    )
-                    if is_var
-                ]
-                vector = jax.tree_util.tree_unflatten(treedef, picked)
-                given = treedef
         if given != treedef:
             shape = jnp.shape(vector) if eqx.is_array(vector) else None
             got = f"an array of shape {shape}" if shape is not None else f"structure {given}"
@@ -155,20 +148,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
                 f"{self._owner}: `{name}` must be a flat vector of shape ({size},) or a pytree "
                 f"shaped like {structure}, but got {got}."
             )
-        for (path, leaf), expected in zip(
-            jax.tree_util.tree_flatten_with_path(vector)[0], leaves, strict=True
-        ):
-            if not eqx.is_array(leaf) or jnp.shape(leaf) != expected.shape:
-                shown = jnp.shape(leaf) if eqx.is_array(leaf) else described(leaf)
-                raise ValueError(
-                    f"{self._owner}: `{name}`{jax.tree_util.keystr(path)} must be an array "
-                    f"of shape {expected.shape}, got {shown}."
-                )
-            if jnp.dtype(leaf.dtype) != expected.dtype:
-                raise TypeError(
-                    f"{self._owner}: `{name}`{jax.tree_util.keystr(path)} has dtype "
-                    f"{leaf.dtype}, but the operator takes {expected.dtype} there; cast it."
-                )
+        check_leaves(vector, leaves, name, owner=self._owner)
         return vector, False
 
     def _ravel(self, vector: Any) -> jax.Array:
@@ -249,6 +229,37 @@ class BlockedOperator(lx.AbstractLinearOperator):
         return dataclasses.replace(
             self, transposed=not self.transposed, tags=lx.transpose_tags(self.tags)
         )
+
+
+def variables_of(vector: Any, x: Any, treedef: Any) -> Any:
+    """`vector` given as the whole of `x` (its leaves that are not variables ignored), as a
+    pytree of `treedef`, the variables' structure; any other `vector` as it is."""
+    given = jax.tree_util.tree_structure(vector)
+    if given == treedef or given != jax.tree_util.tree_structure(x):
+        return vector
+    leaves = jax.tree_util.tree_leaves(vector)
+    of_x = jax.tree_util.tree_leaves(x)
+    picked = [leaf for leaf, o in zip(leaves, of_x, strict=True) if eqx.is_inexact_array(o)]
+    return jax.tree_util.tree_unflatten(treedef, picked)
+
+
+def check_leaves(vector: Any, expected: list, name: str, *, owner: str) -> None:
+    """Refuse a leaf of the pytree `vector` that is not an array of the shape and dtype of
+    its `expected` `jax.ShapeDtypeStruct`, naming it by its path in `name`."""
+    for (path, leaf), wanted in zip(
+        jax.tree_util.tree_flatten_with_path(vector)[0], expected, strict=True
+    ):
+        if not eqx.is_array(leaf) or jnp.shape(leaf) != wanted.shape:
+            shown = f"shape {jnp.shape(leaf)}" if eqx.is_array(leaf) else described(leaf)
+            raise ValueError(
+                f"{owner}: `{name}`{jax.tree_util.keystr(path)} must be an array of shape "
+                f"{wanted.shape}, got {shown}."
+            )
+        if jnp.dtype(leaf.dtype) != wanted.dtype:
+            raise TypeError(
+                f"{owner}: `{name}`{jax.tree_util.keystr(path)} has dtype {leaf.dtype}, but "
+                f"the operator takes {wanted.dtype} there; cast it."
+            )
 
 
 def _flat_structure(structure: Any) -> jax.ShapeDtypeStruct:

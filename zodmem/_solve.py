@@ -18,7 +18,7 @@ from jaxtyping import Array
 
 from ._checks import check_int, described
 from ._flat import FlatView, flat_view
-from ._operator import BlockedOperator
+from ._operator import BlockedOperator, check_leaves, variables_of
 from ._probes import ProbeJob, run_probes
 from ._traceback import public
 
@@ -81,36 +81,16 @@ def _read_rhs(operator: Any, view: Any, b: Any, *, owner: str) -> tuple[jax.Arra
                     f"{dtype}; cast it, e.g. b.astype({dtype})."
                 )
             return jnp.asarray(b), "flat" if jnp.ndim(b) == 1 else "columns"
+    if isinstance(operator, BlockedOperator):
+        b = variables_of(b, operator.x, treedef)
     given = jax.tree_util.tree_structure(b)
-    if given != treedef and isinstance(operator, BlockedOperator):
-        if given == jax.tree_util.tree_structure(operator.x):
-            x_leaves = jax.tree_util.tree_leaves(operator.x)
-            picked = [
-                leaf
-                for leaf, of_x in zip(jax.tree_util.tree_leaves(b), x_leaves, strict=True)
-                if eqx.is_inexact_array(of_x)
-            ]
-            b, given = jax.tree_util.tree_unflatten(treedef, picked), treedef
     if given != treedef:
         got = f"an array of shape {jnp.shape(b)}" if eqx.is_array(b) else f"structure {given}"
         raise ValueError(
             f"{owner}: `b` must be a flat vector of shape ({n},), an ({n}, k) array of k "
             f"right-hand sides, or a pytree shaped like {view.structure}, but got {got}."
         )
-    for (path, leaf), expected in zip(
-        jax.tree_util.tree_flatten_with_path(b)[0], leaves, strict=True
-    ):
-        if not eqx.is_array(leaf) or jnp.shape(leaf) != expected.shape:
-            shown = f"shape {jnp.shape(leaf)}" if eqx.is_array(leaf) else described(leaf)
-            raise ValueError(
-                f"{owner}: `b`{jax.tree_util.keystr(path)} must be an array of shape "
-                f"{expected.shape}, got {shown}."
-            )
-        if jnp.dtype(leaf.dtype) != expected.dtype:
-            raise TypeError(
-                f"{owner}: `b`{jax.tree_util.keystr(path)} has dtype {leaf.dtype}, but the "
-                f"operator takes {expected.dtype} there; cast it."
-            )
+    check_leaves(b, leaves, "b", owner=owner)
     pieces = [jnp.ravel(leaf).astype(dtype) for leaf in jax.tree_util.tree_leaves(b)]
     return jnp.concatenate(pieces) if pieces else jnp.zeros((0,), dtype), "tree"
 
