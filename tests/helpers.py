@@ -64,6 +64,20 @@ def raveled(fn, x, *args, **kwargs):
     return fn_of_flat, flat
 
 
+def as_tree(flat, like):
+    """A flat vector shaped like the variables of `like` (None at the other leaves)."""
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    pieces, start = [], 0
+    for leaf in leaves:
+        if not eqx.is_inexact_array(leaf):
+            pieces.append(None)
+            continue
+        size = np.size(leaf)
+        pieces.append(np.reshape(flat[start : start + size], np.shape(leaf)).astype(leaf.dtype))
+        start += size
+    return jax.tree_util.tree_unflatten(treedef, pieces)
+
+
 def make_mlp(in_size, out_size, width, depth, seed=0):
     """An `eqx.nn.MLP` in float64 with random weights, built without tracing its init."""
     shapes = eqx.filter_eval_shape(

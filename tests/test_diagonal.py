@@ -4,13 +4,12 @@ JAX's dense matrices, and stochastic, checked statistically."""
 import functools
 import re
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import close, raveled
+from helpers import as_tree, close, raveled
 from hypothesis import given, strategies as st
 
 import zodmem as zm
@@ -37,18 +36,6 @@ def point(dtype=jnp.float64):
 def dense_hessian():
     fn, flat = raveled(loss, *point())
     return np.asarray(jax.jit(jax.hessian(fn))(flat))
-
-
-def as_tree(flat, like):
-    leaves, treedef = jax.tree_util.tree_flatten(like)
-    pieces, start = [], 0
-    for leaf in leaves:
-        if not eqx.is_inexact_array(leaf):
-            pieces.append(None)
-            continue
-        pieces.append(np.reshape(flat[start : start + leaf.size], leaf.shape).astype(leaf.dtype))
-        start += leaf.size
-    return jax.tree_util.tree_unflatten(treedef, pieces)
 
 
 def spd(n, spectrum, seed=0):

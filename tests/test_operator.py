@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import close, make_mlp, raveled
+from helpers import as_tree, close, make_mlp, raveled
 
 import zodmem as zm
 
@@ -56,20 +56,6 @@ def dense_jacobian(params, t):
     jacobians = jax.jit(jax.jacfwd(fn))(flat)
     pieces = [np.reshape(j, (-1, flat.size)) for j in jax.tree_util.tree_leaves(jacobians)]
     return np.concatenate(pieces)
-
-
-def as_tree(flat, like):
-    """A flat vector shaped like the variables of `like` (None at the other leaves)."""
-    leaves, treedef = jax.tree_util.tree_flatten(like)
-    pieces, start = [], 0
-    for leaf in leaves:
-        if not eqx.is_inexact_array(leaf):
-            pieces.append(None)
-            continue
-        size = np.size(leaf)
-        pieces.append(np.reshape(flat[start : start + size], np.shape(leaf)).astype(leaf.dtype))
-        start += size
-    return jax.tree_util.tree_unflatten(treedef, pieces)
 
 
 # 5 vectors: 2 blocks of 3 (the second overlaps the first), or 5 blocks of 1 (nbatches
