@@ -97,7 +97,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 import curvature  # noqa: E402
 import hessian_memory  # noqa: E402
-from curvature import _MB, _problem, _relative, _torch_info, _torch_problem  # noqa: E402
+from curvature import (  # noqa: E402
+    _MB,
+    _above,
+    _problem,
+    _relative,
+    _torch_info,
+    _torch_problem,
+    _verdict,
+)
 
 _DENSE_MEMORY = curvature._DENSE_MEMORY
 
@@ -525,16 +533,6 @@ _PEAK_SHARE_OF_HESSIAN = 0.1
 # -- the report ------------------------------------------------------------------------
 
 
-def _floor_of(name: str, by_case: dict[str, Any]) -> int | None:
-    floor_case = by_case.get("torch-floor" if name.startswith("curvlinops") else "floor")
-    return floor_case.get("peak_rss_bytes") if floor_case else None
-
-
-def _above(name: str, by_case: dict[str, Any]) -> int | None:
-    base, r = _floor_of(name, by_case), by_case.get(name)
-    return None if base is None or r is None else r["peak_rss_bytes"] - base
-
-
 def _result(r: dict[str, Any], exact_trace: float | None) -> str:
     """What the case found, in a few characters."""
     info = r["info"]
@@ -660,13 +658,6 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append(f"- {what}: {value}")
     lines += _targets(by_case, args)
     return "\n".join(lines)
-
-
-def _verdict(what: str, value: float, limit: float, unit: str = "") -> str:
-    ok = value <= limit
-    return f"{what} {value:.3g}{unit} {'<=' if ok else '>'} {limit:.3g}{unit}: " + (
-        "met" if ok else "MISSED"
-    )
 
 
 def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
