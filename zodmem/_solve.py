@@ -149,18 +149,18 @@ def _solve_flat(operator, rhs, damping, tags, solver):
     # A zodmem operator keeps one linearisation for every product of the solve, unless
     # its transform recomputes per product (a Microbatcher's data).
     view = flat_view(lx.linearise(operator), "zm.solve")
-    structure = jax.ShapeDtypeStruct((view.size,), view.dtype)
+    return _damped_solve(view.linear(), rhs, damping, tags, solver)
+
+
+def _damped_solve(product: Callable, b: jax.Array, damping: Any, tags: frozenset, solver: Any):
+    """The solution of `(A + damping I) y = b`, `A` given by its `product`, and the
+    failure code of the solve."""
     # Built on flat vectors with explicit tags: lineax's `damping * IdentityLinearOperator`
     # cannot tell the sign of a traced damping, and would drop the semi-definite tag.
-    damped = lx.FunctionLinearOperator(
-        lambda v: view.product(v) + damping * v, structure, tuple(tags)
-    )
-
-    def one(b):
-        solution = lx.linear_solve(damped, b, solver, throw=False)
-        return solution.value, _failure_code(solution.result)
-
-    return one(rhs)
+    structure = jax.ShapeDtypeStruct(b.shape, b.dtype)
+    damped = lx.FunctionLinearOperator(lambda v: product(v) + damping * v, structure, tuple(tags))
+    solution = lx.linear_solve(damped, b, solver, throw=False)
+    return solution.value, _failure_code(solution.result)
 
 
 class Solves(ProbeJob):
@@ -179,16 +179,8 @@ class Solves(ProbeJob):
         return self.matrix.shape[1]
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
-        def shifted(v):
-            return product(v) + self.damping * v
-
         def one(b):
-            # The structure of `b` itself: inside a `shard_map` it carries the manual
-            # mesh, and lineax asks a vector's structure to match the operator's exactly.
-            structure = jax.eval_shape(lambda v: v, b)
-            damped = lx.FunctionLinearOperator(shifted, structure, tuple(self.tags))
-            solution = lx.linear_solve(damped, b, self.solver, throw=False)
-            return solution.value, _failure_code(solution.result)
+            return _damped_solve(product, b, self.damping, self.tags, self.solver)
 
         # Each column at its own index, clamped (as `_diagonal.Columns`).
         last = self.matrix.shape[1] - 1
