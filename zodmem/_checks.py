@@ -14,6 +14,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 __all__ = [
@@ -161,3 +162,21 @@ def common_size(
             f"sizes are {listed}."
         )
     return found.pop()
+
+
+def check_key(key: Any, *, owner: str, optional: bool = False) -> Any:
+    """Refuse anything but one JAX random key: a typed key (`jax.random.key`) or the
+    `uint32[2]` of `jax.random.PRNGKey`, returned as a typed key (`None` as it is, where
+    `optional`)."""
+    if key is None and optional:
+        return None
+    if isinstance(key, jax.Array):
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return key
+        if key.dtype == np.uint32 and key.shape == (2,):
+            return jax.random.wrap_key_data(key)
+    if optional:
+        allowed = "None or a single JAX random key such as `jax.random.key(0)`"
+    else:
+        allowed = "a JAX random key, such as jax.random.key(0) (or a jax.random.PRNGKey)"
+    raise TypeError(f"{owner}: `key` must be {allowed}, got {described(key)}.")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 
-from ._checks import check_choice, check_int, described
+from ._checks import check_choice, check_int, check_key
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator
 from ._probes import ProbeJob, run_probes
@@ -114,15 +114,7 @@ def _check_key(key: Any, owner: str, method: str) -> jax.Array:
             f"{owner}: method={method!r} draws random probes and needs a key, e.g. "
             f"key=jax.random.key(0); got key=None."
         )
-    if isinstance(key, jax.Array):
-        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
-            return key
-        if key.dtype == jnp.uint32 and key.shape == (2,):
-            return jax.random.wrap_key_data(key)
-    raise TypeError(
-        f"{owner}: `key` must be a JAX random key, such as jax.random.key(0) (or a "
-        f"jax.random.PRNGKey), got {described(key)}."
-    )
+    return check_key(key, owner=owner)
 
 
 def _check_probes(num_probes: Any, owner: str, method: str, least: int) -> int:

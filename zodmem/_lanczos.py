@@ -25,7 +25,7 @@ import lineax as lx
 import numpy as np
 import scipy.linalg
 
-from ._checks import check_bool, check_choice, check_int, described
+from ._checks import check_bool, check_choice, check_int, check_key, described
 from ._flat import FlatView, flat_view
 from ._progress import progress_bar
 from ._traceback import public
@@ -86,17 +86,9 @@ def _view_of(operator: Any, owner: str) -> FlatView:
 
 
 def _check_key(key: Any, owner: str) -> jax.Array:
-    if key is None:
-        return jax.random.key(0)
-    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape == ():
-            return key
-    elif isinstance(key, jax.Array) and key.shape == (2,) and key.dtype == jnp.uint32:
-        return key
-    raise TypeError(
-        f"{owner}: `key` must be None or a single JAX random key such as "
-        f"`jax.random.key(0)`, got {described(key)}."
-    )
+    """`key` checked, `jax.random.key(0)` where it is `None`."""
+    key = check_key(key, owner=owner, optional=True)
+    return jax.random.key(0) if key is None else key
 
 
 def _check_positive(value: Any, name: str, owner: str, *, optional: bool = False) -> Any:
