@@ -40,6 +40,7 @@ __all__ = [
     "flat_product",
     "make_operator",
     "variables_of",
+    "vector_options",
 ]
 
 Products = Callable[[Any, Any, tuple, dict], tuple]
@@ -379,6 +380,22 @@ class AbstractVectorBlocks(AbstractBlocked):
         )
 
 
+def vector_options(transform: Any) -> dict[str, Any]:
+    """The options of `AbstractVectorBlocks` that a transform's own give: its blocks
+    (for a transform whose options cut other work, a `Microbatcher`'s microbatches,
+    those of its `fn`), strategy, sharding, `jit` and bar; the defaults for `None`."""
+    sized = transform if hasattr(transform, "batch_size") else getattr(transform, "fn", None)
+    return dict(
+        nbatches=getattr(sized, "nbatches", None),
+        batch_size=getattr(sized, "batch_size", None),
+        max_memory=getattr(sized, "max_memory", None),
+        strategy=getattr(transform, "strategy", None),
+        sharding=getattr(transform, "sharding", None),
+        jit=_jit(transform),
+        progress=bool(getattr(transform, "progress", False)),
+    )
+
+
 class ProductBlocks(AbstractVectorBlocks):
     """The products of an operator with the columns of a matrix, in blocks of columns."""
 
@@ -389,18 +406,7 @@ class ProductBlocks(AbstractVectorBlocks):
     def of(cls, operator: BlockedOperator) -> ProductBlocks:
         """The blocks that `operator`'s transform's options give (for a transform whose
         options cut other work, a `Microbatcher`'s microbatches, those of its `fn`)."""
-        transform = operator.transform
-        sized = transform if hasattr(transform, "batch_size") else getattr(transform, "fn", None)
-        return cls(
-            operator,
-            nbatches=getattr(sized, "nbatches", None),
-            batch_size=getattr(sized, "batch_size", None),
-            max_memory=getattr(sized, "max_memory", None),
-            strategy=getattr(transform, "strategy", None),
-            sharding=getattr(transform, "sharding", None),
-            jit=_jit(transform),
-            progress=bool(getattr(transform, "progress", False)),
-        )
+        return cls(operator, **vector_options(operator.transform))
 
     @property
     def _owner(self) -> str:

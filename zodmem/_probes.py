@@ -27,7 +27,7 @@ from ._budget import MemoryBudgetError, Work
 from ._checks import check_int, described
 from ._flat import FlatView
 from ._memory import check_memory
-from ._operator import AbstractVectorBlocks, BlockedOperator
+from ._operator import AbstractVectorBlocks, BlockedOperator, vector_options
 from ._sharding import dispatch, replicate
 
 __all__ = ["ProbeJob", "Probes", "run_probes"]
@@ -163,15 +163,8 @@ def run_probes(
     `None` are those of a zodmem operator's transform (its budget, block count or size,
     sharding and bar; for a `Microbatcher`, those of the transform it wraps)."""
     transform = _transform_of(view)
-    sized = transform
-    if transform is not None and not hasattr(transform, "batch_size"):
-        sized = getattr(transform, "fn", None)
-    nbatches = None
-    if max_memory is None and batch_size is None and sized is not None:
-        max_memory = getattr(sized, "max_memory", None)
-        batch_size = getattr(sized, "batch_size", None)
-        nbatches = getattr(sized, "nbatches", None)
-    else:
+    options = vector_options(transform)
+    if max_memory is not None or batch_size is not None:
         check_memory(max_memory, owner=owner)
         check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
         if max_memory is not None and batch_size is not None:
@@ -180,32 +173,24 @@ def run_probes(
                 f"`max_memory` (a budget the blocks are planned to fit), got "
                 f"batch_size={batch_size!r} and max_memory={max_memory!r}."
             )
+        options.update(nbatches=None, batch_size=batch_size, max_memory=max_memory)
     if not spread:
-        sharding = None
-    elif sharding is None and transform is not None:
-        sharding = getattr(transform, "sharding", None)
-    if sharding is not None and not isinstance(sharding, NamedSharding):
-        raise TypeError(
-            f"{owner}: `sharding` must be a jax.sharding.NamedSharding whose first entry "
-            "names the mesh axes that split the probes, e.g. NamedSharding(mesh, "
-            f"PartitionSpec('d')), or None; got {described(sharding)}."
-        )
-    if progress is None:
-        progress = bool(getattr(transform, "progress", False))
-    elif not isinstance(progress, bool):
-        raise TypeError(f"{owner}: `progress` must be a bool or None, got {described(progress)}.")
-    engine = Probes(
-        view,
-        job=job,
-        owner=owner,
-        batch_size=batch_size,
-        nbatches=nbatches,
-        max_memory=max_memory,
-        strategy=getattr(transform, "strategy", None),
-        sharding=sharding,
-        jit=bool(getattr(transform, "jit", True)),
-        progress=bool(progress),
-    )
+        options["sharding"] = None
+    elif sharding is not None:
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(
+                f"{owner}: `sharding` must be a jax.sharding.NamedSharding whose first "
+                "entry names the mesh axes that split the probes, e.g. NamedSharding(mesh, "
+                f"PartitionSpec('d')), or None; got {described(sharding)}."
+            )
+        options["sharding"] = sharding
+    if progress is not None:
+        if not isinstance(progress, bool):
+            raise TypeError(
+                f"{owner}: `progress` must be a bool or None, got {described(progress)}."
+            )
+        options["progress"] = progress
+    engine = Probes(view, job=job, owner=owner, **options)
     try:
         return engine()
     except MemoryBudgetError as error:
