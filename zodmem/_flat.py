@@ -31,7 +31,7 @@ class FlatView(eqx.Module):
     - `operator`: the operator itself.
     - `size`, `dtype`: the length and dtype of its flat vectors.
     - `linear()`: one product as a function of flat vectors (traceable, unchecked),
-      built once; `product(v)` builds it and applies it.
+      built once: inside a loop, take it outside the loop and call it there.
     - `unflatten(v)`: a flat vector as a pytree shaped like the input structure (for a
       zodmem operator, like the variables of `x`).
     """
@@ -40,12 +40,6 @@ class FlatView(eqx.Module):
     size: int = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
     structure: Any = eqx.field(static=True)
-
-    def product(self, vector: jax.Array) -> jax.Array:
-        """One product with a flat vector. Each call builds the product anew (for a
-        curvature kept linearised, it linearises `fn` again): inside a loop, take
-        `linear()` once outside it and call that."""
-        return self.linear()(vector)
 
     def linear(self, strategy: Any = None) -> Callable[[jax.Array], jax.Array]:
         """The product as a function of flat vectors, built once: for a zodmem operator
