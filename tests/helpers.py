@@ -1,6 +1,7 @@
 """What the tests share: one comparison of pytrees, and reference computations."""
 
 import dataclasses
+import functools
 import math
 
 import equinox as eqx
@@ -76,6 +77,31 @@ def as_tree(flat, like):
         pieces.append(np.reshape(flat[start : start + size], np.shape(leaf)).astype(leaf.dtype))
         start += size
     return jax.tree_util.tree_unflatten(treedef, pieces)
+
+
+def mixed_loss(params, data):
+    """A scalar loss of a pytree of mixed shapes (and an int leaf held fixed), with an
+    indefinite, singular Hessian at `mixed_point()`."""
+    z = data @ params["w"] + jnp.sum(params["m"]) * params["b"]
+    return jnp.sum(jnp.cosh(z)) + jnp.sum(params["m"] ** 3) * params["b"] ** 2
+
+
+def mixed_point(dtype=jnp.float64):
+    """`(params, data)` for `mixed_loss`: 10 variables in three leaves, and `"n"`, an int."""
+    params = {
+        "b": jnp.asarray(0.7, dtype),
+        "m": jnp.arange(6.0, dtype=dtype).reshape(2, 3) / 7,
+        "n": 3,  # not a variable: held fixed
+        "w": jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
+    }
+    return params, jnp.arange(12.0, dtype=dtype).reshape(4, 3) / 10
+
+
+@functools.cache
+def mixed_hessian():
+    """JAX's dense Hessian of `mixed_loss` at `mixed_point()`, as NumPy (computed once)."""
+    fn, flat = raveled(mixed_loss, *mixed_point())
+    return np.asarray(jax.jit(jax.hessian(fn))(flat))
 
 
 def make_mlp(in_size, out_size, width, depth, seed=0):

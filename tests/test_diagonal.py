@@ -1,7 +1,6 @@
 """`zm.diagonal` and `zm.trace`: exact from blocks of unit vectors, against the diagonal of
 JAX's dense matrices, and stochastic, checked statistically."""
 
-import functools
 import re
 
 import jax
@@ -9,33 +8,12 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import as_tree, close, raveled
+from helpers import as_tree, close, mixed_hessian, mixed_loss as loss, mixed_point as point, raveled
 from hypothesis import given, strategies as st
 
 import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
-
-
-def loss(params, data):
-    z = data @ params["w"] + jnp.sum(params["m"]) * params["b"]
-    return jnp.sum(jnp.cosh(z)) + jnp.sum(params["m"] ** 3) * params["b"] ** 2
-
-
-def point(dtype=jnp.float64):
-    params = {
-        "b": jnp.asarray(0.7, dtype),
-        "m": (jnp.arange(6.0).reshape(2, 3) / 7).astype(dtype),
-        "n": 3,  # not a variable: held fixed
-        "w": jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
-    }
-    return params, (jnp.arange(12.0).reshape(4, 3) / 10).astype(dtype)
-
-
-@functools.cache
-def dense_hessian():
-    fn, flat = raveled(loss, *point())
-    return np.asarray(jax.jit(jax.hessian(fn))(flat))
 
 
 def spd(n, spectrum, seed=0):
@@ -50,7 +28,7 @@ def spd(n, spectrum, seed=0):
 @pytest.mark.parametrize("options", [{}, {"nbatches": 3}, {"batch_size": 4}])
 def test_exact_diagonal_and_trace_of_a_hessian(options):
     params, data = point()
-    H = dense_hessian()
+    H = mixed_hessian()
     op = zm.BatchedHessian(loss, **options).operator(params, data)
     close(zm.diagonal(op), np.diag(H))
     close(zm.trace(op), np.trace(H))
@@ -61,7 +39,7 @@ def test_exact_diagonal_and_trace_of_a_hessian(options):
 def test_exact_diagonal_in_blocks_given_to_it(batch_size):
     params, data = point()
     op = zm.BatchedHessian(loss).operator(params, data)
-    close(zm.diagonal(op, batch_size=batch_size), np.diag(dense_hessian()))
+    close(zm.diagonal(op, batch_size=batch_size), np.diag(mixed_hessian()))
 
 
 def test_exact_diagonal_of_a_ggn_and_of_a_dataset():
@@ -106,20 +84,20 @@ def test_exact_diagonal_keeps_float32_and_runs_under_jit():
 
     result = diagonal(params, data)
     assert result.dtype == jnp.float32
-    close(result, np.diag(dense_hessian()).astype(np.float32), rtol=1e-4, atol=1e-4)
+    close(result, np.diag(mixed_hessian()).astype(np.float32), rtol=1e-4, atol=1e-4)
 
 
 def test_exact_diagonal_with_a_budget(buffers_only):
     params, data = point()
     op = zm.BatchedHessian(loss, max_memory="2kB").operator(params, data)
-    close(zm.diagonal(op), np.diag(dense_hessian()))
-    close(zm.diagonal(op, max_memory="3kB"), np.diag(dense_hessian()))
+    close(zm.diagonal(op), np.diag(mixed_hessian()))
+    close(zm.diagonal(op, max_memory="3kB"), np.diag(mixed_hessian()))
 
 
 def test_exact_diagonal_draws_a_progress_bar(capfd):
     params, data = point()
     op = zm.BatchedHessian(loss).operator(params, data)
-    close(zm.diagonal(op, batch_size=4, progress=True), np.diag(dense_hessian()))
+    close(zm.diagonal(op, batch_size=4, progress=True), np.diag(mixed_hessian()))
     assert "zm.diagonal unit vectors" in capfd.readouterr().err
 
 
@@ -153,7 +131,7 @@ def test_sketched_estimates_are_exact_when_the_sketch_spans_the_matrix():
     # 3 * 10 probes sketch 10 directions of a rank-10 matrix: what is left is zero.
     params, data = point()
     op = zm.BatchedHessian(loss, batch_size=4).operator(params, data)
-    H = dense_hessian()
+    H = mixed_hessian()
     estimate, error = zm.trace(op, method="hutch++", num_probes=30, key=jax.random.key(0))
     close(estimate, np.trace(H), rtol=1e-9)
     assert error < 1e-8
@@ -204,7 +182,7 @@ def test_stochastic_estimates_keep_float32_and_run_under_jit():
     (trace, error), (diagonal, _) = estimate(params, data, jax.random.key(0))
     assert trace.dtype == error.dtype == jnp.float32
     assert diagonal["w"].dtype == jnp.float32 and diagonal["n"] is None
-    assert abs(float(trace) - np.trace(dense_hessian())) < 5 * float(error) + 1e-3
+    assert abs(float(trace) - np.trace(mixed_hessian())) < 5 * float(error) + 1e-3
 
 
 # -- refusals -----------------------------------------------------------------------------

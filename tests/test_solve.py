@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import close, make_mlp, raveled
+from helpers import (
+    close,
+    make_mlp,
+    mixed_hessian,
+    mixed_loss as loss,
+    mixed_point as point,
+    raveled,
+)
 from hypothesis import given, strategies as st
 
 import zodmem as zm
@@ -25,30 +32,9 @@ SOLVED = {"rtol": 1e-5, "atol": 1e-6}
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
-def loss(params, data):
-    z = data @ params["w"] + jnp.sum(params["m"]) * params["b"]
-    return jnp.sum(jnp.cosh(z)) + jnp.sum(params["m"] ** 3) * params["b"] ** 2
-
-
-def point(dtype=jnp.float64):
-    params = {
-        "b": jnp.asarray(0.7, dtype),
-        "m": jnp.arange(6.0, dtype=dtype).reshape(2, 3) / 7,
-        "n": 3,  # not a variable
-        "w": jnp.linspace(-0.5, 0.5, 3, dtype=dtype),
-    }
-    return params, jnp.arange(12.0, dtype=dtype).reshape(4, 3) / 10
-
-
 # The Hessian at `point()` is indefinite (one eigenvalue near -24) and singular; shifted by
 # DAMPING it is indefinite and invertible, so its solves take the indefinite solver.
 DAMPING = 0.5
-
-
-@functools.cache
-def dense_hessian():
-    fn, flat = raveled(loss, *point())
-    return np.asarray(jax.jit(jax.hessian(fn))(flat))
 
 
 @functools.cache
@@ -79,7 +65,7 @@ def spd(n, seed, *, rank=None, shift=1.0):
 
 
 def test_hessian_flat_pytree_whole_x_and_columns():
-    H = dense_hessian() + DAMPING * np.eye(10)
+    H = mixed_hessian() + DAMPING * np.eye(10)
     op = hessian_operator()
     params, _ = point()
     b = rhs(10)
@@ -152,7 +138,7 @@ def test_lineax_operators_with_and_without_tags():
 
 def test_under_jit_with_traced_damping():
     op = hessian_operator()
-    H = dense_hessian()
+    H = mixed_hessian()
     b = rhs(10)
     solved = jax.jit(lambda b, damping: solve(op, b, damping=damping))(jnp.asarray(b), 0.7)
     close(solved, np.linalg.solve(H + 0.7 * np.eye(10), b), **SOLVED)
@@ -246,7 +232,7 @@ def test_solve_refuses_bad_input():
 
 def test_marginal_variances_are_the_inverse_diagonal():
     op = hessian_operator()
-    inverse = np.linalg.inv(dense_hessian() + DAMPING * np.eye(10))
+    inverse = np.linalg.inv(mixed_hessian() + DAMPING * np.eye(10))
     indices = [9, 0, 4]
     expected = np.diagonal(inverse)[indices]
     close(marginal_variances(op, indices, damping=DAMPING), expected, **SOLVED)
@@ -358,7 +344,7 @@ def test_covariance_refuses_bad_input():
 
 
 def test_right_hand_sides_in_blocks_with_a_bar(capfd):
-    H = dense_hessian() + DAMPING * np.eye(10)
+    H = mixed_hessian() + DAMPING * np.eye(10)
     op = hessian_operator()
     B = rhs(10, 5, seed=3)
     solved = solve(op, jnp.asarray(B), damping=DAMPING, batch_size=2, progress=True)
