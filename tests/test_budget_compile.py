@@ -11,6 +11,7 @@ from helpers import close
 
 import zodmem as zm
 from zodmem._budget import compiled_plan
+from zodmem._operator import ProductBlocks
 
 pytestmark = pytest.mark.usefixtures("float64", "buffers_only")
 
@@ -72,6 +73,15 @@ CASES = {
         (XS,),
         jax.vmap(heavy),
     ),
+    # An argument the program never reads is dropped when it is compiled: the call still
+    # runs the planned executable.
+    "unused argument": (
+        lambda budget: zm.BatchedHessian(
+            lambda w, data, unused: smooth_loss(w, data), max_memory=budget
+        ),
+        (W, DATA, jnp.arange(5.0)),
+        jax.hessian(lambda w, data, unused: smooth_loss(w, data)),
+    ),
     "microbatch": (
         lambda budget: zm.Microbatcher(
             lambda w, x: _mean_grad(w, x) * x.shape[0], max_memory=budget, argnums=1
@@ -99,6 +109,29 @@ def test_a_planned_call_compiles_its_program_once(name):
     assert second == []
     close(result, jax.jit(reference)(*args))
     close(again, result)
+
+
+def test_planned_products_compile_their_program_once():
+    # Targets the squared error's Hessian never reads: the program drops them.
+    def predict(w, data, targets):
+        return jnp.tanh(data @ w)
+
+    transform = zm.BatchedGGN(
+        predict, zm.losses.SquaredError(weights=jnp.asarray(0.5)), max_memory="6.43 MB"
+    )
+    targets = jnp.ones(40)
+    operator = transform.operator(W, DATA, targets)
+    matrix = jnp.asarray(np.random.default_rng(1).normal(size=(30, 7)), W.dtype)
+    with counting_compiles() as first:
+        result = operator.mm(matrix)
+    blocks = ProductBlocks.of(operator)
+    plan, executable = compiled_plan(blocks._quiet, (matrix,), {})
+    assert executable is not None
+    assert len(first) == plan.compiles, (len(first), plan)
+    with counting_compiles() as second:
+        operator.mm(matrix)
+    assert second == []
+    close(result, transform(W, DATA, targets) @ matrix)
 
 
 def test_the_executable_keeps_weak_types_as_the_call_does():

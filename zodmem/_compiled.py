@@ -84,13 +84,21 @@ def runs_compiled(executable: Any, *args: Any) -> bool:
     """Whether `run_compiled(executable, *args)` runs these arguments: none is traced
     (under an outer `jax.jit` the call is traced into the outer program instead), and
     every array lies where the executable was compiled to find it."""
-    arrays = jax.tree_util.tree_leaves(eqx.filter(args, eqx.is_array))
-    expected = jax.tree_util.tree_leaves(executable.input_shardings[0])
+    # Flattened with their holes (`None`: a leaf that is not an array, or an argument the
+    # program does not use, which is dropped when it is compiled and again when it is
+    # called), so that the two line up.
+    def flat(tree):
+        return jax.tree_util.tree_leaves(tree, is_leaf=lambda leaf: leaf is None)
+
+    arrays = flat(eqx.filter(args, eqx.is_array))
+    expected = flat(executable.input_shardings[0])
     if len(arrays) != len(expected):
         return False
     for leaf, sharding in zip(arrays, expected, strict=True):
         if isinstance(leaf, jax.core.Tracer):
             return False
-        if isinstance(leaf, jax.Array) and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+        if sharding is None or not isinstance(leaf, jax.Array):
+            continue
+        if not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
             return False
     return True
