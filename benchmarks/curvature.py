@@ -593,7 +593,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--operator-memory", default="200MB", help="max_memory of the two operators"
     )
     parser.add_argument(
-        "--steady-calls", type=int, default=5, help="further calls of each block case"
+        "--steady-calls",
+        type=int,
+        default=30,
+        help="further calls of each block case (a block takes milliseconds: the fastest "
+        "of many is steadier than of few)",
     )
     parser.add_argument(
         "--dense-steady-calls", type=int, default=2, help="further calls of each dense case"

@@ -2,7 +2,9 @@
 blocks is the one the call runs, and a second call compiles nothing."""
 
 import contextlib
+import gc
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from helpers import close
 
 import zodmem as zm
+from zodmem import _memo
 from zodmem._budget import compiled_plan
 from zodmem._operator import ProductBlocks
 
@@ -129,9 +132,23 @@ def test_planned_products_compile_their_program_once():
     assert executable is not None
     assert len(first) == plan.compiles, (len(first), plan)
     with counting_compiles() as second:
-        operator.mm(matrix)
+        again = operator.mm(matrix)
     assert second == []
-    close(result, transform(W, DATA, targets) @ matrix)
+    dense = transform(W, DATA, targets)
+    close(result, dense @ matrix)
+    close(again, result)
+    # Another width is planned for itself; the first width's program is still kept.
+    close(operator.mm(matrix[:, :3]), dense @ matrix[:, :3])
+    with counting_compiles() as third:
+        operator.mm(matrix)
+    assert third == []
+    # Under an outer jit the products are traced into the outer program.
+    close(eqx.filter_jit(lambda op, m: op.mm(m))(operator, matrix), result)
+    # What the operator kept goes with it.
+    kept = len(_memo._MEMOS)
+    del operator, blocks
+    gc.collect()
+    assert len(_memo._MEMOS) == kept - 1
 
 
 def test_the_executable_keeps_weak_types_as_the_call_does():

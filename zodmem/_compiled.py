@@ -16,6 +16,7 @@ __all__ = [
     "CPU_PROBE_OPTIONS",
     "PROBE_OPTIONS",
     "Compiled",
+    "bind_compiled",
     "compile_call",
     "compiled_memory",
     "run_compiled",
@@ -78,6 +79,18 @@ def run_compiled(executable: Any, *args: Any) -> Any:
     compiled with."""
     arrays, kept = executable(eqx.filter(args, eqx.is_array))
     return eqx.combine(arrays, kept.value)
+
+
+def bind_compiled(executable: Any, first: Any) -> Callable[..., Any]:
+    """`lambda *rest: run_compiled(executable, first, *rest)`, with the arrays of `first`
+    (a planned transform, whose arrays stay as they are) picked out once, not per call."""
+    fixed = eqx.filter(first, eqx.is_array)
+
+    def call(*rest: Any) -> Any:
+        arrays, kept = executable((fixed, *eqx.filter(rest, eqx.is_array)))
+        return eqx.combine(arrays, kept.value)
+
+    return call
 
 
 def runs_compiled(executable: Any, *args: Any) -> bool:

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from ._blocks import map_blocks, plan_blocks
 from ._budget import MemoryBudgetError, Work
 from ._checks import described
+from ._memo import memo_of, signature_of
 from ._sharding import Split, check_divides, dispatch, split_of
 from ._transform import AbstractBlocked
 
@@ -192,8 +193,12 @@ class BlockedOperator(lx.AbstractLinearOperator):
         """The products with the `k` columns of `matrix`, an `(n, k)` array (`n` the
         input size), as an `(m, k)` array, in blocks of columns planned from the
         transform's options."""
-        size = self.in_size()
-        dtype = jnp.result_type(*jax.tree_util.tree_leaves(self.in_structure()))
+        # Worked out on the first call and kept for the operator's life: the input's
+        # shape, and per matrix shape and placement, the planned program.
+        memo = memo_of(self)
+        if "in" not in memo:
+            memo["in"] = _flat_structure(self.in_structure())
+        (size,), dtype = memo["in"].shape, memo["in"].dtype
         if not eqx.is_array(matrix) or jnp.ndim(matrix) != 2 or jnp.shape(matrix)[0] != size:
             shown = f"shape {jnp.shape(matrix)}" if eqx.is_array(matrix) else described(matrix)
             raise ValueError(
@@ -205,8 +210,17 @@ class BlockedOperator(lx.AbstractLinearOperator):
                 f"{self._owner}: `matrix` has dtype {matrix.dtype}, but the operator takes "
                 f"{dtype}; cast it, e.g. matrix.astype({dtype})."
             )
+        signature = signature_of(matrix)
+        if signature is not None and signature in memo:
+            return memo[signature]((matrix,), {})
+        blocks = ProductBlocks.of(self)
         try:
-            return ProductBlocks.of(self)(matrix)
+            if signature is not None:
+                bound = blocks._bound((matrix,), {})
+                if bound is not None:
+                    memo[signature] = bound
+                    return bound((matrix,), {})
+            return blocks(matrix)
         except MemoryBudgetError as error:
             # The planner names the class it planned; the user called `mm`.
             named = str(error).replace(f"{ProductBlocks.__name__}:", f"{self._owner}(...).mm:", 1)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._budget import Plan, Work, compiled_plan, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
-from ._compiled import run_compiled, runs_compiled
+from ._compiled import bind_compiled, run_compiled, runs_compiled
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
@@ -129,6 +129,18 @@ class AbstractBlocked(AbstractTransform):
                 if runs_compiled(executable, planned, args, kwargs):
                     return run_compiled(executable, planned, args, kwargs)
             return planned._run(*args, **kwargs)
+
+    def _bound(self, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
+        """The planned call as a function `bound(args, kwargs)` of further arguments with
+        the shapes, dtypes and placement of these, run by the program compiled while planning; `None`
+        where `_call` would not run that program (no budget, a bar, traced arguments or
+        arguments placed elsewhere)."""
+        if self.max_memory is None or self.progress:
+            return None
+        planned, executable = self._planned_call(args, kwargs)
+        if executable is None or not runs_compiled(executable, planned, args, kwargs):
+            return None
+        return bind_compiled(executable, planned)
 
     def _planned(
         self, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
