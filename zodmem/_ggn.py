@@ -387,20 +387,22 @@ def _loss_hessian(transform: BatchedGGN, prepared: _Prepared, outputs: Any, args
 
 
 def _products(
-    transform: BatchedGGN, prepared: _Prepared, args: tuple, kwargs: dict
+    transform: BatchedGGN, prepared: _Prepared, args: tuple, kwargs: dict, single: bool = False
 ) -> tuple[Callable[[Any], Any], Any]:
     """`(products, aux)`: `products(V)` is `G v` for each row `v` of the `(k, n)` block `V`,
-    as a `(k, n)` block in the variables' dtype; `aux` is `fn`'s (restored)."""
+    as a `(k, n)` block in the variables' dtype (with `single`, `products(v)` is `G v` for
+    one flat `v`); `aux` is `fn`'s (restored)."""
     flat, variables = prepared.flat, prepared.variables
     primal = _leaves_of(variables, flat)
     mode = transform.mode
 
     def gather(pieces, count):
+        shape = (lambda size: (size,)) if count is None else (lambda size: (count, size))
         pieces = [
-            piece.reshape(count, size).astype(flat.dtype)
+            piece.reshape(shape(size)).astype(flat.dtype)
             for piece, size in zip(pieces, variables.sizes, strict=True)
         ]
-        return jnp.concatenate(pieces, axis=1)
+        return jnp.concatenate(pieces, axis=-1)
 
     def apply(linearised, vectors):
         outputs, _, jvp, vjp = linearised
@@ -409,6 +411,8 @@ def _products(
         def one(v):
             return vjp(hessian(jvp(_leaves_of(variables, v))))
 
+        if single:
+            return gather(one(vectors), None)
         return gather(jax.vmap(one)(vectors), vectors.shape[0])
 
     if transform.strategy != "recompute":
@@ -485,9 +489,5 @@ def ggn_products(
     product reuses it; with `"recompute"`, each product linearises it again.
     """
     prepared = _prepare(transform, x, args, kwargs)
-    products, _ = _products(transform, prepared, args, kwargs)
-
-    def mv(v):
-        return products(jnp.asarray(v)[None])[0]
-
+    mv, _ = _products(transform, prepared, args, kwargs, single=True)
     return prepared.flat, prepared.variables, mv

@@ -474,14 +474,12 @@ def _local_products(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
     # `strategy="recompute"` each product evaluates `fn` again inside its block.
     product = operator._map()
 
-    def read(start):
-        return jax.lax.dynamic_slice_in_dim(matrix, start, plan.block_size, axis=1)
-
-    def block(start, columns):
+    def block(start):
+        columns = jax.lax.dynamic_slice_in_dim(matrix, start, plan.block_size, axis=1)
         return jax.vmap(product, in_axes=1, out_axes=1)(columns).astype(dtype)
 
     label = f"{operator._owner} products" if blocks.progress else None
-    return map_blocks(block, plan, axis=1, read=read, progress=label)
+    return map_blocks(block, plan, axis=1, progress=label)
 
 
 # -- what lineax asks of an operator, by type ----------------------------------------------
