@@ -16,7 +16,9 @@ __all__ = [
     "CPU_PROBE_OPTIONS",
     "PROBE_OPTIONS",
     "Compiled",
+    "LEAN_CPU_OPTIONS",
     "bind_compiled",
+    "lean_call",
     "compile_call",
     "compiled_memory",
     "run_compiled",
@@ -42,7 +44,19 @@ PROBE_OPTIONS = {"xla_backend_optimization_level": 0}
 CPU_PROBE_OPTIONS = {**PROBE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 
-def compile_call(call: Callable[..., Any], *args: Any, probe: bool = False) -> Compiled:
+# A program to run, compiled with XLA's older CPU fusion emitters: the compiler's heap,
+# which on a CPU is part of the process's peak, is about a third (eigsh on the reference
+# Hessian: 20-30 MB against 75-110 MB), the compile a little shorter, the run up to a
+# tenth slower. For one-shot programs under a budget, where that heap is most of it.
+LEAN_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def compile_call(
+    call: Callable[..., Any],
+    *args: Any,
+    probe: bool = False,
+    options: dict[str, Any] | None = None,
+) -> Compiled:
     """`call(*args)` compiled, without running it.
 
     `args` may hold arrays, tracers or `ShapeDtypeStruct`s (as abstract values) and any
@@ -50,6 +64,7 @@ def compile_call(call: Callable[..., Any], *args: Any, probe: bool = False) -> C
     result's leaves that are not arrays take no memory and come back from the structure
     of the executable's output. A `probe` is compiled only for its memory
     (`PROBE_OPTIONS`, on a CPU `CPU_PROBE_OPTIONS`): its executable is not one to run.
+    Otherwise `options` are XLA's compiler options (`None`: its defaults).
     """
     dynamic, static = eqx.partition(args, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
 
@@ -58,7 +73,6 @@ def compile_call(call: Callable[..., Any], *args: Any, probe: bool = False) -> C
         return arrays, Kept(rest)
 
     lowered = jax.jit(call_of_arrays).lower(dynamic)
-    options = None
     if probe:
         options = CPU_PROBE_OPTIONS if jax.default_backend() == "cpu" else PROBE_OPTIONS
     executable = lowered.compile(compiler_options=options)
@@ -71,6 +85,54 @@ def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
     """`(peak_bytes, output_bytes)` of `call(*args)` compiled (`compile_call`)."""
     compiled = compile_call(call, *args)
     return compiled.peak_bytes, compiled.output_bytes
+
+
+# Programs compiled by `lean_call`, by function, argument structure, shapes, dtypes,
+# placements and constants.
+_LEAN: dict[Any, Any] = {}
+_MAX_LEAN = 32
+
+
+def lean_call(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` run by a program compiled once per function and argument signature
+    with `LEAN_CPU_OPTIONS` on a CPU; `jax.jit`'s own call elsewhere, under an outer
+    transform (a traced argument), or for an argument spread over several devices.
+    Leaves of `args` that are not arrays are constants of the program, as for
+    `eqx.filter_jit`."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    concrete = all(
+        not isinstance(leaf, jax.core.Tracer)
+        and (not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) == 1)
+        for leaf in leaves
+    )
+    key = None
+    if concrete and jax.default_backend() == "cpu":
+        signature = tuple(
+            (leaf.shape, str(leaf.dtype), leaf.sharding)
+            if isinstance(leaf, jax.Array)
+            else ("constant", leaf)
+            for leaf in leaves
+        )
+        key = (call, treedef, signature)
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+    if key is None:
+        return eqx.filter_jit(call)(*args)
+    if key not in _LEAN:
+        if len(_LEAN) >= _MAX_LEAN:
+            _LEAN.pop(next(iter(_LEAN)))
+
+        def shape_of(leaf):
+            if not isinstance(leaf, jax.Array):
+                return leaf
+            weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=weak)
+
+        shapes = jax.tree_util.tree_map(shape_of, args)
+        _LEAN[key] = compile_call(call, *shapes, options=LEAN_CPU_OPTIONS).executable
+    return run_compiled(_LEAN[key], *args)
 
 
 def run_compiled(executable: Any, *args: Any) -> Any:
@@ -97,6 +159,7 @@ def runs_compiled(executable: Any, *args: Any) -> bool:
     """Whether `run_compiled(executable, *args)` runs these arguments: none is traced
     (under an outer `jax.jit` the call is traced into the outer program instead), and
     every array lies where the executable was compiled to find it."""
+
     # Flattened with their holes (`None`: a leaf that is not an array, or an argument the
     # program does not use, which is dropped when it is compiled and again when it is
     # called), so that the two line up.

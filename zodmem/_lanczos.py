@@ -26,7 +26,9 @@ import numpy as np
 import scipy.linalg
 
 from ._checks import check_bool, check_choice, check_int, check_key, described
+from ._compiled import lean_call
 from ._flat import FlatView, flat_view
+from ._operator import vector_options
 from ._progress import progress_bar
 from ._traceback import public
 
@@ -83,6 +85,12 @@ def _view_of(operator: Any, owner: str) -> FlatView:
             "`lx.MatrixLinearOperator(A, lx.symmetric_tag)`)."
         )
     return view
+
+
+def _budgeted(operator: Any) -> bool:
+    """Whether `operator` is a zodmem operator whose transform has a memory budget."""
+    transform = getattr(operator, "transform", None)
+    return transform is not None and vector_options(transform)["max_memory"] is not None
 
 
 def _check_key(key: Any, owner: str) -> jax.Array:
@@ -473,7 +481,11 @@ def eigsh(
     **Cost:** as many products as steps (at most `max_steps`), and memory for the basis,
     `max_steps * n` numbers, beside one product's. Each step also orthogonalises against
     the basis (`4 * max_steps * n` flops). One compiled program per operator type,
-    shapes, `k` and `max_steps` (not per `which`, `tol` or `key`).
+    shapes, `k` and `max_steps` (not per `which`, `tol` or `key`). For a zodmem operator
+    whose transform has a `max_memory`, on a CPU, the program is compiled with XLA's
+    older fusion emitters: the compiler's heap, part of the process's peak while it
+    compiles, is then about a third (on the benchmarks page's network, 20-30 MB against
+    75-110 MB), for steps up to a tenth slower.
 
     !!! warning
 
@@ -525,9 +537,12 @@ def eigsh(
     check_bool(progress, "progress", owner=owner)
 
     sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
-    values, vectors, info = _eigsh_jit(
-        view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress
-    )
+    inputs = (view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
+    if _budgeted(operator):
+        # Under a budget the compiler's own heap counts: the program is compiled lean.
+        values, vectors, info = lean_call(_eigsh, *inputs)
+    else:
+        values, vectors, info = _eigsh_jit(*inputs)
     if not return_info:
         values = eqx.error_if(
             values,

@@ -131,10 +131,10 @@ class AbstractBlocked(AbstractTransform):
             return planned._run(*args, **kwargs)
 
     def _bound(self, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
-        """The planned call as a function `bound(args, kwargs)` of further arguments with
-        the shapes, dtypes and placement of these, run by the program compiled while planning; `None`
-        where `_call` would not run that program (no budget, a bar, traced arguments or
-        arguments placed elsewhere)."""
+        """The planned call as a function `bound(args, kwargs)` of further arguments
+        with the shapes, dtypes and placement of these, run by the program compiled
+        while planning; `None` where `_call` would not run that program (no budget, a
+        bar, traced arguments or arguments placed elsewhere)."""
         if self.max_memory is None or self.progress:
             return None
         planned, executable = self._planned_call(args, kwargs)
