@@ -12,7 +12,8 @@ import pytest
 from helpers import close
 
 import zodmem as zm
-from zodmem import _memo
+from zodmem import _budget, _memo
+from zodmem._compiled import LEAN_CPU_OPTIONS
 from zodmem._budget import compiled_plan
 from zodmem._operator import ProductBlocks
 
@@ -180,3 +181,28 @@ def test_a_call_with_a_progress_bar_compiles_the_bar_into_its_program(capsys):
     result = transform(W, DATA)
     close(result, jax.jit(jax.hessian(smooth_loss))(W, DATA))
     assert "BatchedHessian" in capsys.readouterr().err
+
+
+def test_estimates_compile_their_planned_program_lean(monkeypatch):
+    # An estimate's program is usually run once: on a CPU it is compiled with the options
+    # that take least memory to compile. A transform's own call keeps XLA's defaults.
+    seen = []
+    original = _budget.compile_call
+
+    def recording(*args, probe=False, options=None):
+        seen.append((type(args[1]).__name__, probe, options))
+        return original(*args, probe=probe, options=options)
+
+    monkeypatch.setattr(_budget, "compile_call", recording)
+    transform = zm.BatchedHessian(smooth_loss, max_memory="6.47 MB")
+    estimate, _ = zm.trace(
+        transform.operator(W, DATA), method="hutchinson", num_probes=9, key=jax.random.key(3)
+    )
+    transform(W, DATA)
+    for owner, probe, options in seen:
+        if probe:
+            continue
+        lean = owner == "Probes" and jax.default_backend() == "cpu"
+        assert options == (LEAN_CPU_OPTIONS if lean else None), (owner, options)
+    assert {owner for owner, probe, _ in seen if not probe} >= {"Probes"}
+    assert jnp.isfinite(estimate)

@@ -75,7 +75,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._compiled import Compiled, compile_call
+from ._compiled import LEAN_CPU_OPTIONS, Compiled, compile_call
 from ._memory import budget_of, format_bytes, format_bytes_up
 from ._sharding import is_explicit, placement
 
@@ -416,7 +416,11 @@ def compiled_plan(
         candidate = transform if size is None else transform._with_block_size(size, strategy)
         release_heap()
         before = resident_bytes()
-        result = compile_call(run, abstract(candidate), shapes[1], shapes[2], probe=probe)
+        lean = not probe and platform == "cpu" and getattr(transform, "_lean_program", False)
+        options = LEAN_CPU_OPTIONS if lean else None
+        result = compile_call(
+            run, abstract(candidate), shapes[1], shapes[2], probe=probe, options=options
+        )
         after = resident_bytes()
         if before is not None and after is not None:
             growths.append(max(0, after - before))

@@ -61,6 +61,8 @@ class Probes(AbstractVectorBlocks):
     job: ProbeJob = eqx.field(kw_only=True)
     owner: str = eqx.field(static=True, kw_only=True)
     _vector_axis: ClassVar[int] = 0
+    # An estimate is usually made once: its compile heap counts more than its run time.
+    _lean_program: ClassVar[bool] = True
 
     @property
     def _owner(self) -> str:

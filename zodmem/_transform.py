@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -77,6 +77,9 @@ class AbstractBlocked(AbstractTransform):
 
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
+    # Whether the planned program is compiled lean on a CPU (`LEAN_CPU_OPTIONS`): for
+    # work usually run once, where the compiler's heap outweighs a slightly slower run.
+    _lean_program: ClassVar[bool] = False
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """How the call with these arguments will be cut into blocks, and the memory it
