@@ -13,8 +13,8 @@ from helpers import close
 
 import zodmem as zm
 from zodmem import _budget, _memo
-from zodmem._compiled import LEAN_CPU_OPTIONS
 from zodmem._budget import compiled_plan
+from zodmem._compiled import LEAN_CPU_OPTIONS
 from zodmem._operator import ProductBlocks
 
 pytestmark = pytest.mark.usefixtures("float64", "buffers_only")
