@@ -206,3 +206,32 @@ def test_estimates_compile_their_planned_program_lean(monkeypatch):
         assert options == (LEAN_CPU_OPTIONS if lean else None), (owner, options)
     assert {owner for owner, probe, _ in seen if not probe} >= {"Probes"}
     assert jnp.isfinite(estimate)
+
+
+@pytest.mark.parametrize("name", ["hessian", "jacobian", "ggn"])
+def test_planning_traces_fn_once_for_all_its_candidates(name):
+    # Each candidate block size is a program of its own, and each differentiates `fn`;
+    # `fn` itself is traced once for them all (and for the call), and JAX differentiates
+    # the program it keeps.
+    traces = []
+
+    def counted(w, data):
+        traces.append(1)
+        return smooth_loss(w, data) if name == "hessian" else outputs(w, data)
+
+    budget = f"7.9{len(name)} MB"
+    make = {
+        "hessian": lambda **options: zm.BatchedHessian(counted, **options),
+        "jacobian": lambda **options: zm.BatchedJacobian(counted, mode="rev", **options),
+        "ggn": lambda **options: zm.BatchedGGN(
+            counted, lambda out, data: jnp.sum(out["a"] ** 4) + jnp.sum(out["b"] ** 2), **options
+        ),
+    }[name]
+    transform = make(max_memory=budget)
+    result = transform(W, DATA)
+    plan = compiled_plan(transform._quiet, (W, DATA), {})[0]
+    assert plan.compiles >= 2
+    assert len(traces) == 1, len(traces)
+    # Without jit the call runs op by op: `fn` is called as it is, and gives the same.
+    eager = make(nbatches=2, jit=False)(W, DATA)
+    close(eager, result)

@@ -20,7 +20,7 @@ from ._checks import check_callable
 from ._losses import AbstractLoss
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
-from ._pytree import Variables, basis_block, split_variables
+from ._pytree import Variables, basis_block, called_as, split_variables
 from ._sharding import Share, Split, share_of
 from ._traceback import public
 from ._transform import AbstractDerivative, split_aux
@@ -311,8 +311,10 @@ def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepa
     flat, variables = split_variables(x, owner=_OWNER)
     _check_variables(variables)
 
+    fn = called_as(transform.fn, traced_once=transform.jit)
+
     def fn_of_leaves(leaves):
-        result = transform.fn(variables.fill(leaves), *args, **kwargs)
+        result = fn(variables.fill(leaves), *args, **kwargs)
         if not transform.has_aux:
             return jax.tree_util.tree_map(jnp.asarray, result)
         if isinstance(result, tuple) and len(result) == 2:

@@ -16,7 +16,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
-from ._pytree import basis_block, flat_function, split_variables
+from ._pytree import basis_block, called_as, flat_function, split_variables
 from ._sharding import Share, Split, share_of
 from ._traceback import public
 from ._transform import AbstractDerivative, product_function, split_aux
@@ -229,7 +229,7 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     with a flat vector (the JVP of the gradient)."""
     flat, variables = split_variables(x, owner="BatchedHessian")
     transform._check_variables(variables)
-    fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
+    fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
     _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
 
     def value(z):
@@ -263,7 +263,7 @@ def _hessian_share(
     flat, variables = split_variables(x, owner="BatchedHessian")
     transform._check_variables(variables)
     # Traced for its shapes only: a checkpoint here would refuse leaves of aux that are not arrays.
-    fn_of_flat = flat_function(transform.fn, variables, args, kwargs)
+    fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
     _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
     n = variables.size
     plan = plan_blocks(
@@ -276,8 +276,10 @@ def _hessian_share(
     what = "rows" if split is not None and split.dim == 0 else "columns"
     plan, offset = share_of(n, plan, share, split, owner="BatchedHessian", what=what)
 
+    fn = called_as(transform.fn, traced_once=transform.jit)
+
     def fn_of_leaves(leaves):
-        return transform.fn(variables.fill(leaves), *args, **kwargs)
+        return fn(variables.fill(leaves), *args, **kwargs)
 
     restore_aux = None
     if transform.has_aux:

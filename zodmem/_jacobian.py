@@ -223,7 +223,8 @@ def _prepare(
     flat, variables = split_variables(x, owner="BatchedJacobian")
     transform._check_variables(variables)
     fn_of_flat = _with_array_outputs(
-        flat_function(transform.fn, variables, args, kwargs), transform.has_aux
+        flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit),
+        transform.has_aux,
     )
     restore_aux = None
     if transform.has_aux:

@@ -164,14 +164,40 @@ def split_variables(
 
 
 def flat_function(
-    fn: Any, variables: Variables, args: tuple[Any, ...], kwargs: dict[str, Any]
+    fn: Any,
+    variables: Variables,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    traced_once: bool = False,
 ) -> Any:
-    """`z -> fn(unravel(z), *args, **kwargs)`: `fn` as a function of the flat variables."""
+    """`z -> fn(unravel(z), *args, **kwargs)`: `fn` as a function of the flat variables.
+
+    With `traced_once`, for a caller that compiles its call anyway, `fn` is called
+    through `traced_once_call`."""
+    call = called_as(fn, traced_once=traced_once)
 
     def fn_of_flat(flat: jax.Array) -> Any:
-        return fn(variables.unravel(flat), *args, **kwargs)
+        return call(variables.unravel(flat), *args, **kwargs)
 
     return fn_of_flat
+
+
+def called_as(fn: Any, *, traced_once: bool) -> Any:
+    """`fn`, or with `traced_once` `fn` called through `traced_once_call`."""
+    return functools.partial(traced_once_call, fn) if traced_once else fn
+
+
+def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+# `fn(*args, **kwargs)` as a compiled call of its own: JAX keeps the program traced from
+# `fn` per argument shapes (and `fn`'s own arrays, for a module), and its derivatives'
+# per program. Each program that differentiates `fn` again at the same shapes (a plan's
+# candidate block sizes, a loop's shape probe) transforms the program kept instead of
+# tracing `fn` anew, at a fraction of the cost; inside a compiled call it is inlined.
+traced_once_call = eqx.filter_jit(_apply)
 
 
 def basis_block(start: jax.Array, block_size: int, n: int, dtype: Any) -> jax.Array:
