@@ -66,11 +66,14 @@ class Case:
       time of a call that is already compiled; and the CPU time (user and system,
       all threads) of each (`steady_cpu_s`, `steady_cpu_min_s`), steadier than wall
       time on a machine shared with other work.
+    - `after`: called once the calls are timed and the peak read, untimed: for figures
+      of the case that cost work of their own (say, XLA's flop count of the call).
     """
 
     compute: Callable[[], Any] | None
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     repeats: int = 0
+    after: Callable[[], None] | None = None
 
 
 def ru_maxrss_bytes() -> int:
@@ -202,6 +205,8 @@ def _run_child(case: Case) -> dict[str, Any]:
             steady_cpu_s=steady_cpu,
             steady_cpu_min_s=min(steady_cpu),
         )
+    if case.after is not None:
+        case.after()
     return result
 
 
