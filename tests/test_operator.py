@@ -90,6 +90,27 @@ def test_hessian_strategies():
     close(linear.mm(V), H @ V)
 
 
+@pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
+@pytest.mark.parametrize("strategy", ["linearize", "recompute"])
+def test_hessian_products_in_every_mode(mode, strategy):
+    # By default (and with "rev") a product is the VJP of the gradient, per leaf; with
+    # "fwd" the JVP of the gradient. The same products either way, with aux and a
+    # checkpoint too.
+    def with_aux(params, data):
+        return loss(params, data), params["b"]
+
+    params, data = point()
+    H, flat = dense_hessian()
+    V = vectors(flat.size, 4)
+    for transform in (
+        zm.BatchedHessian(loss, mode=mode, strategy=strategy, batch_size=3),
+        zm.BatchedHessian(with_aux, has_aux=True, checkpoint=True, mode=mode, strategy=strategy),
+    ):
+        op = transform.operator(params, data)
+        close(op.mm(V), H @ V)
+        close(op.mv(V[:, 0]), H @ V[:, 0])
+
+
 def test_hessian_with_aux_and_mixed_precisions():
     def with_aux(params, data):
         return loss(params, data), {"note": "kept", "value": params["b"]}
