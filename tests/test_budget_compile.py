@@ -239,3 +239,18 @@ def test_planning_traces_fn_once_for_all_its_candidates(name):
     # Without jit the call runs op by op: `fn` is called as it is, and gives the same.
     eager = make(nbatches=2, jit=False)(W, DATA)
     close(eager, result)
+
+
+def test_one_item_per_block_is_compiled_for_the_call_from_the_start():
+    # Each element's intermediate (a 1,500 x 1,500 float64 matrix, 18 MB) passes the
+    # temporaries a CPU block is given: the whole work's probe says so, and one item per
+    # block, the plan, is compiled once, for the call.
+    xs = jnp.asarray(np.random.default_rng(2).normal(size=(3, 1500)))
+    transform = zm.ChunkedVmap(heavy, max_memory="61.3 MB")
+    with counting_compiles() as compiled:
+        result = transform(xs)
+    plan = compiled_plan(transform._quiet, (xs,), {})[0]
+    if jax.default_backend() == "cpu":
+        assert plan.block_size == 1 and plan.compiles == 2, plan
+    assert len(compiled) == plan.compiles
+    close(result, jax.jit(jax.vmap(heavy))(xs))

@@ -435,6 +435,12 @@ def compiled_plan(
             # are seldom the plan: probes. A size between them is compiled for the call,
             # since the first that fits is usually the plan.
             probe = probing and size in (1, work.total) and work.total > 1
+            if probe and size == 1 and platform == "cpu" and (strategy, work.total) in measured:
+                # Where even the whole work's peak shared out over its items passes the
+                # most temporaries a CPU block is given, one item per block is the
+                # largest size considered, and the usual plan: compiled for the call.
+                whole = measured[strategy, work.total].peak_bytes
+                probe = whole / (work.total - 1) < CPU_BLOCK_BYTES
             measured[strategy, size] = compiled(strategy, size, probe)
             if probe:
                 probes.add((strategy, size))
@@ -446,8 +452,9 @@ def compiled_plan(
     def usable(strategy: Any) -> int:
         if platform == "cpu":
             # The search compiles both ends on a CPU anyway: the heap they grow is measured.
-            memory(strategy, 1)
+            # The whole work first: its peak says whether one item per block is the plan.
             memory(strategy, work.total)
+            memory(strategy, 1)
         return usable_bytes(budget, platform, compile_bytes())
 
     def choose() -> tuple[Any, int]:
