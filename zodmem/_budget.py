@@ -75,9 +75,9 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._compiled import LEAN_CPU_OPTIONS, Compiled, compile_call
+from ._compiled import LEAN_CPU_OPTIONS, Compiled, abstract, compile_call
 from ._memory import budget_of, format_bytes, format_bytes_up
-from ._sharding import is_explicit, placement
+from ._sharding import placement
 
 __all__ = [
     "usable_bytes",
@@ -239,26 +239,6 @@ class Plan(eqx.Module):
             f"{self.total} {self.what}{how}; peak {format_bytes(self.peak_bytes)}, output "
             f"{format_bytes(self.output_bytes)}; {budget})"
         )
-
-
-def abstract(tree: Any) -> Any:
-    """`tree` with its array leaves (tracers too) as `jax.ShapeDtypeStruct`s. A concrete
-    array sharded over explicit mesh axes keeps its sharding, which a traced array shows
-    (so a call planned on it spreads its work as the real call will). A weakly typed
-    array (a Python number made an array) stays weak, so that the planned call promotes
-    dtypes as the real one does."""
-
-    def shape_of(leaf):
-        if not eqx.is_array(leaf):
-            return leaf
-        sharding = None
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            if is_explicit(leaf.sharding):
-                sharding = leaf.sharding
-        weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
-        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding, weak_type=weak)
-
-    return jax.tree_util.tree_map(shape_of, tree)
 
 
 def _size_for(total: int, block_size: int) -> int:

@@ -9,14 +9,17 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
-from ._sharding import Kept
+from ._memo import signature_of
+from ._sharding import Kept, is_explicit
 
 __all__ = [
     "CPU_PROBE_OPTIONS",
     "PROBE_OPTIONS",
     "Compiled",
     "LEAN_CPU_OPTIONS",
+    "abstract",
     "bind_compiled",
     "lean_call",
     "compile_call",
@@ -49,6 +52,26 @@ CPU_PROBE_OPTIONS = {**PROBE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 # Hessian: 20-30 MB against 75-110 MB), the compile a little shorter, the run up to a
 # tenth slower. For one-shot programs under a budget, where that heap is most of it.
 LEAN_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def abstract(tree: Any) -> Any:
+    """`tree` with its array leaves (tracers too) as `jax.ShapeDtypeStruct`s. A concrete
+    array sharded over explicit mesh axes keeps its sharding, which a traced array shows
+    (so a call planned on it spreads its work as the real call will). A weakly typed
+    array (a Python number made an array) stays weak, so that the planned call promotes
+    dtypes as the real one does."""
+
+    def shape_of(leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        sharding = None
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            if is_explicit(leaf.sharding):
+                sharding = leaf.sharding
+        weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
+        return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype, sharding=sharding, weak_type=weak)
+
+    return jax.tree_util.tree_map(shape_of, tree)
 
 
 def compile_call(
@@ -100,18 +123,17 @@ def lean_call(call: Callable[..., Any], *args: Any) -> Any:
     Leaves of `args` that are not arrays are constants of the program, as for
     `eqx.filter_jit`."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
+    signatures = [signature_of(leaf) for leaf in leaves]
     concrete = all(
         not isinstance(leaf, jax.core.Tracer)
-        and (not isinstance(leaf, jax.Array) or len(leaf.sharding.device_set) == 1)
-        for leaf in leaves
+        and (signature is None or len(leaf.sharding.device_set) == 1)
+        for leaf, signature in zip(leaves, signatures, strict=True)
     )
     key = None
     if concrete and jax.default_backend() == "cpu":
         signature = tuple(
-            (leaf.shape, str(leaf.dtype), leaf.sharding)
-            if isinstance(leaf, jax.Array)
-            else ("constant", leaf)
-            for leaf in leaves
+            ("constant", leaf) if signature is None else signature
+            for leaf, signature in zip(leaves, signatures, strict=True)
         )
         key = (call, treedef, signature)
         try:
@@ -123,15 +145,7 @@ def lean_call(call: Callable[..., Any], *args: Any) -> Any:
     if key not in _LEAN:
         if len(_LEAN) >= _MAX_LEAN:
             _LEAN.pop(next(iter(_LEAN)))
-
-        def shape_of(leaf):
-            if not isinstance(leaf, jax.Array):
-                return leaf
-            weak = bool(getattr(jax.typeof(leaf), "weak_type", False))
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=weak)
-
-        shapes = jax.tree_util.tree_map(shape_of, args)
-        _LEAN[key] = compile_call(call, *shapes, options=LEAN_CPU_OPTIONS).executable
+        _LEAN[key] = compile_call(call, *abstract(args), options=LEAN_CPU_OPTIONS).executable
     return run_compiled(_LEAN[key], *args)
 
 

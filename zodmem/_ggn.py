@@ -324,7 +324,7 @@ def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepa
     restore_aux = None
     if transform.has_aux:
         fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
-    shapes = transform._output_shapes(fn_of_leaves, _leaves_of(variables, flat), "outputs")
+    shapes = transform._output_shapes(fn_of_leaves, variables.leaves_of(flat), "outputs")
     _check_outputs(shapes)
 
     def loss_of(outputs):
@@ -336,12 +336,6 @@ def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepa
     if transform.checkpoint:
         fn_of_leaves = jax.checkpoint(fn_of_leaves)
     return _Prepared(flat, variables, fn_of_leaves, loss_of, restore_aux)
-
-
-def _leaves_of(variables: Variables, vector: Any) -> list:
-    """The flat `vector` cut into the variables' leaves, each in its own dtype."""
-    pieces = variables.split_per_leaf(vector)
-    return [piece.astype(d) for piece, d in zip(pieces, variables.dtypes, strict=True)]
 
 
 def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
@@ -395,7 +389,7 @@ def _products(
     as a `(k, n)` block in the variables' dtype (with `single`, `products(v)` is `G v` for
     one flat `v`); `aux` is `fn`'s (restored)."""
     flat, variables = prepared.flat, prepared.variables
-    primal = _leaves_of(variables, flat)
+    primal = variables.leaves_of(flat)
     mode = transform.mode
 
     def gather(pieces, count):
@@ -411,7 +405,7 @@ def _products(
         hessian = _loss_hessian(transform, prepared, outputs, args, kwargs)
 
         def one(v):
-            return vjp(hessian(jvp(_leaves_of(variables, v))))
+            return vjp(hessian(jvp(variables.leaves_of(v))))
 
         if single:
             return gather(one(vectors), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -16,7 +17,7 @@ from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
-from ._pytree import basis_block, called_as, flat_function, split_variables
+from ._pytree import Variables, basis_block, called_as, flat_function, split_variables
 from ._sharding import Share, Split, share_of
 from ._traceback import public
 from ._transform import AbstractDerivative, product_function, split_aux
@@ -233,36 +234,23 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
     _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
     recompute = transform.strategy == "recompute"
-    one_real_dtype = len(set(variables.dtypes)) == 1 and jnp.issubdtype(flat.dtype, jnp.floating)
-    if transform.mode != "fwd" and one_real_dtype:
+    if transform.mode != "fwd" and _reverse_by_default(variables):
         # Reverse over reverse, per leaf: a product is the gradient's VJP with the
         # vector's pieces, gathered by one concatenation (no pieces padded to `n` and
         # added, as differentiating through the raveling would make them). On the
         # benchmarks' network a block of products took three quarters of the time of
         # forward over reverse.
-        fn = called_as(transform.fn, traced_once=transform.jit)
-
-        def value_of_leaves(leaves):
-            out = fn(variables.fill(leaves), *args, **kwargs)
-            return out[0] if transform.has_aux else out
-
-        if transform.checkpoint:
-            value_of_leaves = jax.checkpoint(value_of_leaves)
-
-        def leaves_of(vector):
-            pieces = variables.split_per_leaf(vector)
-            return [piece.astype(d) for piece, d in zip(pieces, variables.dtypes, strict=True)]
-
+        gradient, _ = _leaf_gradient(transform, variables, args, kwargs)
         _, vjp, _ = product_function(
-            jax.grad(value_of_leaves),
-            leaves_of(flat),
+            (lambda leaves: gradient(leaves)[0]) if transform.has_aux else gradient,
+            variables.leaves_of(flat),
             reverse=True,
             has_aux=False,
             recompute=recompute,
         )
 
         def hvp(vector):
-            pieces = vjp(leaves_of(vector))
+            pieces = vjp(variables.leaves_of(vector))
             return jnp.concatenate([jnp.ravel(piece).astype(flat.dtype) for piece in pieces])
 
         return flat, variables, hvp
@@ -275,6 +263,33 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     gradient = jax.grad(value, holomorphic=transform.holomorphic)
     _, hvp, _ = product_function(gradient, flat, reverse=False, has_aux=False, recompute=recompute)
     return flat, variables, hvp
+
+
+def _reverse_by_default(variables: Variables) -> bool:
+    """Whether `mode="auto"` takes the Hessian's products as VJPs of the gradient: for
+    variables of one real dtype (with mixed dtypes, JVPs match `jax.hessian`'s rounding;
+    complex ones keep the JVPs too)."""
+    return len(set(variables.dtypes)) == 1 and jnp.issubdtype(variables.dtype, jnp.floating)
+
+
+def _leaf_gradient(
+    transform: BatchedHessian, variables: Variables, args: tuple, kwargs: dict
+) -> tuple[Callable[[list], Any], Any]:
+    """`(gradient, restore_aux)`: the gradient of `fn` with respect to the variables'
+    leaves (with `has_aux`, `(gradient, aux)`, and how `aux` is put back together), with
+    the transform's checkpoint."""
+    fn = called_as(transform.fn, traced_once=transform.jit)
+
+    def fn_of_leaves(leaves):
+        return fn(variables.fill(leaves), *args, **kwargs)
+
+    restore_aux = None
+    if transform.has_aux:
+        fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
+    if transform.checkpoint:
+        fn_of_leaves = jax.checkpoint(fn_of_leaves)
+    gradient = jax.grad(fn_of_leaves, has_aux=transform.has_aux, holomorphic=transform.holomorphic)
+    return gradient, restore_aux
 
 
 def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
@@ -310,23 +325,10 @@ def _hessian_share(
     what = "rows" if split is not None and split.dim == 0 else "columns"
     plan, offset = share_of(n, plan, share, split, owner="BatchedHessian", what=what)
 
-    fn = called_as(transform.fn, traced_once=transform.jit)
-
-    def fn_of_leaves(leaves):
-        return fn(variables.fill(leaves), *args, **kwargs)
-
-    restore_aux = None
-    if transform.has_aux:
-        fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
-    if transform.checkpoint:
-        fn_of_leaves = jax.checkpoint(fn_of_leaves)
     # Differentiated per leaf, not as `fn_of_flat`: a block's products are then gathered
     # by one concatenation instead of padding every leaf's piece to n columns and adding.
-    gradient = jax.grad(fn_of_leaves, has_aux=transform.has_aux, holomorphic=transform.holomorphic)
-
-    def leaves_of(vector):
-        pieces = variables.split_per_leaf(vector)
-        return [piece.astype(d) for piece, d in zip(pieces, variables.dtypes, strict=True)]
+    gradient, restore_aux = _leaf_gradient(transform, variables, args, kwargs)
+    leaves_of = variables.leaves_of
 
     def gather(products):
         pieces = [
@@ -341,10 +343,7 @@ def _hessian_share(
     mode = None if split is None else _sharded_mode(transform, split)
     mode = mode or transform.mode
     if mode == "auto":
-        one_real_dtype = len(set(variables.dtypes)) == 1 and jnp.issubdtype(
-            flat.dtype, jnp.floating
-        )
-        mode = "rev" if one_real_dtype else "fwd"
+        mode = "rev" if _reverse_by_default(variables) else "fwd"
     if mode == "rev":
         # H is symmetric, so row i is the VJP of the gradient with e_i (for a
         # holomorphic function too: H is then complex symmetric, and JAX's VJPs

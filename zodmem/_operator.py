@@ -216,7 +216,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
         blocks = ProductBlocks.of(self)
         try:
             if signature is not None:
-                bound = blocks._bound((matrix,), {})
+                bound = blocks._planned_bound((matrix,), {})[1]
                 if bound is not None:
                     memo[signature] = bound
                     return bound((matrix,), {})

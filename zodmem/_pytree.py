@@ -97,6 +97,12 @@ class Variables(eqx.Module):
         ]
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
+    def leaves_of(self, flat: jax.Array) -> list[jax.Array]:
+        """The flat vector `flat` cut into the variables' leaves, each in its own dtype
+        (the variables of `unravel`, not yet put back into the pytree)."""
+        pieces = self.split_per_leaf(flat)
+        return [piece.astype(dtype) for piece, dtype in zip(pieces, self.dtypes, strict=True)]
+
     def split_per_leaf(self, flat_axis_array: jax.Array, axis: int = -1) -> list[jax.Array]:
         """Cut `flat_axis_array` along its `axis` of size `n` into one piece per variable
         leaf, that axis reshaped to the leaf's shape."""

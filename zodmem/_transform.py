@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._budget import Plan, Work, compiled_plan, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
-from ._compiled import bind_compiled, run_compiled, runs_compiled
+from ._compiled import bind_compiled, runs_compiled
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
@@ -123,27 +123,28 @@ class AbstractBlocked(AbstractTransform):
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         """The call: planned from the budget (if any), then run. The program compiled to
-        plan the chosen blocks is the one that runs, where the arguments are concrete and
-        no bar is drawn (a bar's callback is not in the planned program). The bars of a
-        run that fails are closed, not left for the next run to draw beneath."""
+        plan the chosen blocks is the one that runs, where it can (`_planned_bound`). The
+        bars of a run that fails are closed, not left for the next run to draw beneath."""
         with closing_bars():
-            planned, executable = self._planned_call(args, kwargs)
-            if executable is not None and not self.progress:
-                if runs_compiled(executable, planned, args, kwargs):
-                    return run_compiled(executable, planned, args, kwargs)
+            planned, bound = self._planned_bound(args, kwargs)
+            if bound is not None:
+                return bound(args, kwargs)
             return planned._run(*args, **kwargs)
 
-    def _bound(self, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
-        """The planned call as a function `bound(args, kwargs)` of further arguments
-        with the shapes, dtypes and placement of these, run by the program compiled
-        while planning; `None` where `_call` would not run that program (no budget, a
-        bar, traced arguments or arguments placed elsewhere)."""
-        if self.max_memory is None or self.progress:
-            return None
+    def _planned_bound(
+        self, args: tuple, kwargs: dict
+    ) -> tuple[AbstractBlocked, Callable[..., Any] | None]:
+        """`(planned, bound)`: this transform with the blocks its budget allows, and the
+        program compiled to plan them as `bound(args, kwargs)`, a function of these
+        arguments or any with their shapes, dtypes and placement. `bound` is `None`
+        where that program cannot run them: no budget, a bar (whose callback is not in
+        the planned program), traced arguments or arguments placed elsewhere."""
         planned, executable = self._planned_call(args, kwargs)
-        if executable is None or not runs_compiled(executable, planned, args, kwargs):
-            return None
-        return bind_compiled(executable, planned)
+        if executable is None or self.progress:
+            return planned, None
+        if not runs_compiled(executable, planned, args, kwargs):
+            return planned, None
+        return planned, bind_compiled(executable, planned)
 
     def _planned(
         self, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
