@@ -497,16 +497,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "same matrix for the dense GGN), relative "
         "to the largest sampled |entry|.",
     ]
-    torch_floor_result = by_case.get("torch-floor")
-    if torch_floor_result and "missing" in torch_floor_result["info"]:
-        lines += ["", f"curvlinops cases not run: {torch_floor_result['info']['missing']}."]
-    elif torch_floor_result:
-        ti = torch_floor_result["info"]
-        lines += [
-            "",
-            f"curvlinops-for-pytorch {ti.get('curvlinops')}, torch {ti.get('torch')}, "
-            f"{ti.get('torch_threads')} threads.",
-        ]
+    lines += torch_lines(by_case)
     checks = by_case.get("verify", {}).get("info", {}).get("checks")
     if checks:
         lines += ["", "Correctness, whole (n, vectors) arrays (max |a - b| / max |b|):"]
@@ -515,6 +506,22 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.append(f"- {what}: {shown}")
     lines += _targets(by_case, args)
     return "\n".join(lines)
+
+
+def torch_lines(by_case: dict[str, Any], remark: str = "") -> list[str]:
+    """The report's lines on the torch cases: why they did not run, or the versions
+    and threads they ran with, then `remark` (formatted with the torch case's info)."""
+    torch_floor = by_case.get("torch-floor")
+    if torch_floor is None:
+        return []
+    info = torch_floor["info"]
+    if "missing" in info:
+        return ["", f"curvlinops cases not run: {info['missing']}."]
+    return [
+        "",
+        f"curvlinops-for-pytorch {info.get('curvlinops')}, torch {info.get('torch')}, "
+        f"{info.get('torch_threads')} threads{remark.format(**info)}.",
+    ]
 
 
 def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:

@@ -634,18 +634,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             "dense-eigh not run (it needs --dense): with it, on this machine, 156 s and "
             "2.5 GB above the floor.",
         ]
-    torch_floor = by_case.get("torch-floor")
-    if torch_floor and "missing" in torch_floor["info"]:
-        lines += ["", f"curvlinops cases not run: {torch_floor['info']['missing']}."]
-    elif torch_floor:
-        ti = torch_floor["info"]
-        lines += [
-            "",
-            f"curvlinops-for-pytorch {ti.get('curvlinops')}, torch {ti.get('torch')}, "
-            f"{ti.get('torch_threads')} threads; curvlinops {ti.get('curvlinops')} has no "
-            "exact Hessian diagonal (only the estimators hutchinson_diag and xdiag), so no "
-            "curvlinops-diagonal case.",
-        ]
+    lines += curvature.torch_lines(
+        by_case,
+        "; curvlinops {curvlinops} has no exact Hessian diagonal (only the estimators "
+        "hutchinson_diag and xdiag), so no curvlinops-diagonal case",
+    )
     if checks:
         lines += ["", "Correctness (verify, one process):"]
         for what, value in checks.items():
