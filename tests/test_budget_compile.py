@@ -254,3 +254,39 @@ def test_one_item_per_block_is_compiled_for_the_call_from_the_start():
         assert plan.block_size == 1 and plan.compiles == 2, plan
     assert len(compiled) == plan.compiles
     close(result, jax.jit(jax.vmap(heavy))(xs))
+
+
+def test_a_cap_that_fits_is_compiled_without_probing_one_item_per_block():
+    # Each element's intermediate (a 600 x 600 float64 matrix, 2.9 MB) caps a CPU block
+    # at a few elements: the slope from the whole work's peak down to the output says
+    # so, and the cap, which fits the budget, is the plan. Two compiles: the whole
+    # work's probe, and the plan for the call (one item per block is never compiled).
+    xs = jnp.asarray(np.random.default_rng(3).normal(size=(8, 600)))
+    transform = zm.ChunkedVmap(heavy, max_memory="500 MB")
+    with counting_compiles() as compiled:
+        result = transform(xs)
+    plan = compiled_plan(transform._quiet, (xs,), {})[0]
+    if jax.default_backend() == "cpu":
+        assert 1 < plan.block_size < 8 and plan.compiles == 2, plan
+    assert len(compiled) == plan.compiles
+    close(result, jax.jit(jax.vmap(heavy))(xs))
+
+
+def test_planning_pauses_the_cycle_collector_and_restores_it():
+    seen = []
+    original = _budget.compile_call
+
+    def compile_call(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(_budget, "compile_call", compile_call)
+                zm.ChunkedVmap(heavy, max_memory=f"{40 + enabled} MB")(XS)
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
+    assert seen and not any(seen)

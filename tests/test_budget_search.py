@@ -26,10 +26,10 @@ class Peaks:
         return self.peak(size)
 
 
-def searched(peak, total, budget, block_bytes=None):
+def searched(peak, total, budget, block_bytes=None, least=None):
     """`(size, asked)`: the size `search` chose for `peak`, and the sizes it asked for."""
     peaks = Peaks(peak)
-    size = search(peaks, total, budget, refuse=Refused, block_bytes=block_bytes)
+    size = search(peaks, total, budget, refuse=Refused, block_bytes=block_bytes, least=least)
     return size, peaks.asked
 
 
@@ -179,3 +179,13 @@ def test_peaks_that_grow_faster_than_linearly_take_few_compiles():
     size, asked = searched(convex, 10**6, 10**7)
     assert convex(size) <= 10**7 and convex(size + size // 16 + 1) > 10**7
     assert len(asked) <= 20
+
+
+def test_a_known_least_peak_stands_in_for_one_item_per_block():
+    # The output (here 1000 bytes) bounds one item's peak from below: the slope from it
+    # is no smaller, and where its cap fits, one item per block is never compiled.
+    peak = affine(1000, 100)
+    assert searched(peak, 100, 10**9, block_bytes=3000, least=1000) == (25, [100, 25])
+    # A lower bound below the true peak gives a steeper slope and blocks no larger.
+    size, asked = searched(affine(5000, 100), 100, 10**9, block_bytes=3000, least=1000)
+    assert size <= 25 and 1 not in asked

@@ -75,7 +75,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._compiled import LEAN_CPU_OPTIONS, Compiled, abstract, compile_call
+from ._compiled import LEAN_CPU_OPTIONS, Compiled, abstract, collector_paused, compile_call
 from ._memory import budget_of, format_bytes, format_bytes_up
 from ._sharding import placement
 
@@ -253,10 +253,14 @@ def search(
     *,
     refuse: Callable[[int], Exception],
     block_bytes: int | None = None,
+    least: int | None = None,
 ) -> int:
     """The block size to use: the largest whose peak (`peak_at(size)`) fits `budget` and,
     with `block_bytes`, whose temporaries (the peaks' slope per item times the size) stay
-    within it. `refuse(least_peak)` is raised when no size fits."""
+    within it. `least`, where given, is a lower bound of one item's peak (the output,
+    which every block size holds) that the slope is taken from instead of compiling one
+    item per block: a slope no smaller, so blocks no larger. `refuse(least_peak)` is
+    raised when no size fits."""
     peaks: dict[int, int] = {}
 
     def peak(size: int) -> int:
@@ -266,7 +270,8 @@ def search(
 
     cap = total
     if block_bytes is not None and total > 1:
-        per_item = (peak(total) - peak(1)) / (total - 1)
+        whole = peak(total)
+        per_item = (whole - (peak(1) if least is None else least)) / (total - 1)
         if per_item > 0:
             cap = _size_for(total, max(1, min(total, int(block_bytes // per_item))))
     if peak(cap) <= budget:
@@ -371,10 +376,17 @@ def compiled_plan(
     compiled): `run_compiled(executable, candidate, args, kwargs)` runs the planned call
     without compiling it again, on arguments placed as these were (`runs_compiled`)."""
     run = _run if run is None else run
-    owner = type(transform).__name__
     key = _cache_key((transform, args, kwargs, run), transform.max_memory)
     if key is not None and key in _PLANS:
         return _PLANS[key]
+    with collector_paused():
+        return _new_plan(transform, args, kwargs, run, key)
+
+
+def _new_plan(
+    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any], key: Any
+) -> tuple[Plan, Any]:
+    owner = type(transform).__name__
     work = transform._work(*args, **kwargs)  # traces fn for a derivative: after the cache
     shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
     measured: dict[Any, Compiled] = {}
@@ -431,11 +443,17 @@ def compiled_plan(
 
     def usable(strategy: Any) -> int:
         if platform == "cpu":
-            # The search compiles both ends on a CPU anyway: the heap they grow is measured.
-            # The whole work first: its peak says whether one item per block is the plan.
+            # The search compiles the whole work on a CPU anyway: the heap it grows is
+            # measured. Its peak also says whether one item per block is the plan.
             memory(strategy, work.total)
-            memory(strategy, 1)
         return usable_bytes(budget, platform, compile_bytes())
+
+    def output_bytes(strategy: Any) -> int:
+        # The same for every block size: from whichever end is compiled.
+        for size in (work.total, 1):
+            if (strategy, size) in measured:
+                return measured[strategy, size].output_bytes
+        return memory(strategy, 1).output_bytes
 
     def choose() -> tuple[Any, int]:
         """The strategy and block size whose candidate fits the budget."""
@@ -449,13 +467,13 @@ def compiled_plan(
                     owner,
                     budget,
                     least,
-                    output_bytes=memory(strategy, 1)[1],
+                    output_bytes=output_bytes(strategy),
                     output_what=work.output_what,
                     suggested=math.ceil(suggested),
                 )
 
             limit = usable(strategy)
-            if memory(strategy, 1).output_bytes > limit:
+            if output_bytes(strategy) > limit:
                 # The output alone does not fit, and no block size changes it: refused
                 # without searching the ladder of sizes.
                 ends = [memory(strategy, 1).peak_bytes]
@@ -463,6 +481,12 @@ def compiled_plan(
                     ends.append(measured[strategy, work.total].peak_bytes)
                 refusals.append(refuse(min(ends)))
                 continue
+            # On a CPU the slope that caps a block's temporaries is taken from the whole
+            # work's peak down to the output, unless one item per block is compiled
+            # already: one compile fewer where the cap fits the budget.
+            least = None
+            if platform == "cpu" and (strategy, 1) not in measured:
+                least = output_bytes(strategy)
             try:
                 size = search(
                     lambda size, strategy=strategy: memory(strategy, size)[0],
@@ -470,6 +494,7 @@ def compiled_plan(
                     limit,
                     refuse=refuse,
                     block_bytes=CPU_BLOCK_BYTES if platform == "cpu" else None,
+                    least=least,
                 )
             except MemoryBudgetError as error:
                 refusals.append(error)
