@@ -4,6 +4,7 @@ Hutch++ for the trace and Diag++ for the diagonal)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -11,11 +12,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
+import numpy as np
 
 from ._checks import check_choice, check_int, check_key
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator
 from ._probes import ProbeJob, run_probes
+from ._random import sign_probes
 from ._sharding import _sharding_of, replicate
 
 __all__ = ["diagonal", "trace"]
@@ -67,7 +70,7 @@ class Columns(ProbeJob):
 
 class Hutchinson(ProbeJob):
     """The sums of Hutchinson's samples and of their squares over random sign probes `g`
-    (probe `i` drawn from `fold_in(key, i)`, whatever the blocks): `g^T A g` for a trace,
+    (probe `i` is `sign_probes(key, first + i)`, whatever the blocks): `g^T A g` for a trace,
     `g * (A g)` for a diagonal. With `basis` (orthonormal columns `Q`, `P = Q Q^T`), the
     samples of what `P` leaves: `g' ^T A g'` with `g' = (I - P) g` (Hutch++), or
     `g * (I - P) A g` (Diag++)."""
@@ -76,11 +79,16 @@ class Hutchinson(ProbeJob):
     basis: jax.Array | None
     num: int = eqx.field(static=True)
     for_trace: bool = eqx.field(static=True)
+    first: int = eqx.field(static=True, default=0)
     reduce: ClassVar[bool] = True
     what: ClassVar[str] = "probes"
 
     def count(self, view: FlatView) -> int:
         return self.num
+
+    def sums_like(self, view: FlatView) -> Any:
+        shape = () if self.for_trace else (view.size,)
+        return (jax.ShapeDtypeStruct(shape, view.dtype),) * 2
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         basis = self.basis
@@ -88,10 +96,7 @@ class Hutchinson(ProbeJob):
         def deflated(vector):
             return vector - basis @ (basis.T @ vector)
 
-        def sample(index):
-            probe = jax.random.rademacher(
-                jax.random.fold_in(self.key, index), (view.size,), view.dtype
-            )
+        def sample(index, probe):
             if self.for_trace:
                 if basis is not None:
                     probe = deflated(probe)
@@ -102,7 +107,9 @@ class Hutchinson(ProbeJob):
             value = jnp.where(index < self.num, value, 0)  # past the last probe: nothing
             return value, value * value
 
-        values, squares = jax.vmap(sample)(start + jnp.arange(size, dtype=jnp.int32))
+        indices = start + jnp.arange(size, dtype=jnp.int32)
+        probes = sign_probes(self.key, self.first + indices, view.size, view.dtype)
+        values, squares = jax.vmap(sample)(indices, probes)
         return jnp.sum(values, axis=0), jnp.sum(squares, axis=0)
 
 
@@ -141,7 +148,28 @@ def _stochastic_view(operator: Any, owner: str, method: str) -> FlatView:
 
 def _mean_and_error(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
     """The mean of `count` samples and its standard error, from their sum and the sum of
-    their squares."""
+    their squares. Sums held whole in this process are worked on in NumPy, which
+    compiles nothing (a program would cost a one-shot call more than the estimate's
+    products do)."""
+    concrete = all(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+        for x in (sums, squares)
+    )
+    if not concrete:
+        return _mean_and_error_traced(sums, squares, count)
+    sums_np, squares_np = np.asarray(sums), np.asarray(squares)
+    mean = sums_np / sums_np.dtype.type(count)
+    spread = np.maximum(squares_np - count * mean * mean, 0) / sums_np.dtype.type(count - 1)
+    error = np.sqrt(spread / sums_np.dtype.type(count))
+    # Put on the device as they are (`jnp.asarray` with a dtype would compile a cast).
+    return (
+        jax.device_put(np.asarray(mean, sums.dtype)),
+        jax.device_put(np.asarray(error, sums.dtype)),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _mean_and_error_traced(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
     mean = sums / count
     spread = jnp.maximum(squares - count * mean * mean, 0) / (count - 1)
     return mean, jnp.sqrt(spread / count)
@@ -149,11 +177,18 @@ def _mean_and_error(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
 
 def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:
     """`(Q, A Q)`: an orthonormal basis of the range of `A S` for `width` random sign
-    probes `S` (it holds the directions of `A`'s largest eigenvalues), and its products."""
-    signs = jax.random.rademacher(key, (view.size, width), view.dtype)
+    probes `S` (probes `0, ..., width - 1` of `key`; it holds the directions of `A`'s
+    largest eigenvalues), and its products."""
+    signs = _sign_columns(key, width, view.size, view.dtype)
     sketch = _whole(run_probes(view, Columns(signs), **options))
     basis, _ = jnp.linalg.qr(sketch)
     return basis, _whole(run_probes(view, Columns(basis), **options))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _sign_columns(key: jax.Array, width: int, n: int, dtype: Any) -> jax.Array:
+    """Probes `0, ..., width - 1` of `key` as the columns of an `(n, width)` matrix."""
+    return sign_probes(key, jnp.arange(width, dtype=jnp.int32), n, dtype).T
 
 
 def _whole(array: jax.Array) -> jax.Array:
@@ -215,8 +250,8 @@ def diagonal(
     - `method`: `"exact"`, `"hutchinson"` or `"diag++"`.
     - `num_probes`: the number of random probes (products) of a stochastic method: at
       least 2 for `"hutchinson"`, 4 for `"diag++"`.
-    - `key`: a `jax.random.key` for the probes of a stochastic method; probe `i` is drawn
-      from `jax.random.fold_in(key, i)`, so the estimate does not depend on the blocks.
+    - `key`: a `jax.random.key` for the probes of a stochastic method. Probe `i` is a
+      hash of `i` and the key's words, so the estimate does not depend on the blocks.
     - `max_memory`, `batch_size`: at most one: the probes per block, given, or as many
       as fit the budget (planned as any transform's blocks). By default the options of
       the operator's transform (its budget, `nbatches` or `batch_size`).
@@ -336,12 +371,12 @@ def _estimate(
         sums, squares = run_probes(view, Hutchinson(key, None, num, for_trace), **options)
         return _mean_and_error(sums, squares, num)
     num = _check_probes(num_probes, owner, method, 4)
-    sketch_key, probe_key = jax.random.split(key)
     width = num // 3
-    basis, products = _sketch(view, sketch_key, width, options)
+    # The key's probes 0 to width - 1 sketch; those after them estimate the rest.
+    basis, products = _sketch(view, key, width, options)
     known = jnp.sum(basis * products) if for_trace else jnp.sum(basis * products, axis=1)
     rest = num - 2 * width
-    job = Hutchinson(probe_key, basis, rest, for_trace)
+    job = Hutchinson(key, basis, rest, for_trace, first=width)
     mean, error = _mean_and_error(*run_probes(view, job, **options), rest)
     return known + mean, error
 

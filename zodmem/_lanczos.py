@@ -30,6 +30,7 @@ from ._compiled import lean_call
 from ._flat import FlatView, flat_view
 from ._operator import vector_options
 from ._progress import progress_bar
+from ._random import hashed_bits, key_seed
 from ._traceback import public
 
 __all__ = ["EigshInfo", "eigsh"]
@@ -143,34 +144,19 @@ def _normalised(vector: jax.Array) -> jax.Array:
     return vector / jnp.where(norm > 0, norm, 1)
 
 
-def _hashed_bits(n: int, stream: Any, seed: Any = 0) -> jax.Array:
-    """`n` pseudo-random 32-bit words, an integer hash of (index, stream, seed): a
-    handful of operations where `jax.random` would compile a generator (Threefry,
-    twenty rounds) into the program."""
-    x = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    x = x + jnp.asarray(stream).astype(jnp.uint32) * jnp.uint32(0x85EBCA6B)
-    x = x + jnp.asarray(seed).astype(jnp.uint32) * jnp.uint32(0xC2B2AE35) + jnp.uint32(0x27D4EB2F)
-    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 0x2C1B3C6D)):
-        x = (x ^ (x >> shift)) * jnp.uint32(factor)
-    return x ^ (x >> 16)
-
-
 def _direction(j: Any, n: int, dtype: Any) -> jax.Array:
     """A pseudo-random vector of `n` entries in [-1, 1), different for each `j`: the
     new direction after a breakdown (a branch that seldom runs)."""
-    return _hashed_bits(n, j).astype(dtype) * 2.0**-31 - 1
+    return hashed_bits(n, j).astype(dtype) * 2.0**-31 - 1
 
 
 def _normal_start(key: jax.Array, n: int, dtype: Any) -> jax.Array:
     """A unit vector of standard normal entries (Box-Muller over hashed words), drawn
     from the words of `key`."""
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    words = jnp.ravel(key).astype(jnp.uint32)
-    seed = words[0] * jnp.uint32(0x165667B1) ^ words[-1]
+    seed = key_seed(key)
     # In (0, 1], so that the logarithm is finite.
-    u1 = (_hashed_bits(n, 0, seed).astype(dtype) + 1) * 2.0**-32
-    u2 = _hashed_bits(n, 1, seed).astype(dtype) * 2.0**-32
+    u1 = (hashed_bits(n, 0, seed).astype(dtype) + 1) * 2.0**-32
+    u2 = hashed_bits(n, 1, seed).astype(dtype) * 2.0**-32
     return _normalised(jnp.sqrt(-2 * jnp.log(u1)) * jnp.cos(2 * math.pi * u2))
 
 

@@ -47,6 +47,11 @@ class ProbeJob(eqx.Module):
     def count(self, view: FlatView) -> int:
         """How many probes the job has."""
 
+    def sums_like(self, view: FlatView) -> Any:
+        """A reduced job's sums as `jax.ShapeDtypeStruct`s, where the job knows them
+        (`None`: they are found by tracing a block, once more per program)."""
+        return None
+
     @abc.abstractmethod
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         """The results of probes `start, ..., start + size - 1` (`start` traced), with
@@ -137,10 +142,12 @@ def _local(engine: Probes, offset: Any, count: int) -> Any:
     def block(start, size):
         return job.block(view, product, offset + start, size)
 
-    init = jax.tree_util.tree_map(
-        lambda leaf: jnp.zeros(leaf.shape, leaf.dtype),
-        jax.eval_shape(lambda start: block(start, plan.block_size), jnp.asarray(0, jnp.int32)),
-    )
+    shapes = job.sums_like(view)
+    if shapes is None:
+        shapes = jax.eval_shape(
+            lambda start: block(start, plan.block_size), jnp.asarray(0, jnp.int32)
+        )
+    init = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
 
     def update(acc, result, index, size):
         return jax.tree_util.tree_map(jnp.add, acc, result)

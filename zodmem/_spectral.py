@@ -18,6 +18,7 @@ from ._checks import check_int, described
 from ._flat import FlatView
 from ._lanczos import _check_key, _check_positive, _normalised, _step, _tridiagonal, _view_of
 from ._probes import ProbeJob, run_probes
+from ._random import sign_probes
 from ._traceback import public
 
 __all__ = ["lanczos_quadrature", "spectral_density"]
@@ -80,7 +81,7 @@ def lanczos_quadrature(
 
 class Quadrature(ProbeJob):
     """The Gauss quadrature rules of random sign probes (probe `i` drawn from
-    `fold_in(key, i)`): `num_steps` nodes and weights each."""
+    `sign_probes(key, i)`): `num_steps` nodes and weights each."""
 
     key: jax.Array
     num: int = eqx.field(static=True)
@@ -92,13 +93,9 @@ class Quadrature(ProbeJob):
         return self.num
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
-        def one_probe(index):
-            probe = jax.random.rademacher(
-                jax.random.fold_in(self.key, index), (view.size,), view.dtype
-            )
-            return lanczos_quadrature(product, probe, self.num_steps)
-
-        return jax.vmap(one_probe)(start + jnp.arange(size, dtype=jnp.int32))
+        indices = start + jnp.arange(size, dtype=jnp.int32)
+        probes = sign_probes(self.key, indices, view.size, view.dtype)
+        return jax.vmap(lambda probe: lanczos_quadrature(product, probe, self.num_steps))(probes)
 
 
 @eqx.filter_jit
@@ -149,8 +146,8 @@ def spectral_density(
     **Arguments:**
 
     - `operator`: a symmetric real operator, as for `zm.eigsh`.
-    - `num_probes`: how many probes; probe `i` is drawn from
-      `jax.random.fold_in(key, i)`, whatever the batches.
+    - `num_probes`: how many random sign probes; probe `i` is a hash of `i` and the
+      key's words, whatever the batches.
     - `num_steps`: the Lanczos steps (products, and nodes) per probe; more than the
       operator's size `n` is cut to `n` (then the rules are exact).
     - `key`: the `jax.random` key of the probes (default `jax.random.key(0)`).
