@@ -14,10 +14,16 @@ own process (see `_harness.py`):
   `SquaredError` is half the weighted squared error, so weights `2 / N` make it the
   reference mean-squared loss.
 - `jax-hvp-vmap`: the JAX anchor for the Hessian products,
-  `jax.jit(jax.vmap(lambda v: jax.jvp(jax.grad(f), (p,), (v,))[1], in_axes=1,
-  out_axes=1))(V)` on the raveled parameters `p`.
+  `jax.vmap(lambda v: jax.jvp(jax.grad(f), (p,), (v,))[1], in_axes=1, out_axes=1)(V)`
+  on the raveled parameters `p`, under `jax.jit` with `p` and the data as arguments
+  (as zodmem's operators take them, and as any user whose weights change calls it).
 - `jax-ggn-vmap`: the JAX anchor for the GGN products: `J^T (2 / N) J v` by
-  `jax.jvp` and `jax.vjp` of the raveled predictions, vmapped over the columns.
+  `jax.jvp` and `jax.vjp` of the raveled predictions, vmapped over the columns, the
+  same way.
+- `jax-hvp-vmap-const` and `jax-ggn-vmap-const`: the same two programs closed over
+  `p` and the data instead, so that XLA folds the forward pass into the program as a
+  constant when it compiles it: for reference, not targets, since such a program
+  holds for one set of weights only.
 - `zodmem-ggn-dense` and `zodmem-hessian-dense`: the dense `(n, n)` GGN and Hessian,
   `zm.BatchedGGN(...)` and `zm.BatchedHessian(...)` with `max_memory="1GB"`.
 - `jax-ggn-jacobian`: the dense GGN the way its shape allows here, for scale: the
@@ -128,44 +134,75 @@ def _ggn_operator(p: dict[str, Any], max_memory: str) -> Any:
     return transform.operator(p["model"], p["xs"], p["ys"])
 
 
-def _jax_hvp(p: dict[str, Any]) -> Any:
+def _jax_hvp(p: dict[str, Any], constants: bool = False) -> Any:
+    """The JAX anchor's block of HVPs, `V -> H V`: compiled with the raveled weights and
+    the data as its arguments, as a user whose weights change calls it; with
+    `constants`, closed over them, so that XLA folds the whole forward pass into the
+    program when it compiles it (a program for one set of weights only)."""
+    import equinox as eqx
+    import jax
+    from jax.flatten_util import ravel_pytree
+
+    params, static = eqx.partition(p["model"], eqx.is_inexact_array)
+    _, unravel = ravel_pytree(params)
+
+    def loss(flat, xs, ys):
+        return p["loss"](eqx.combine(unravel(flat), static), xs, ys)
+
+    def block(flat, xs, ys, vectors):
+        def product(v):
+            return jax.jvp(jax.grad(lambda w: loss(w, xs, ys)), (flat,), (v,))[1]
+
+        return jax.vmap(product, in_axes=1, out_axes=1)(vectors)
+
+    return _anchor(block, p, constants)
+
+
+def _anchor(block: Any, p: dict[str, Any], constants: bool) -> Any:
+    """`V -> block(flat, xs, ys, V)` under `jax.jit`, the weights and data its arguments
+    or (with `constants`) constants of the program."""
     import jax
 
-    f, flat = p["loss_of_flat"], p["flat"]
-    return jax.jit(
-        jax.vmap(lambda v: jax.jvp(jax.grad(f), (flat,), (v,))[1], in_axes=1, out_axes=1)
-    )
+    flat, xs, ys = p["flat"], p["xs"], p["ys"]
+    if constants:
+        return jax.jit(lambda vectors: block(flat, xs, ys, vectors))
+    compiled = jax.jit(block)
+    return lambda vectors: compiled(flat, xs, ys, vectors)
 
 
 def _outputs_of_flat(p: dict[str, Any]) -> Any:
-    """The predictions as a function of the raveled parameters."""
+    """The predictions as a function of the raveled parameters and the data."""
     import equinox as eqx
     from jax.flatten_util import ravel_pytree
 
     params, static = eqx.partition(p["model"], eqx.is_inexact_array)
     _, unravel = ravel_pytree(params)
 
-    def outputs(flat):
-        return p["predict"](eqx.combine(unravel(flat), static), p["xs"], p["ys"])
+    def outputs(flat, xs, ys):
+        return p["predict"](eqx.combine(unravel(flat), static), xs, ys)
 
     return outputs
 
 
-def _jax_ggn(p: dict[str, Any]) -> Any:
+def _jax_ggn(p: dict[str, Any], constants: bool = False) -> Any:
+    """The JAX anchor's block of GGN products, `V -> J^T (2 / N) J V`, as `_jax_hvp`."""
     import jax
 
-    outputs, flat, scale = _outputs_of_flat(p), p["flat"], 2.0 / p["xs"].shape[0]
+    outputs, scale = _outputs_of_flat(p), 2.0 / p["xs"].shape[0]
 
-    def block(vectors):
-        _, pullback = jax.vjp(outputs, flat)
+    def block(flat, xs, ys, vectors):
+        def predictions(w):
+            return outputs(w, xs, ys)
+
+        _, pullback = jax.vjp(predictions, flat)
 
         def product(v):
-            jv = jax.jvp(outputs, (flat,), (v,))[1]
+            jv = jax.jvp(predictions, (flat,), (v,))[1]
             return pullback(scale * jv)[0]
 
         return jax.vmap(product, in_axes=1, out_axes=1)(vectors)
 
-    return jax.jit(block)
+    return _anchor(block, p, constants)
 
 
 def zodmem_hvp_block(args: argparse.Namespace) -> _harness.Case:
@@ -200,6 +237,22 @@ def jax_ggn_vmap(args: argparse.Namespace) -> _harness.Case:
     )
 
 
+def jax_hvp_vmap_const(args: argparse.Namespace) -> _harness.Case:
+    p = _problem(args)
+    anchor = _jax_hvp(p, constants=True)
+    return _harness.Case(
+        lambda: anchor(p["vectors"]), {**p["info"], "tool": "jax"}, args.steady_calls
+    )
+
+
+def jax_ggn_vmap_const(args: argparse.Namespace) -> _harness.Case:
+    p = _problem(args)
+    anchor = _jax_ggn(p, constants=True)
+    return _harness.Case(
+        lambda: anchor(p["vectors"]), {**p["info"], "tool": "jax"}, args.steady_calls
+    )
+
+
 def zodmem_ggn_dense(args: argparse.Namespace) -> _harness.Case:
     import zodmem as zm
 
@@ -218,7 +271,7 @@ def _jax_ggn_jacobian(p: dict[str, Any]) -> Any:
     outputs, scale = _outputs_of_flat(p), 2.0 / p["xs"].shape[0]
 
     def dense(flat):
-        jacobian = jax.jacrev(outputs)(flat)
+        jacobian = jax.jacrev(outputs)(flat, p["xs"], p["ys"])
         return scale * (jacobian.T @ jacobian)
 
     return jax.jit(dense)
@@ -386,6 +439,8 @@ CASES = {
     "jax-hvp-vmap": jax_hvp_vmap,
     "zodmem-ggn-block": zodmem_ggn_block,
     "jax-ggn-vmap": jax_ggn_vmap,
+    "jax-hvp-vmap-const": jax_hvp_vmap_const,
+    "jax-ggn-vmap-const": jax_ggn_vmap_const,
     "zodmem-ggn-dense": zodmem_ggn_dense,
     "zodmem-hessian-dense": zodmem_hessian_dense,
     "jax-ggn-jacobian": jax_ggn_jacobian,
@@ -403,9 +458,21 @@ _KIND = {
     "jax-ggn-vmap": "ggn",
     "curvlinops-ggn": "ggn",
 }
+# The anchors with the weights and data compiled in as constants: for reference, not
+# targets (XLA folds the forward pass into such a program, which then holds for one
+# set of weights only).
+_CONSTANT_ANCHORS = {"jax-hvp-vmap-const": "hvp", "jax-ggn-vmap-const": "ggn"}
 _REFERENCE = {
-    **{name: "jax-hvp-vmap" for name, kind in _KIND.items() if kind == "hvp"},
-    **{name: "jax-ggn-vmap" for name, kind in _KIND.items() if kind == "ggn"},
+    **{
+        name: "jax-hvp-vmap"
+        for name, kind in {**_KIND, **_CONSTANT_ANCHORS}.items()
+        if kind == "hvp"
+    },
+    **{
+        name: "jax-ggn-vmap"
+        for name, kind in {**_KIND, **_CONSTANT_ANCHORS}.items()
+        if kind == "ggn"
+    },
     "zodmem-ggn-dense": "jax-ggn-jacobian",
     "jax-ggn-jacobian": "jax-ggn-jacobian",
 }
@@ -426,7 +493,7 @@ def _above(name: str, by_case: dict[str, Any]) -> int | None:
 
 
 def _per_vector(r: dict[str, Any]) -> float | None:
-    if "steady_min_s" not in r or r["case"] not in _KIND:
+    if "steady_min_s" not in r or (r["case"] not in _KIND and r["case"] not in _CONSTANT_ANCHORS):
         return None
     return r["steady_min_s"] / r["info"]["vectors"]
 
@@ -559,6 +626,14 @@ def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
                     " MB",
                 )
             )
+        for constant, k in _CONSTANT_ANCHORS.items():
+            if k == kind and constant in by_case and per_vector is not None:
+                folded = _per_vector(by_case[constant])
+                if folded is not None:
+                    verdicts.append(
+                        f"(not a target: {per_vector / folded:.2f} x {constant}, "
+                        f"{folded * 1e3:.3g} ms, whose weights are compiled in)"
+                    )
         lines.append(f"- {name}: " + "; ".join(verdicts))
     dense, hessian = by_case.get("zodmem-ggn-dense"), by_case.get("zodmem-hessian-dense")
     if dense is not None:

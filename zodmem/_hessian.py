@@ -234,7 +234,7 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
     _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
     recompute = transform.strategy == "recompute"
-    if transform.mode != "fwd" and _reverse_by_default(variables):
+    if transform.mode != "fwd" and variables.real_and_alike:
         # Reverse over reverse, per leaf: a product is the gradient's VJP with the
         # vector's pieces, gathered by one concatenation (no pieces padded to `n` and
         # added, as differentiating through the raveling would make them). On the
@@ -263,13 +263,6 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     gradient = jax.grad(value, holomorphic=transform.holomorphic)
     _, hvp, _ = product_function(gradient, flat, reverse=False, has_aux=False, recompute=recompute)
     return flat, variables, hvp
-
-
-def _reverse_by_default(variables: Variables) -> bool:
-    """Whether `mode="auto"` takes the Hessian's products as VJPs of the gradient: for
-    variables of one real dtype (with mixed dtypes, JVPs match `jax.hessian`'s rounding;
-    complex ones keep the JVPs too)."""
-    return len(set(variables.dtypes)) == 1 and jnp.issubdtype(variables.dtype, jnp.floating)
 
 
 def _leaf_gradient(
@@ -343,7 +336,7 @@ def _hessian_share(
     mode = None if split is None else _sharded_mode(transform, split)
     mode = mode or transform.mode
     if mode == "auto":
-        mode = "rev" if _reverse_by_default(variables) else "fwd"
+        mode = "rev" if variables.real_and_alike else "fwd"
     if mode == "rev":
         # H is symmetric, so row i is the VJP of the gradient with e_i (for a
         # holomorphic function too: H is then complex symmetric, and JAX's VJPs

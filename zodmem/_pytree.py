@@ -60,6 +60,13 @@ class Variables(eqx.Module):
         return sum(self.sizes)
 
     @property
+    def real_and_alike(self) -> bool:
+        """Whether every variable has one real floating dtype: there, `mode="auto"`
+        takes a curvature's products in reverse mode (with mixed dtypes, forward mode
+        matches JAX's rounding; complex variables keep it too)."""
+        return len(set(self.dtypes)) == 1 and bool(jnp.issubdtype(self.dtype, jnp.floating))
+
+    @property
     def offsets(self) -> tuple[int, ...]:
         """Where each leaf starts in the flat vector."""
         return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
