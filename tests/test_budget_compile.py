@@ -241,33 +241,28 @@ def test_planning_traces_fn_once_for_all_its_candidates(name):
     close(eager, result)
 
 
-def test_one_item_per_block_is_compiled_for_the_call_from_the_start():
-    # Each element's intermediate (a 1,500 x 1,500 float64 matrix, 18 MB) passes the
-    # temporaries a CPU block is given: the whole work's probe says so, and one item per
-    # block, the plan, is compiled once, for the call.
-    xs = jnp.asarray(np.random.default_rng(2).normal(size=(3, 1500)))
-    transform = zm.ChunkedVmap(heavy, max_memory="61.3 MB")
+@pytest.mark.parametrize(
+    "count, size, budget, sizes",
+    [
+        # Each element's intermediate (a 1,500 x 1,500 float64 matrix, 18 MB) passes the
+        # temporaries a CPU block is given: the whole work's probe says so, and one item
+        # per block, the plan, is compiled once, for the call.
+        (3, 1500, "61.3 MB", {1}),
+        # Each element's intermediate (600 x 600, 2.9 MB) caps a CPU block at a few
+        # elements: the slope from the whole work's peak down to the output says so, and
+        # the cap, which fits the budget, is the plan, compiled for the call. One item
+        # per block is never compiled.
+        (8, 600, "500 MB", {2, 3, 4, 5, 6, 7}),
+    ],
+)
+def test_a_plan_takes_two_compiles_where_the_cap_fits(count, size, budget, sizes):
+    xs = jnp.asarray(np.random.default_rng(size).normal(size=(count, size)))
+    transform = zm.ChunkedVmap(heavy, max_memory=budget)
     with counting_compiles() as compiled:
         result = transform(xs)
     plan = compiled_plan(transform._quiet, (xs,), {})[0]
     if jax.default_backend() == "cpu":
-        assert plan.block_size == 1 and plan.compiles == 2, plan
-    assert len(compiled) == plan.compiles
-    close(result, jax.jit(jax.vmap(heavy))(xs))
-
-
-def test_a_cap_that_fits_is_compiled_without_probing_one_item_per_block():
-    # Each element's intermediate (a 600 x 600 float64 matrix, 2.9 MB) caps a CPU block
-    # at a few elements: the slope from the whole work's peak down to the output says
-    # so, and the cap, which fits the budget, is the plan. Two compiles: the whole
-    # work's probe, and the plan for the call (one item per block is never compiled).
-    xs = jnp.asarray(np.random.default_rng(3).normal(size=(8, 600)))
-    transform = zm.ChunkedVmap(heavy, max_memory="500 MB")
-    with counting_compiles() as compiled:
-        result = transform(xs)
-    plan = compiled_plan(transform._quiet, (xs,), {})[0]
-    if jax.default_backend() == "cpu":
-        assert 1 < plan.block_size < 8 and plan.compiles == 2, plan
+        assert plan.block_size in sizes and plan.compiles == 2, plan
     assert len(compiled) == plan.compiles
     close(result, jax.jit(jax.vmap(heavy))(xs))
 
