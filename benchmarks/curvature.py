@@ -139,15 +139,9 @@ def _jax_hvp(p: dict[str, Any], constants: bool = False) -> Any:
     the data as its arguments, as a user whose weights change calls it; with
     `constants`, closed over them, so that XLA folds the whole forward pass into the
     program when it compiles it (a program for one set of weights only)."""
-    import equinox as eqx
     import jax
-    from jax.flatten_util import ravel_pytree
 
-    params, static = eqx.partition(p["model"], eqx.is_inexact_array)
-    _, unravel = ravel_pytree(params)
-
-    def loss(flat, xs, ys):
-        return p["loss"](eqx.combine(unravel(flat), static), xs, ys)
+    loss = _of_flat(p, p["loss"])
 
     def block(flat, xs, ys, vectors):
         def product(v):
@@ -170,18 +164,24 @@ def _anchor(block: Any, p: dict[str, Any], constants: bool) -> Any:
     return lambda vectors: compiled(flat, xs, ys, vectors)
 
 
-def _outputs_of_flat(p: dict[str, Any]) -> Any:
-    """The predictions as a function of the raveled parameters and the data."""
+def _of_flat(p: dict[str, Any], fn: Any) -> Any:
+    """`(flat, xs, ys) -> fn(model, xs, ys)`, the model rebuilt from its raveled
+    parameters `flat`."""
     import equinox as eqx
     from jax.flatten_util import ravel_pytree
 
     params, static = eqx.partition(p["model"], eqx.is_inexact_array)
     _, unravel = ravel_pytree(params)
 
-    def outputs(flat, xs, ys):
-        return p["predict"](eqx.combine(unravel(flat), static), xs, ys)
+    def of_flat(flat, xs, ys):
+        return fn(eqx.combine(unravel(flat), static), xs, ys)
 
-    return outputs
+    return of_flat
+
+
+def _outputs_of_flat(p: dict[str, Any]) -> Any:
+    """The predictions as a function of the raveled parameters and the data."""
+    return _of_flat(p, p["predict"])
 
 
 def _jax_ggn(p: dict[str, Any], constants: bool = False) -> Any:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zodmem._random import key_seed, sign_probe, sign_probes
+from zodmem._random import key_seed, sign_probes
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -16,7 +16,7 @@ def probes(key, count, n, dtype=jnp.float64):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16])
 def test_signs_in_the_dtype_asked(dtype):
-    probe = sign_probe(jax.random.key(0), 3, 1000, dtype)
+    probe = sign_probes(jax.random.key(0), 3, 1000, dtype)
     assert probe.dtype == dtype and probe.shape == (1000,)
     assert set(np.unique(np.asarray(probe, np.float64))) == {-1.0, 1.0}
 
@@ -46,7 +46,9 @@ def test_keys_and_indices_give_different_probes():
     seen = set()
     for seed in range(20):
         for index in range(20):
-            seen.add(np.asarray(sign_probe(jax.random.key(seed), index, 64, jnp.float32)).tobytes())
+            seen.add(
+                np.asarray(sign_probes(jax.random.key(seed), index, 64, jnp.float32)).tobytes()
+            )
     assert len(seen) == 400
 
 
@@ -54,10 +56,10 @@ def test_raw_and_typed_keys_and_traced_indices():
     typed = jax.random.key(5)
     raw = jax.random.PRNGKey(5)
     assert int(key_seed(typed)) == int(key_seed(raw))
-    eager = sign_probe(typed, 7, 50, jnp.float32)
-    traced = jax.jit(lambda k, i: sign_probe(k, i, 50, jnp.float32))(typed, 7)
+    eager = sign_probes(typed, 7, 50, jnp.float32)
+    traced = jax.jit(lambda k, i: sign_probes(k, i, 50, jnp.float32))(typed, 7)
     np.testing.assert_array_equal(eager, traced)
-    mapped = jax.vmap(lambda i: sign_probe(typed, i, 50, jnp.float32))(jnp.arange(10))
+    mapped = jax.vmap(lambda i: sign_probes(typed, i, 50, jnp.float32))(jnp.arange(10))
     np.testing.assert_array_equal(mapped[7], eager)
     # A block of probes is the probes one at a time.
     np.testing.assert_array_equal(sign_probes(typed, jnp.arange(10), 50, jnp.float32), mapped)

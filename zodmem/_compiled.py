@@ -52,8 +52,10 @@ CPU_PROBE_OPTIONS = {**PROBE_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 # A program to run, compiled with XLA's older CPU fusion emitters: the compiler's heap,
 # which on a CPU is part of the process's peak, is about a third (eigsh on the reference
-# Hessian: 20-30 MB against 75-110 MB), the compile a little shorter, the run up to a
-# tenth slower. For one-shot programs under a budget, where that heap is most of it.
+# Hessian: 20-30 MB against 75-110 MB) and the compile shorter. The run is as fast for
+# one product at a time (eigsh) and up to twice as slow for wide blocks of products
+# (Hutchinson's probes, 25 a block). For one-shot programs under a budget, where the
+# compile is most of the cost.
 LEAN_CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 

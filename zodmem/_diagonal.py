@@ -157,22 +157,23 @@ def _mean_and_error(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
     )
     if not concrete:
         return _mean_and_error_traced(sums, squares, count)
-    sums_np, squares_np = np.asarray(sums), np.asarray(squares)
-    mean = sums_np / sums_np.dtype.type(count)
-    spread = np.maximum(squares_np - count * mean * mean, 0) / sums_np.dtype.type(count - 1)
-    error = np.sqrt(spread / sums_np.dtype.type(count))
-    # Put on the device as they are (`jnp.asarray` with a dtype would compile a cast).
-    return (
-        jax.device_put(np.asarray(mean, sums.dtype)),
-        jax.device_put(np.asarray(error, sums.dtype)),
-    )
+    mean, error = _moments(np, np.asarray(sums), np.asarray(squares), count)
+    # Put on the device in the sums' dtype (`jnp.asarray` with a dtype would compile a
+    # cast).
+    return tuple(jax.device_put(np.asarray(x, sums.dtype)) for x in (mean, error))
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _mean_and_error_traced(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
+    return _moments(jnp, sums, squares, count)
+
+
+def _moments(xp: Any, sums: Any, squares: Any, count: int) -> tuple:
+    """`_mean_and_error` in the array module `xp` (NumPy or `jax.numpy`); `count`, a
+    Python int, keeps the sums' dtype in either."""
     mean = sums / count
-    spread = jnp.maximum(squares - count * mean * mean, 0) / (count - 1)
-    return mean, jnp.sqrt(spread / count)
+    spread = xp.maximum(squares - count * mean * mean, 0) / (count - 1)
+    return mean, xp.sqrt(spread / count)
 
 
 def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:

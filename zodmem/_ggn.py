@@ -339,17 +339,10 @@ def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepa
     return _Prepared(flat, variables, fn_of_leaves, loss_of, restore_aux)
 
 
-def _linearised(
-    fn: Callable, primal: list, mode: str, has_aux: bool, reverse_first: bool = False
-) -> tuple:
+def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
     """`(outputs, aux, jvp, vjp)` from one linearisation of `fn` at `primal`: `jvp(v)` is
     `J v` and `vjp(u)` is `J^T u`, one of them the transpose of the other. `"auto"` is
-    `"fwd"`, or `"rev"` where forward mode refuses `fn` for its `jax.custom_vjp` rules;
-    with `reverse_first`, `"rev"`."""
-    if mode == "auto" and reverse_first:
-        # Forward mode's J^T u is the transpose of its JVP, which needs what reverse
-        # mode needs of `fn`: reverse mode refuses no `fn` that forward mode takes.
-        return _linearised(fn, primal, "rev", has_aux)
+    `"fwd"`, or `"rev"` where forward mode refuses `fn` for its `jax.custom_vjp` rules."""
     if mode == "auto":
 
         def batched_jvp(p):  # traced, JAX refuses forward mode once the products are batched
@@ -399,10 +392,12 @@ def _products(
     flat, variables = prepared.flat, prepared.variables
     primal = variables.leaves_of(flat)
     mode = transform.mode
-    # With variables of one real dtype, "auto" takes `fn`'s own VJP and J v as its
-    # transpose: on the benchmarks' network a block of products took about 4% less
-    # than J v by JVP and its transpose.
-    reverse_first = variables.real_and_alike
+    if mode == "auto" and variables.real_and_alike:
+        # `fn`'s own VJP, and J v as its transpose: on the benchmarks' network a block of
+        # products took about 4% less than J v by JVP and its transpose. Forward mode's
+        # J^T u is the transpose of its JVP, which needs what reverse mode needs of
+        # `fn`: reverse mode refuses no `fn` that forward mode takes.
+        mode = "rev"
 
     def gather(pieces, count):
         shape = (lambda size: (size,)) if count is None else (lambda size: (count, size))
@@ -424,16 +419,12 @@ def _products(
         return gather(jax.vmap(one)(vectors), vectors.shape[0])
 
     if transform.strategy != "recompute":
-        linearised = _linearised(
-            prepared.fn_of_leaves, primal, mode, transform.has_aux, reverse_first
-        )
+        linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
         aux = linearised[1]
         return (lambda vectors: apply(linearised, vectors)), _restored(prepared, aux)
 
     def recomputed(vectors):
-        linearised = _linearised(
-            prepared.fn_of_leaves, primal, mode, transform.has_aux, reverse_first
-        )
+        linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
         return apply(linearised, vectors)
 
     aux = prepared.fn_of_leaves(primal)[1] if transform.has_aux else None

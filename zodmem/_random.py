@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["hashed_bits", "key_seed", "sign_probe", "sign_probes"]
+__all__ = ["hashed_bits", "key_seed", "sign_probes"]
 
 # The golden ratio's fraction of 2**32: consecutive multiples of it are spread evenly.
 _GOLDEN = np.uint32(0x9E3779B9)
@@ -72,8 +72,3 @@ def sign_probes(key: jax.Array, indices: Any, n: int, dtype: Any) -> jax.Array:
     bits = _mix(lax.add(_mix(lax.bitwise_xor(positions, seeds)), seeds))
     top = lax.shift_right_logical(bits, np.uint32(31))  # 0 or 1
     return lax.convert_element_type(1 - 2 * lax.convert_element_type(top, jnp.int32), dtype)
-
-
-def sign_probe(key: jax.Array, index: Any, n: int, dtype: Any) -> jax.Array:
-    """Probe `index` of `key`: `sign_probes` of one index."""
-    return sign_probes(key, index, n, dtype)

@@ -78,7 +78,7 @@ class AbstractBlocked(AbstractTransform):
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
     # Whether the planned program is compiled lean on a CPU (`LEAN_CPU_OPTIONS`): for
-    # work usually run once, where the compiler's heap outweighs a slightly slower run.
+    # work usually run once, where the compiler's heap and time outweigh a slower run.
     _lean_program: ClassVar[bool] = False
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
