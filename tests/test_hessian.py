@@ -478,3 +478,73 @@ def test_sweep_against_the_exact_hessian(case):
     H = zm.BatchedHessian(fn, mode=mode, **kwargs)(x)
     assert H.shape == (n, n) and H.dtype == jnp.float64
     np.testing.assert_allclose(H, exact, rtol=1e-11, atol=1e-11)
+
+
+# --- rows by VJPs, leaf by leaf ---
+
+
+def test_leaves_holding_many_blocks_whole_get_their_own():
+    from zodmem._blocks import BlockPlan
+    from zodmem._hessian import _leaves_of_their_own
+    from zodmem._pytree import split_variables
+
+    x = {"a": jnp.zeros(40), "b": jnp.zeros(3), "c": jnp.zeros((6, 5))}
+    _, variables = split_variables(x, owner="test")
+    # 73 rows in blocks of 4: 19 blocks, 10 of them wholly in "a" and 7 in "c".
+    assert _leaves_of_their_own(variables, BlockPlan(73, 4), 0) == [0, 2]
+    # Rows 40.. of a share: only "c" holds blocks whole.
+    assert _leaves_of_their_own(variables, BlockPlan(33, 4), 40) == [2]
+    # One block, or one leaf: nothing to choose between.
+    assert _leaves_of_their_own(variables, BlockPlan(73, 73), 0) == []
+    _, alone = split_variables(jnp.zeros(9), owner="test")
+    assert _leaves_of_their_own(alone, BlockPlan(9, 2), 0) == []
+
+
+def _two_layer(params, inputs):
+    hidden = jnp.tanh(inputs @ params["w1"] + params["b1"])
+    out = hidden @ params["w2"] + params["b2"]
+    return jnp.sum(jnp.sin(out) ** 2) + 0.1 * jnp.sum(params["w1"] ** 2), {"out": out}
+
+
+def _two_layer_params():
+    return {
+        "b1": jnp.asarray(np.linspace(-0.3, 0.2, 6)),
+        "b2": jnp.asarray(np.linspace(0.1, 0.4, 2)),
+        "w1": jnp.asarray(mixing(4, 6)),
+        "w2": jnp.asarray(mixing(6, 2, seed=1.0)),
+    }
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(batch_size=2),
+        dict(batch_size=3),
+        dict(batch_size=5, strategy="recompute"),
+        dict(nbatches=7, checkpoint=True),
+        dict(batch_size=4, jit=False),
+    ],
+)
+def test_blocks_within_one_leaf_match_jax_hessian(options):
+    params, inputs = _two_layer_params(), jnp.asarray(mixing(3, 4, seed=2.0))
+    exact = reference_hessian("two-layer", lambda p, i: _two_layer(p, i)[0], params, inputs)
+    transform = zm.BatchedHessian(_two_layer, mode="rev", has_aux=True, **options)
+    H, aux = transform(params, inputs)
+    assert H.dtype == jnp.float64
+    close(H, exact)
+    close(aux["out"], _two_layer(params, inputs)[1]["out"])
+
+
+def test_blocks_within_one_leaf_under_vmap_and_grad():
+    params, inputs = _two_layer_params(), jnp.asarray(mixing(3, 4, seed=2.0))
+    transform = zm.BatchedHessian(lambda p, i: _two_layer(p, i)[0], batch_size=3, mode="rev")
+
+    def exact(p, i):
+        fn_of_flat, flat = raveled(lambda p, i: _two_layer(p, i)[0], p, i)
+        return jax.hessian(fn_of_flat)(flat)
+
+    scales = jnp.asarray([0.5, 1.0, 2.0])
+    batched = jax.vmap(lambda s: transform(params, s * inputs))(scales)
+    close(batched, jax.vmap(lambda s: exact(params, s * inputs))(scales))
+    grad = jax.grad(lambda s: jnp.sum(transform(params, s * inputs) ** 2))(0.7)
+    close(grad, jax.grad(lambda s: jnp.sum(exact(params, s * inputs) ** 2))(0.7))
