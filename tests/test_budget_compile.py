@@ -242,27 +242,27 @@ def test_planning_traces_fn_once_for_all_its_candidates(name):
 
 
 @pytest.mark.parametrize(
-    "count, size, budget, sizes",
+    "count, size, budget, sizes, compiles",
     [
         # Each element's intermediate (a 1,500 x 1,500 float64 matrix, 18 MB) passes the
-        # temporaries a CPU block is given: the whole work's probe says so, and one item
-        # per block, the plan, is compiled once, for the call.
-        (3, 1500, "61.3 MB", {1}),
+        # temporaries a CPU block is given, as `fn`'s jaxpr shows: one item per block, the
+        # plan, is compiled once, for the call, and no probe is compiled.
+        (3, 1500, "61.3 MB", {1}, 1),
         # Each element's intermediate (600 x 600, 2.9 MB) caps a CPU block at a few
         # elements: the slope from the whole work's peak down to the output says so, and
         # the cap, which fits the budget, is the plan, compiled for the call. One item
         # per block is never compiled.
-        (8, 600, "500 MB", {2, 3, 4, 5, 6, 7}),
+        (8, 600, "500 MB", {2, 3, 4, 5, 6, 7}, 2),
     ],
 )
-def test_a_plan_takes_two_compiles_where_the_cap_fits(count, size, budget, sizes):
+def test_a_plan_takes_few_compiles_where_the_cap_fits(count, size, budget, sizes, compiles):
     xs = jnp.asarray(np.random.default_rng(size).normal(size=(count, size)))
     transform = zm.ChunkedVmap(heavy, max_memory=budget)
     with counting_compiles() as compiled:
         result = transform(xs)
     plan = compiled_plan(transform._quiet, (xs,), {})[0]
     if jax.default_backend() == "cpu":
-        assert plan.block_size in sizes and plan.compiles == 2, plan
+        assert plan.block_size in sizes and plan.compiles == compiles, plan
     assert len(compiled) == plan.compiles
     close(result, jax.jit(jax.vmap(heavy))(xs))
 
@@ -285,3 +285,39 @@ def test_planning_pauses_the_cycle_collector_and_restores_it():
         finally:
             gc.enable()
     assert seen and not any(seen)
+
+
+def test_one_item_per_block_first_falls_back_to_the_search_where_it_does_not_fit():
+    # One element's 18 MB intermediate says one item per block; under a budget that
+    # cannot hold it the search is made as before, and refuses with the least budget.
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(3, 1500)))
+    transform = zm.ChunkedVmap(heavy, max_memory="15 MB")
+    with pytest.raises(zm.MemoryBudgetError, match="cannot hold even one item per block"):
+        transform.plan(xs)
+
+
+def test_largest_value_made_from_the_mapped_inputs():
+    def fn(x, table):
+        grid = jnp.outer(x, x)  # made from x: 8 x 8 float32, 256 bytes
+        fixed = table @ table.T  # made from the table alone: not counted
+        return jnp.sum(jnp.tanh(grid)) + jnp.sum(fixed), x * 2.0  # outputs: not counted
+
+    x, table = jnp.ones(8, jnp.float32), jnp.ones((50, 3), jnp.float32)
+    jaxpr = jax.make_jaxpr(fn)(x, table).jaxpr
+    assert _budget.largest_made_from(jaxpr, [True, False]) == 8 * 8 * 4
+    assert _budget.largest_made_from(jaxpr, [False, True]) == 50 * 50 * 4
+    assert _budget.largest_made_from(jaxpr, [False, False]) == 0
+
+
+def test_chunked_vmap_reads_one_elements_largest_value():
+    def fn(x, scale):
+        return jnp.sum(jnp.tanh(jnp.outer(x, x)) * scale)
+
+    xs = jnp.ones((5, 30))
+    transform = zm.ChunkedVmap(fn, in_axes=(0, None), max_memory="1GB")
+    assert transform._item_bytes(xs, 2.0) == 30 * 30 * xs.dtype.itemsize
+    # The mapped axis need not lead: one element is a column here.
+    columns = zm.ChunkedVmap(fn, in_axes=(1, None), max_memory="1GB")
+    assert columns._item_bytes(jnp.ones((30, 5)), 2.0) == 30 * 30 * xs.dtype.itemsize
+    # Nothing mapped: nothing to read.
+    assert zm.ChunkedVmap(fn, in_axes=None, max_memory="1GB")._item_bytes(xs, 2.0) is None

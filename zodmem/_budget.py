@@ -37,6 +37,12 @@ How `search` finds a size, in few compiles:
    Sizes are taken as `ceil(total / num_blocks)`, the smallest size for a number of
    blocks, so the blocks come out even.
 
+On a CPU, where the transform can read from its function that one item alone makes a value
+larger than `CPU_BLOCK_BYTES` (`ChunkedVmap`: the largest value its function makes from one
+element, from the function's jaxpr), the cap is one item: that size is compiled first, for
+the call, and is the plan when it fits, in one compile and no probe. Where it does not fit,
+the search above is made.
+
 For a derivative with `strategy="auto"`, `make_plan` tries one linearisation kept for
 every block first, then `fn` evaluated again inside each block, and takes the first that
 plans; the call is refused when none does.
@@ -73,6 +79,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.extend as jex
 import numpy as np
 
 from ._compiled import LEAN_CPU_OPTIONS, Compiled, abstract, collector_paused, compile_call
@@ -87,6 +94,7 @@ __all__ = [
     "Work",
     "abstract",
     "make_plan",
+    "largest_made_from",
     "search",
 ]
 
@@ -134,6 +142,29 @@ def resident_bytes() -> int | None:
 
 # On a CPU, the most temporaries a block is planned to make (see the module's docstring).
 CPU_BLOCK_BYTES = 16 * 10**6
+
+
+def largest_made_from(jaxpr: Any, made_from: list[bool]) -> int:
+    """The bytes of the largest value that `jaxpr`'s top-level equations make from the
+    inputs flagged in `made_from` (its outputs excepted). Values inside nested programs
+    (a `jit`, a loop's body) are not looked into, so this errs low."""
+    dependent = {var for var, flag in zip(jaxpr.invars, made_from, strict=True) if flag}
+    outputs = {id(var) for var in jaxpr.outvars}
+    largest = 0
+    for eqn in jaxpr.eqns:
+        if not any(var in dependent for var in eqn.invars if not isinstance(var, jex.core.Literal)):
+            continue
+        for var in eqn.outvars:
+            dependent.add(var)
+            aval = var.aval
+            if id(var) in outputs or not hasattr(aval, "shape"):
+                continue
+            try:
+                size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+            except TypeError:  # a key or token: no plain item size
+                continue
+            largest = max(largest, size)
+    return largest
 
 
 class Work(NamedTuple):
@@ -420,6 +451,7 @@ def _new_plan(
         return result
 
     probes: set[Any] = set()
+    for_call: set[Any] = set()  # candidates to compile for the call, not as probes
 
     def memory(strategy: Any, size: int | None) -> Compiled:
         if (strategy, size) not in measured:
@@ -427,6 +459,7 @@ def _new_plan(
             # are seldom the plan: probes. A size between them is compiled for the call,
             # since the first that fits is usually the plan.
             probe = probing and size in (1, work.total) and work.total > 1
+            probe = probe and (strategy, size) not in for_call
             if probe and size == 1 and platform == "cpu" and (strategy, work.total) in measured:
                 # Where even the whole work's peak shared out over its items passes the
                 # most temporaries a CPU block is given, one item per block is the
@@ -455,6 +488,19 @@ def _new_plan(
                 return measured[strategy, size].output_bytes
         return memory(strategy, 1).output_bytes
 
+    def one_item_first(strategy: Any) -> tuple[Any, int] | None:
+        """One item per block, without the slope's probe, where a single item makes a
+        value past the temporaries a CPU block is given (`AbstractBlocked._item_bytes`):
+        the cap of the search would be one item then. Compiled for the call, it is the
+        plan when it fits."""
+        item = transform._item_bytes(*args, **kwargs)
+        if item is None or item < CPU_BLOCK_BYTES or work.total < 2:
+            return None
+        for_call.add((strategy, 1))
+        if memory(strategy, 1).peak_bytes <= usable_bytes(budget, platform, compile_bytes()):
+            return strategy, 1
+        return None
+
     def choose() -> tuple[Any, int]:
         """The strategy and block size whose candidate fits the budget."""
         refusals = []
@@ -472,6 +518,10 @@ def _new_plan(
                     suggested=math.ceil(suggested),
                 )
 
+            if platform == "cpu" and (strategy, 1) not in measured:
+                one = one_item_first(strategy)
+                if one is not None:
+                    return one
             limit = usable(strategy)
             if output_bytes(strategy) > limit:
                 # The output alone does not fit, and no block size changes it: refused

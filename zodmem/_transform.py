@@ -81,6 +81,13 @@ class AbstractBlocked(AbstractTransform):
     # work usually run once, where the compiler's heap and time outweigh a slower run.
     _lean_program: ClassVar[bool] = False
 
+    def _item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+        """The bytes of the largest value that one item of the work makes on its own, as
+        far as the transform can read it from its function without compiling (`None`:
+        not known). On a CPU a planner takes one item per block straight away where this
+        passes the temporaries a block is given (`_budget.CPU_BLOCK_BYTES`)."""
+        return None
+
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """How the call with these arguments will be cut into blocks, and the memory it
         will take, without running it: a `zm.Plan` with `block_size`, `num_blocks`,

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
-from ._budget import Work
+from ._budget import Work, largest_made_from
 from ._checks import as_index, check_bool, check_callable, check_int, common_size
 from ._memory import check_size_or_memory
 from ._progress import label, progress_bar
@@ -185,6 +185,38 @@ class ChunkedVmap(AbstractStreamable):
         size = total if self.chunk_size is None else min(self.chunk_size, total)
         split = batch_split(mapped.leaves, mapped.axes, planned=True)
         return Work(total, "elements", "output", size).per_device(split)
+
+    def _item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        if not mapped.total:
+            return None
+
+        # One element of each mapped input (its axis dropped), the others as they are.
+        def element_of(leaf, axis):
+            shape = jnp.shape(leaf)
+            return jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1 :], leaf.dtype)
+
+        element = [
+            leaf if axis is None else element_of(leaf, axis)
+            for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
+        ]
+        is_array = [
+            eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in element
+        ]
+        arrays = [leaf for leaf, a in zip(element, is_array, strict=True) if a]
+        made_from = [axis is not None for axis, a in zip(mapped.axes, is_array, strict=True) if a]
+
+        def one_element(arrays):
+            it = iter(arrays)
+            leaves = [next(it) if a else leaf for leaf, a in zip(element, is_array, strict=True)]
+            element_args, element_kwargs = jax.tree_util.tree_unflatten(mapped.input_def, leaves)
+            return self.fn(*element_args, **element_kwargs)
+
+        try:
+            traced = jax.make_jaxpr(one_element)(arrays)
+        except Exception:  # noqa: BLE001  (the call itself reports the error, if any)
+            return None
+        return largest_made_from(traced.jaxpr, made_from)
 
     def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
