@@ -312,13 +312,15 @@ def _leaf_by_leaf(
     transform: BatchedHessian,
     gradient: Callable[[list], Any],
     variables: Variables,
-    flat: Any,
+    leaves: list,
     plan: BlockPlan,
     offset: Any,
     every_leaf: Callable[[Any], Any],
+    gather: Callable[[Any], Any],
 ) -> Callable[[Any], Any]:
-    """The block function of rows by VJPs, with a branch of its own for each leaf that
-    holds many blocks whole (`_leaves_of_their_own`).
+    """The block function of rows by VJPs (`every_leaf`, for any block), with a branch of
+    its own for each leaf that holds many blocks whole (`_leaves_of_their_own`);
+    `gather` puts a block's products, one piece per leaf, into its rows.
 
     A block of rows that lies in one leaf is the VJP of that leaf's piece of the
     gradient alone: the other leaves' cotangents are then zeros that JAX drops while
@@ -338,10 +340,6 @@ def _leaf_by_leaf(
     if not own:
         return every_leaf
     size = plan.block_size
-    leaves = variables.leaves_of(flat)
-
-    def gathered(products):
-        return jnp.concatenate([p.reshape(size, -1).astype(flat.dtype) for p in products], axis=1)
 
     def branch(i):
         def piece_of(grads):
@@ -359,7 +357,7 @@ def _leaf_by_leaf(
         def rows(start):
             local = start + offset - first + jnp.arange(size)
             units = jax.nn.one_hot(local, variables.sizes[i], dtype=dtype)
-            return gathered(jax.vmap(vjp)(units.reshape((size, *shape))))
+            return gather(jax.vmap(vjp)(units.reshape((size, *shape))))
 
         return rows
 
@@ -438,7 +436,9 @@ def _hessian_share(
         def every_leaf(start):
             return gather(jax.vmap(lambda v: vjp(leaves_of(v)))(basis(start)))
 
-        block = _leaf_by_leaf(transform, gradient, variables, flat, plan, offset, every_leaf)
+        block = _leaf_by_leaf(
+            transform, gradient, variables, leaves_of(flat), plan, offset, every_leaf, gather
+        )
         axis = 0
     else:
         _, hvp, aux = transform._products(lambda z: gradient(leaves_of(z)), flat, reverse=False)
