@@ -63,7 +63,9 @@ class BatchedHessian(AbstractDerivative):
       Hessian-vector products, JVPs of one linearisation of the gradient, written
       as blocks of columns exactly as `jax.hessian` (`jacfwd(jacrev(fn))`) forms
       them. `"rev"` is reverse-over-reverse: VJPs of one `jax.vjp` of the gradient,
-      written as blocks of rows (H is symmetric). `"auto"` (the default) picks
+      written as blocks of rows (H is symmetric); a block whose rows lie in one leaf
+      that holds many blocks is the VJP of that leaf's part of the gradient alone, so
+      the other leaves' zero pieces cost nothing. `"auto"` (the default) picks
       `"rev"` when all variables share one real dtype -- it ran up to 2x faster on
       CPU in `benchmarks/hessian_memory.py`, in no more memory -- and `"fwd"` when
       precisions are mixed, where rounding makes H not exactly symmetric.
