@@ -485,7 +485,7 @@ def test_sweep_against_the_exact_hessian(case):
 
 def test_leaves_holding_many_blocks_whole_get_their_own():
     from zodmem._blocks import BlockPlan
-    from zodmem._hessian import _leaves_of_their_own
+    from zodmem._leafwise import leaves_of_their_own as _leaves_of_their_own
     from zodmem._pytree import split_variables
 
     x = {"a": jnp.zeros(40), "b": jnp.zeros(3), "c": jnp.zeros((6, 5))}

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, PyTree, jaxtyped
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
 from ._checks import check_callable
+from ._leafwise import by_leaf
 from ._losses import AbstractLoss
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
@@ -388,7 +389,8 @@ def _products(
 ) -> tuple[Callable[[Any], Any], Any]:
     """`(products, aux)`: `products(V)` is `G v` for each row `v` of the `(k, n)` block `V`,
     as a `(k, n)` block in the variables' dtype (with `single`, `products(v)` is `G v` for
-    one flat `v`); `aux` is `fn`'s (restored)."""
+    one flat `v`); `products(V, leaf=i)` takes `V`'s rows as vectors of leaf `i` alone,
+    `(k, *leaf_shape)`, the others zero. `aux` is `fn`'s (restored)."""
     flat, variables = prepared.flat, prepared.variables
     primal = variables.leaves_of(flat)
     mode = transform.mode
@@ -407,12 +409,23 @@ def _products(
         ]
         return jnp.concatenate(pieces, axis=-1)
 
-    def apply(linearised, vectors):
+    def apply(linearised, vectors, leaf):
         outputs, _, jvp, vjp = linearised
         hessian = _loss_hessian(transform, prepared, outputs, args, kwargs)
+        if leaf is None:
+
+            def forward(v):
+                return jvp(variables.leaves_of(v))
+        else:
+            # J along one leaf: the transpose of that leaf's part of J^T, in which the
+            # other leaves' pieces are symbolic zeros that cost nothing.
+            along = jax.linear_transpose(lambda u: vjp(u)[leaf], outputs)
+
+            def forward(v):
+                return along(v)[0]
 
         def one(v):
-            return vjp(hessian(jvp(variables.leaves_of(v))))
+            return vjp(hessian(forward(v)))
 
         if single:
             return gather(one(vectors), None)
@@ -421,11 +434,15 @@ def _products(
     if transform.strategy != "recompute":
         linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
         aux = linearised[1]
-        return (lambda vectors: apply(linearised, vectors)), _restored(prepared, aux)
 
-    def recomputed(vectors):
+        def products(vectors, leaf=None):
+            return apply(linearised, vectors, leaf)
+
+        return products, _restored(prepared, aux)
+
+    def recomputed(vectors, leaf=None):
         linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
-        return apply(linearised, vectors)
+        return apply(linearised, vectors, leaf)
 
     aux = prepared.fn_of_leaves(primal)[1] if transform.has_aux else None
     return recomputed, _restored(prepared, aux)
@@ -460,10 +477,18 @@ def _ggn_share(
     )
     products, aux = _products(transform, prepared, args, kwargs)
 
+    def every_leaf(start):
+        return products(basis_block(start + offset, plan.block_size, n, flat.dtype))
+
+    def in_leaf(i):
+        return lambda units: products(units, leaf=i)
+
+    rows_of = by_leaf(prepared.variables, plan, offset, every_leaf, in_leaf)
+
     def block(start):
         # Row i is (G e_i)^T; G is symmetric, so a block of them is a block of rows, and
         # transposed, a block of columns.
-        rows = products(basis_block(start + offset, plan.block_size, n, flat.dtype))
+        rows = rows_of(start)
         return rows.T if columns else rows
 
     if n == 0:  # only empty variables: the matrix is empty

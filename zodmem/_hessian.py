@@ -9,13 +9,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
-import numpy as np
 from beartype import beartype
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
-from ._blocks import BlockPlan, OutputSink, map_blocks, plan_blocks
+from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._leafwise import by_leaf
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
 from ._pytree import Variables, basis_block, called_as, flat_function, split_variables
@@ -288,93 +288,9 @@ def _leaf_gradient(
     return gradient, restore_aux
 
 
-def _leaves_of_their_own(variables: Variables, plan: BlockPlan, offset: int) -> list[int]:
-    """The variable leaves that get blocks of their own in `_leaf_by_leaf`: those that
-    wholly hold at least a tenth of the blocks (and two), largest share first."""
-    if len(variables.sizes) < 2 or plan.num_blocks < 2:
-        return []
-    starts = offset + np.minimum(
-        np.arange(plan.num_blocks, dtype=np.int64) * plan.block_size,
-        plan.total - plan.block_size,
-    )
-    least = max(2, -(-plan.num_blocks // _LEAF_SHARE))
-    counts = {}
-    for i, (first, size) in enumerate(zip(variables.offsets, variables.sizes, strict=True)):
-        inside = (starts >= first) & (starts + plan.block_size <= first + size)
-        counts[i] = int(np.count_nonzero(inside))
-    return sorted((i for i, c in counts.items() if c >= least), key=lambda i: -counts[i])
-
-
-# A leaf gets a loop body of its own where at least 1 / _LEAF_SHARE of the blocks lie
-# wholly in it: at most this many bodies more to compile.
-_LEAF_SHARE = 10
-
-
-def _leaf_by_leaf(
-    transform: BatchedHessian,
-    gradient: Callable[[list], Any],
-    variables: Variables,
-    leaves: list,
-    plan: BlockPlan,
-    offset: Any,
-    every_leaf: Callable[[Any], Any],
-    gather: Callable[[Any], Any],
-) -> Callable[[Any], Any]:
-    """The block function of rows by VJPs (`every_leaf`, for any block), with a branch of
-    its own for each leaf that holds many blocks whole (`_leaves_of_their_own`);
-    `gather` puts a block's products, one piece per leaf, into its rows.
-
-    A block of rows that lies in one leaf is the VJP of that leaf's piece of the
-    gradient alone: the other leaves' cotangents are then zeros that JAX drops while
-    transposing, where `every_leaf` multiplies them out (they come from the loop
-    index, so XLA cannot see that they are zero). On the reference network (an MLP of
-    width 96) a block of 25 rows within one weight matrix took about a third fewer
-    flops and 40% less time. The blocks pick their branch by `lax.switch` on where
-    they start; every other block (across leaves, in small leaves) runs `every_leaf`.
-    """
-    if isinstance(offset, int | np.integer):
-        own = _leaves_of_their_own(variables, plan, int(offset))
-    else:
-        # A share whose place is known only when the program runs (the device's index
-        # under `shard_map`): the leaves are chosen from the blocks of every share.
-        whole = BlockPlan(variables.size, plan.block_size)
-        own = _leaves_of_their_own(variables, whole, 0)
-    if not own:
-        return every_leaf
-    size = plan.block_size
-
-    def branch(i):
-        def piece_of(grads):
-            return (grads[0] if transform.has_aux else grads)[i]
-
-        _, vjp, _ = product_function(
-            lambda ls: piece_of(gradient(ls)),
-            leaves,
-            reverse=True,
-            has_aux=False,
-            recompute=transform.strategy == "recompute",
-        )
-        first, shape, dtype = variables.offsets[i], variables.shapes[i], variables.dtypes[i]
-
-        def rows(start):
-            local = start + offset - first + jnp.arange(size)
-            units = jax.nn.one_hot(local, variables.sizes[i], dtype=dtype)
-            return gather(jax.vmap(vjp)(units.reshape((size, *shape))))
-
-        return rows
-
-    branches = [every_leaf] + [branch(i) for i in own]
-
-    def block(start):
-        at = start + offset
-        index = jnp.zeros((), jnp.int32)
-        for k, i in enumerate(own, start=1):
-            first, leaf_size = variables.offsets[i], variables.sizes[i]
-            inside = (at >= first) & (at + size <= first + leaf_size)
-            index = jnp.where(inside, jnp.int32(k), index)
-        return jax.lax.switch(index, branches, start)
-
-    return block
+def _part(gradient: Any, i: int, has_aux: bool) -> Any:
+    """Leaf `i` of the gradient (of `(gradient, aux)` with `has_aux`)."""
+    return (gradient[0] if has_aux else gradient)[i]
 
 
 def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
@@ -438,9 +354,19 @@ def _hessian_share(
         def every_leaf(start):
             return gather(jax.vmap(lambda v: vjp(leaves_of(v)))(basis(start)))
 
-        block = _leaf_by_leaf(
-            transform, gradient, variables, leaves_of(flat), plan, offset, every_leaf, gather
-        )
+        def in_leaf(i):
+            # The VJP of leaf i's part of the gradient alone: a block of rows within that
+            # leaf, where the other leaves' zero pieces are symbolic and cost nothing.
+            _, vjp_of_leaf, _ = product_function(
+                lambda leaves: _part(gradient(leaves), i, transform.has_aux),
+                leaves_of(flat),
+                reverse=True,
+                has_aux=False,
+                recompute=transform.strategy == "recompute",
+            )
+            return lambda units: gather(jax.vmap(vjp_of_leaf)(units))
+
+        block = by_leaf(variables, plan, offset, every_leaf, in_leaf)
         axis = 0
     else:
         _, hvp, aux = transform._products(lambda z: gradient(leaves_of(z)), flat, reverse=False)
