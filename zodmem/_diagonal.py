@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 
+from ._blocks import BlockPlan
 from ._checks import check_choice, check_int, check_key
 from ._flat import FlatView, flat_view
+from ._leafwise import LeafProduct, by_leaf
 from ._operator import BlockedOperator
 from ._probes import ProbeJob, run_probes
 from ._random import sign_probes
@@ -44,7 +46,22 @@ class UnitDiagonal(ProbeJob):
         def entry(index):
             return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
 
-        return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
+        indices = start + jnp.arange(size, dtype=jnp.int32)
+        if not isinstance(product, LeafProduct):
+            return jax.vmap(entry)(indices)
+
+        # A block of unit vectors within one leaf takes that leaf's products alone.
+        def every_leaf(start):
+            return jax.vmap(
+                lambda index: product(jax.nn.one_hot(index, view.size, dtype=view.dtype))
+            )(start + jnp.arange(size, dtype=jnp.int32))
+
+        def in_leaf(i):
+            return jax.vmap(product.in_leaf(i))
+
+        plan = BlockPlan(view.size, size)
+        rows = by_leaf(product.variables, plan, 0, every_leaf, in_leaf)(start)
+        return rows[jnp.arange(size), indices]
 
 
 class Columns(ProbeJob):

@@ -23,7 +23,7 @@ import numpy as np
 from ._blocks import BlockPlan
 from ._pytree import Variables
 
-__all__ = ["LEAF_SHARE", "by_leaf", "leaves_of_their_own"]
+__all__ = ["LEAF_SHARE", "LeafProduct", "by_leaf", "leaves_of_their_own"]
 
 # A leaf gets a branch of its own where at least 1 / LEAF_SHARE of the blocks lie wholly
 # in it: at most this many loop bodies more to compile.
@@ -98,3 +98,28 @@ def by_leaf(
         return jax.lax.switch(index, branches, start)
 
     return block
+
+
+class LeafProduct:
+    """A product with flat vectors (called as a function), and with the vectors of one
+    variable leaf alone (`in_leaf(i)`: a function of a vector shaped as leaf `i`), for
+    the operators whose products can skip the other leaves' zero pieces."""
+
+    def __init__(
+        self,
+        whole: Callable[[Any], Any],
+        in_leaf: Callable[[int], Callable[[Any], Any]],
+        variables: Variables,
+    ):
+        self.whole, self.in_leaf, self.variables = whole, in_leaf, variables
+
+    def __call__(self, vector: Any) -> Any:
+        return self.whole(vector)
+
+    def then(self, after: Callable[[Any], Any]) -> LeafProduct:
+        """The same products, each followed by `after`."""
+        return LeafProduct(
+            lambda vector: after(self.whole(vector)),
+            lambda i: lambda piece: after(self.in_leaf(i)(piece)),
+            self.variables,
+        )
