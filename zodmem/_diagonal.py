@@ -46,22 +46,27 @@ class UnitDiagonal(ProbeJob):
         def entry(index):
             return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
 
-        indices = start + jnp.arange(size, dtype=jnp.int32)
+        return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
+
+    def blocks(
+        self, view: FlatView, product: Callable, offset: Any, size: int
+    ) -> Callable[[Any], Any]:
+        blocks = super().blocks(view, product, offset, size)
         if not isinstance(product, LeafProduct):
-            return jax.vmap(entry)(indices)
+            return blocks
 
-        # A block of unit vectors within one leaf takes that leaf's products alone.
-        def every_leaf(start):
-            return jax.vmap(
-                lambda index: product(jax.nn.one_hot(index, view.size, dtype=view.dtype))
-            )(start + jnp.arange(size, dtype=jnp.int32))
-
+        # A block of unit vectors within one leaf takes that leaf's products alone,
+        # linearised here, once for every block.
         def in_leaf(i):
-            return jax.vmap(product.in_leaf(i))
+            one = product.in_leaf(i)
+
+            def entries(units, indices):
+                return jax.vmap(lambda unit, index: one(unit)[index])(units, indices)
+
+            return entries
 
         plan = BlockPlan(view.size, size)
-        rows = by_leaf(product.variables, plan, 0, every_leaf, in_leaf)(start)
-        return rows[jnp.arange(size), indices]
+        return by_leaf(product.variables, plan, offset, blocks, in_leaf)
 
 
 class Columns(ProbeJob):

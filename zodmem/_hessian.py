@@ -376,7 +376,7 @@ def _hessian_share(
                 has_aux=False,
                 recompute=transform.strategy == "recompute",
             )
-            return lambda units: gather(jax.vmap(vjp_of_leaf)(units))
+            return lambda units, indices: gather(jax.vmap(vjp_of_leaf)(units))
 
         block = by_leaf(variables, plan, offset, every_leaf, in_leaf)
         axis = 0

@@ -26,13 +26,17 @@ from ._pytree import Variables
 __all__ = ["LEAF_SHARE", "LeafProduct", "by_leaf", "leaves_of_their_own"]
 
 # A leaf gets a branch of its own where at least 1 / LEAF_SHARE of the blocks lie wholly
-# in it: at most this many loop bodies more to compile.
-LEAF_SHARE = 10
+# in it: at most this many loop bodies more to compile. Each branch is one more body's
+# compile, and on a CPU its heap: compiling the exact diagonal of the reference Hessian
+# (an MLP of width 96) grew the process by 42-54 MB with no branch, 68-83 MB with one
+# (the larger weight matrix, three quarters of the blocks, and most of the time saved)
+# and 85-92 MB with two.
+LEAF_SHARE = 4
 
 
 def leaves_of_their_own(variables: Variables, plan: BlockPlan, offset: int) -> list[int]:
     """The variable leaves that get a branch of their own in `by_leaf`: those that wholly
-    hold at least a tenth of the blocks (and two), largest share first. `offset` is where
+    hold at least a quarter of the blocks (and two), largest share first. `offset` is where
     the blocks' items start among the variables (a device's share)."""
     if len(variables.sizes) < 2 or plan.num_blocks < 2:
         return []
@@ -61,7 +65,8 @@ def by_leaf(
 
     - `every_leaf(start)`: the rows of any block, from unit vectors over every leaf.
     - `in_leaf(i)`: a function of the block's unit vectors in leaf `i` alone, an array of
-      `(block_size, *leaf_shape)` in the leaf's dtype, that gives the same rows.
+      `(block_size, *leaf_shape)` in the leaf's dtype, and of their indices among all the
+      variables, `(block_size,)`, that gives the same rows.
 
     The blocks pick their branch with `lax.switch` on where they start.
     """
@@ -80,9 +85,9 @@ def by_leaf(
         first, shape, dtype = variables.offsets[i], variables.shapes[i], variables.dtypes[i]
 
         def rows(start):
-            local = start + offset - first + jnp.arange(size)
-            units = jax.nn.one_hot(local, variables.sizes[i], dtype=dtype)
-            return products(units.reshape((size, *shape)))
+            indices = start + offset + jnp.arange(size)
+            units = jax.nn.one_hot(indices - first, variables.sizes[i], dtype=dtype)
+            return products(units.reshape((size, *shape)), indices)
 
         return rows
 
