@@ -17,7 +17,7 @@ import numpy as np
 from ._blocks import BlockPlan
 from ._checks import check_choice, check_int, check_key
 from ._flat import FlatView, flat_view
-from ._leafwise import LeafProduct, by_leaf
+from ._leafwise import SMALL_SHARE, LeafProduct, by_leaf
 from ._operator import BlockedOperator
 from ._probes import ProbeJob, run_probes
 from ._random import sign_probes
@@ -66,7 +66,7 @@ class UnitDiagonal(ProbeJob):
             return entries
 
         plan = BlockPlan(view.size, size)
-        return by_leaf(product.variables, plan, offset, blocks, in_leaf)
+        return by_leaf(product.variables, plan, offset, blocks, in_leaf, SMALL_SHARE)
 
 
 class Columns(ProbeJob):
