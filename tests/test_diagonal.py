@@ -3,7 +3,6 @@ JAX's dense matrices, and stochastic, checked statistically."""
 
 import re
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
@@ -41,30 +40,6 @@ def test_exact_diagonal_in_blocks_given_to_it(batch_size):
     params, data = point()
     op = zm.BatchedHessian(loss).operator(params, data)
     close(zm.diagonal(op, batch_size=batch_size), np.diag(mixed_hessian()))
-
-
-def _layers(params, inputs):
-    hidden = jnp.tanh(inputs @ params["w1"] + params["b1"])
-    return jnp.sum(jnp.sin(hidden @ params["w2"]) ** 2) + jnp.sum(params["w1"] ** 4)
-
-
-@pytest.mark.parametrize("options", [dict(batch_size=2), dict(batch_size=5, strategy="recompute")])
-def test_exact_diagonal_block_by_leaf_matches_jax(options):
-    # Most blocks lie within "w1" (24 entries) or "w2" (18): each takes that leaf's
-    # products alone, the others (across leaves, in "b1") every leaf's.
-    params = {
-        "b1": jnp.linspace(-0.3, 0.2, 6),
-        "w1": jnp.asarray(np.cos(np.arange(24.0)).reshape(4, 6)),
-        "w2": jnp.asarray(np.sin(np.arange(18.0)).reshape(6, 3)),
-    }
-    inputs = jnp.asarray(np.cos(np.arange(20.0) * 0.3).reshape(5, 4))
-    fn, flat = raveled(_layers, params, inputs)
-    exact = np.diag(np.asarray(jax.hessian(fn)(flat)))
-    op = zm.BatchedHessian(_layers, mode="rev", **options).operator(params, inputs)
-    diagonal = zm.diagonal(op)
-    assert diagonal.dtype == jnp.float64
-    close(diagonal, exact)
-    close(eqx.filter_jit(zm.diagonal)(op), exact)
 
 
 def test_exact_diagonal_of_a_ggn_and_of_a_dataset():

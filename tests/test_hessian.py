@@ -492,8 +492,6 @@ def test_leaves_holding_many_blocks_whole_get_their_own():
     _, variables = split_variables(x, owner="test")
     # 73 rows in blocks of 4: 19 blocks, 10 of them wholly in "a" and 7 in "c".
     assert _leaves_of_their_own(variables, BlockPlan(73, 4), 0) == [0, 2]
-    # Asked for half the blocks (and two): only "a".
-    assert _leaves_of_their_own(variables, BlockPlan(73, 4), 0, 2) == [0]
     # Rows 40.. of a share: only "c" holds blocks whole.
     assert _leaves_of_their_own(variables, BlockPlan(33, 4), 40) == [2]
     # One block, or one leaf: nothing to choose between.

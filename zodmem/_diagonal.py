@@ -14,10 +14,8 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 
-from ._blocks import BlockPlan
 from ._checks import check_choice, check_int, check_key
 from ._flat import FlatView, flat_view
-from ._leafwise import SMALL_SHARE, LeafProduct, by_leaf
 from ._operator import BlockedOperator
 from ._probes import ProbeJob, run_probes
 from ._random import sign_probes
@@ -47,26 +45,6 @@ class UnitDiagonal(ProbeJob):
             return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
 
         return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
-
-    def blocks(
-        self, view: FlatView, product: Callable, offset: Any, size: int
-    ) -> Callable[[Any], Any]:
-        blocks = super().blocks(view, product, offset, size)
-        if not isinstance(product, LeafProduct):
-            return blocks
-
-        # A block of unit vectors within one leaf takes that leaf's products alone,
-        # linearised here, once for every block.
-        def in_leaf(i):
-            one = product.in_leaf(i)
-
-            def entries(units, indices):
-                return jax.vmap(lambda unit, index: one(unit)[index])(units, indices)
-
-            return entries
-
-        plan = BlockPlan(view.size, size)
-        return by_leaf(product.variables, plan, offset, blocks, in_leaf, SMALL_SHARE)
 
 
 class Columns(ProbeJob):

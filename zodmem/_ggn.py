@@ -481,7 +481,7 @@ def _ggn_share(
         return products(basis_block(start + offset, plan.block_size, n, flat.dtype))
 
     def in_leaf(i):
-        return lambda units, indices: products(units, leaf=i)
+        return lambda units: products(units, leaf=i)
 
     rows_of = by_leaf(prepared.variables, plan, offset, every_leaf, in_leaf)
 

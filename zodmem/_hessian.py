@@ -15,7 +15,7 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
-from ._leafwise import LeafProduct, by_leaf
+from ._leafwise import by_leaf
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
 from ._pytree import Variables, basis_block, called_as, flat_function, split_variables
@@ -252,23 +252,11 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
             recompute=recompute,
         )
 
-        def raveled(pieces):
+        def hvp(vector):
+            pieces = vjp(variables.leaves_of(vector))
             return jnp.concatenate([jnp.ravel(piece).astype(flat.dtype) for piece in pieces])
 
-        def hvp(vector):
-            return raveled(vjp(variables.leaves_of(vector)))
-
-        def in_leaf(i):
-            _, vjp_of_leaf, _ = product_function(
-                lambda leaves: _part(gradient(leaves), i, transform.has_aux),
-                variables.leaves_of(flat),
-                reverse=True,
-                has_aux=False,
-                recompute=recompute,
-            )
-            return lambda piece: raveled(vjp_of_leaf(piece))
-
-        return flat, variables, LeafProduct(hvp, in_leaf, variables)
+        return flat, variables, hvp
 
     def value(z):
         return fn_of_flat(z)[0] if transform.has_aux else fn_of_flat(z)
@@ -376,7 +364,7 @@ def _hessian_share(
                 has_aux=False,
                 recompute=transform.strategy == "recompute",
             )
-            return lambda units, indices: gather(jax.vmap(vjp_of_leaf)(units))
+            return lambda units: gather(jax.vmap(vjp_of_leaf)(units))
 
         block = by_leaf(variables, plan, offset, every_leaf, in_leaf)
         axis = 0

@@ -23,34 +23,28 @@ import numpy as np
 from ._blocks import BlockPlan
 from ._pytree import Variables
 
-__all__ = ["DENSE_SHARE", "SMALL_SHARE", "LeafProduct", "by_leaf", "leaves_of_their_own"]
+__all__ = ["LEAF_SHARE", "by_leaf", "leaves_of_their_own"]
 
-# A leaf gets a branch of its own where at least 1 / share of the blocks lie wholly in it:
-# at most `share` loop bodies more to compile. Each branch is one more body's compile,
-# and on a CPU its heap: compiling the exact diagonal of the reference Hessian (an MLP of
-# width 96) grew the process by 42-54 MB with no branch, 68-83 MB with one (the larger
-# weight matrix, three quarters of the blocks, and most of the time saved) and 85-92 MB
-# with two. Beside a dense `(n, n)` result (633 MB there) that is little, and a tenth
-# is asked (`DENSE_SHARE`: both weight matrices, the call 2.2-2.4 s against 2.5-2.9 s
-# with one); beside a result of `n` entries it is most of the peak, and a quarter is
-# (`SMALL_SHARE`).
-DENSE_SHARE = 10
-SMALL_SHARE = 4
+# A leaf gets a branch of its own where at least 1 / LEAF_SHARE of the blocks lie wholly
+# in it: at most this many loop bodies more to compile. Each branch is one more body's compile,
+# and on a CPU its heap (compiling a diagonal's blocks of the reference Hessian, an MLP
+# of width 96, grew the process by 42-54 MB with no branch, 68-83 MB with one and 85-92
+# MB with two): little beside a dense `(n, n)` result (633 MB there), which is where the
+# branches are used.
+LEAF_SHARE = 10
 
 
-def leaves_of_their_own(
-    variables: Variables, plan: BlockPlan, offset: int, share: int = DENSE_SHARE
-) -> list[int]:
+def leaves_of_their_own(variables: Variables, plan: BlockPlan, offset: int) -> list[int]:
     """The variable leaves that get a branch of their own in `by_leaf`: those that wholly
-    hold at least `1 / share` of the blocks (and two), largest share first. `offset` is
-    where the blocks' items start among the variables (a device's share)."""
+    hold at least a tenth of the blocks (and two), largest share first. `offset` is where
+    the blocks' items start among the variables (a device's share)."""
     if len(variables.sizes) < 2 or plan.num_blocks < 2:
         return []
     starts = offset + np.minimum(
         np.arange(plan.num_blocks, dtype=np.int64) * plan.block_size,
         plan.total - plan.block_size,
     )
-    least = max(2, -(-plan.num_blocks // share))
+    least = max(2, -(-plan.num_blocks // LEAF_SHARE))
     counts = {}
     for i, (first, size) in enumerate(zip(variables.offsets, variables.sizes, strict=True)):
         inside = (starts >= first) & (starts + plan.block_size <= first + size)
@@ -64,7 +58,6 @@ def by_leaf(
     offset: Any,
     every_leaf: Callable[[Any], Any],
     in_leaf: Callable[[int], Callable[[Any], Any]],
-    share: int = DENSE_SHARE,
 ) -> Callable[[Any], Any]:
     """The block function `start -> rows` of the blocks of `plan` (items from `offset` on,
     an int or, under `shard_map`, traced), with a branch of its own for each leaf that
@@ -72,19 +65,17 @@ def by_leaf(
 
     - `every_leaf(start)`: the rows of any block, from unit vectors over every leaf.
     - `in_leaf(i)`: a function of the block's unit vectors in leaf `i` alone, an array of
-      `(block_size, *leaf_shape)` in the leaf's dtype, and of their indices among all the
-      variables, `(block_size,)`, that gives the same rows.
+      `(block_size, *leaf_shape)` in the leaf's dtype, that gives the same rows.
 
-    The blocks pick their branch with `lax.switch` on where they start; `share` says
-    which leaves get one (`leaves_of_their_own`).
+    The blocks pick their branch with `lax.switch` on where they start.
     """
     if isinstance(offset, int | np.integer):
-        own = leaves_of_their_own(variables, plan, int(offset), share)
+        own = leaves_of_their_own(variables, plan, int(offset))
     else:
         # A share whose place is known only when the program runs (the device's index
         # under `shard_map`): the leaves are chosen from the blocks of every share.
         whole = BlockPlan(variables.size, plan.block_size)
-        own = leaves_of_their_own(variables, whole, 0, share)
+        own = leaves_of_their_own(variables, whole, 0)
     if not own:
         return every_leaf
     size = plan.block_size
@@ -94,9 +85,9 @@ def by_leaf(
         first, shape, dtype = variables.offsets[i], variables.shapes[i], variables.dtypes[i]
 
         def rows(start):
-            indices = start + offset + jnp.arange(size)
-            units = jax.nn.one_hot(indices - first, variables.sizes[i], dtype=dtype)
-            return products(units.reshape((size, *shape)), indices)
+            local = start + offset - first + jnp.arange(size)
+            units = jax.nn.one_hot(local, variables.sizes[i], dtype=dtype)
+            return products(units.reshape((size, *shape)))
 
         return rows
 
@@ -112,28 +103,3 @@ def by_leaf(
         return jax.lax.switch(index, branches, start)
 
     return block
-
-
-class LeafProduct:
-    """A product with flat vectors (called as a function), and with the vectors of one
-    variable leaf alone (`in_leaf(i)`: a function of a vector shaped as leaf `i`), for
-    the operators whose products can skip the other leaves' zero pieces."""
-
-    def __init__(
-        self,
-        whole: Callable[[Any], Any],
-        in_leaf: Callable[[int], Callable[[Any], Any]],
-        variables: Variables,
-    ):
-        self.whole, self.in_leaf, self.variables = whole, in_leaf, variables
-
-    def __call__(self, vector: Any) -> Any:
-        return self.whole(vector)
-
-    def then(self, after: Callable[[Any], Any]) -> LeafProduct:
-        """The same products, each followed by `after`."""
-        return LeafProduct(
-            lambda vector: after(self.whole(vector)),
-            lambda i: lambda piece: after(self.in_leaf(i)(piece)),
-            self.variables,
-        )

@@ -30,7 +30,6 @@ from jax.sharding import NamedSharding
 from ._blocks import map_blocks, plan_blocks
 from ._budget import MemoryBudgetError, Work
 from ._checks import described
-from ._leafwise import LeafProduct
 from ._memo import memo_of, signature_of
 from ._sharding import Split, check_divides, dispatch, split_of
 from ._transform import AbstractBlocked
@@ -65,8 +64,6 @@ def _ravel_outputs(tree: Any) -> jax.Array:
 def _forward(transform: Any, products: Products, x: Any, args: tuple, kwargs: dict) -> Callable:
     """The product with a flat vector, as a function from flat vectors to flat vectors."""
     _, _, mv = products(transform, x, args, kwargs)
-    if isinstance(mv, LeafProduct):
-        return mv.then(_ravel_outputs)
     return lambda v: _ravel_outputs(mv(v))
 
 

@@ -60,14 +60,6 @@ class ProbeJob(eqx.Module):
         the probes, a block may run past the last probe: a mapped job's results there
         are cut, and a reduced job must count them as zero."""
 
-    def blocks(
-        self, view: FlatView, product: Callable, offset: Any, size: int
-    ) -> Callable[[Any], Any]:
-        """`start -> block(view, product, offset + start, size)`, made before the loop:
-        a job that prepares anything per program (products per leaf) does it here, once,
-        not in every block."""
-        return lambda start: self.block(view, product, offset + start, size)
-
 
 class Probes(AbstractVectorBlocks):
     """The probes of a job, in blocks: spread over the devices of the mesh axes that
@@ -141,7 +133,10 @@ def _local(engine: Probes, offset: Any, count: int) -> Any:
     product = view.linear(engine.strategy)  # built once: a linearisation serves every block
     label = f"{engine.owner} {job.what}" if engine.progress else None
     if not job.reduce:
-        mapped = job.blocks(view, product, offset, plan.block_size)
+
+        def mapped(start):
+            return job.block(view, product, offset + start, plan.block_size)
+
         return map_blocks(mapped, plan, axis=job.axis, progress=label)
 
     def block(start, size):
