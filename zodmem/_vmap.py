@@ -191,15 +191,7 @@ class ChunkedVmap(AbstractStreamable):
         if not mapped.total:
             return None
 
-        # One element of each mapped input (its axis dropped), the others as they are.
-        def element_of(leaf, axis):
-            shape = jnp.shape(leaf)
-            return jax.ShapeDtypeStruct(shape[:axis] + shape[axis + 1 :], leaf.dtype)
-
-        element = [
-            leaf if axis is None else element_of(leaf, axis)
-            for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
-        ]
+        element = _element_leaves(mapped)
         is_array = [
             eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in element
         ]
@@ -369,10 +361,9 @@ def _mapped_inputs(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> _Mapped:
     return _Mapped(input_axes, input_def, leaves, axes, total)
 
 
-def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
-    """The output axis of each leaf of `fn`'s output (`None`: unmapped), resolved on one
-    element's output as `eqx.filter_vmap` does, and made non-negative for the mapped
-    output (which has one more axis); as a pytree like the output."""
+def _element_leaves(mapped: _Mapped) -> list:
+    """The input leaves of one element: each mapped array as a `jax.ShapeDtypeStruct`
+    without its mapped axis, every other leaf as it is."""
 
     def element_of(leaf, axis):
         if axis is None or not eqx.is_array(leaf):
@@ -380,9 +371,15 @@ def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
         shape = tuple(d for i, d in enumerate(jnp.shape(leaf)) if i != axis)
         return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
-    element = mapped.input_def.unflatten(
-        [element_of(leaf, axis) for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)]
-    )
+    return [element_of(leaf, axis) for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)]
+
+
+def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
+    """The output axis of each leaf of `fn`'s output (`None`: unmapped), resolved on one
+    element's output as `eqx.filter_vmap` does, and made non-negative for the mapped
+    output (which has one more axis); as a pytree like the output."""
+
+    element = mapped.input_def.unflatten(_element_leaves(mapped))
 
     def resolve(inputs):
         element_args, element_kwargs = inputs
