@@ -321,3 +321,27 @@ def test_chunked_vmap_reads_one_elements_largest_value():
     assert columns._item_bytes(jnp.ones((30, 5)), 2.0) == 30 * 30 * xs.dtype.itemsize
     # Nothing mapped: nothing to read.
     assert zm.ChunkedVmap(fn, in_axes=None, max_memory="1GB")._item_bytes(xs, 2.0) is None
+
+
+def test_a_call_hands_its_compilers_heap_back_before_it_runs(monkeypatch):
+    """A transform's own call releases the heap after each of its compiles (so the run
+    does not carry it beside the result); a compile outside a transform's call does not."""
+    from zodmem import _compiled
+
+    released = []
+    monkeypatch.setattr(_compiled, "RELEASE_AFTER_S", 0.0)
+    monkeypatch.setattr(_compiled, "release_heap", lambda: released.append(True))
+
+    def loss(w, scale):
+        return scale * jnp.sum(jnp.sin(w) ** 3)
+
+    w = jnp.linspace(0.1, 1.0, 7)
+    jax.block_until_ready(jax.jit(lambda w: jnp.cos(w) * 3.0)(w))
+    assert released == []
+    with counting_compiles() as compiled:
+        hessian = zm.BatchedHessian(loss, nbatches=3)(w, 2.0)
+    assert len(compiled) >= 1
+    assert len(released) == len(compiled)
+    close(hessian, jax.hessian(loss)(w, 2.0))
+    jax.block_until_ready(jax.jit(lambda w: jnp.tan(w) * 5.0)(w))
+    assert len(released) == len(compiled)

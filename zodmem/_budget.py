@@ -71,7 +71,6 @@ the ladder: no block size changes the output.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 from collections.abc import Callable
@@ -82,7 +81,14 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from ._compiled import LEAN_CPU_OPTIONS, Compiled, abstract, collector_paused, compile_call
+from ._compiled import (
+    LEAN_CPU_OPTIONS,
+    Compiled,
+    abstract,
+    collector_paused,
+    compile_call,
+    release_heap,
+)
 from ._memory import budget_of, format_bytes, format_bytes_up
 from ._sharding import placement
 
@@ -586,15 +592,6 @@ def _new_plan(
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan, final.executable
     return plan, final.executable
-
-
-def release_heap() -> None:
-    """Hand the memory the compiler freed back to the operating system (glibc keeps it
-    otherwise, and the process would carry the planning compiles' heap into the call)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to release this way
 
 
 def _both_refused(refusals: list[MemoryBudgetError]) -> MemoryBudgetError:

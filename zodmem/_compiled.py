@@ -5,7 +5,9 @@ concrete arguments without compiling again."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,6 +29,8 @@ __all__ = [
     "lean_call",
     "compile_call",
     "compiled_memory",
+    "heap_released_after_compiles",
+    "release_heap",
     "run_compiled",
     "runs_compiled",
 ]
@@ -72,6 +76,49 @@ def collector_paused() -> Any:
     finally:
         if paused:
             gc.enable()
+
+
+def release_heap() -> None:
+    """Hand the memory the compiler freed back to the operating system. glibc keeps it
+    otherwise, and a call would carry the compile's heap (tens of MB on a CPU) into the
+    run, beside the result and the blocks' working memory."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to release this way
+
+
+# The event JAX records after each compile by the backend, with its duration.
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# A compile shorter than this leaves too little heap to be worth the release (a release
+# walks the whole heap: 0.2-15 ms on the reference Hessian).
+RELEASE_AFTER_S = 0.05
+_releasing = threading.local()
+_listening = False
+
+
+def _after_compile(event: str, duration: float, **_: Any) -> None:
+    if event == _BACKEND_COMPILE and duration >= RELEASE_AFTER_S:
+        if getattr(_releasing, "depth", 0):
+            release_heap()
+
+
+@contextlib.contextmanager
+def heap_released_after_compiles() -> Any:
+    """Within the block, each compile of this thread that takes at least
+    `RELEASE_AFTER_S` hands its freed heap back (`release_heap`) before its program
+    runs. A transform compiled on its first call then runs its blocks beside the result
+    without the compiler's leftover heap: on the reference Hessian (633 MB) the peak
+    above the process's floor went from 0.72-0.74 GB to 0.68 GB."""
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_duration_secs_listener(_after_compile)
+        _listening = True
+    _releasing.depth = getattr(_releasing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _releasing.depth -= 1
 
 
 def abstract(tree: Any) -> Any:
@@ -165,7 +212,7 @@ def lean_call(call: Callable[..., Any], *args: Any) -> Any:
     if key not in _LEAN:
         if len(_LEAN) >= _MAX_LEAN:
             _LEAN.pop(next(iter(_LEAN)))
-        with collector_paused():
+        with collector_paused(), heap_released_after_compiles():
             compiled = compile_call(call, *abstract(args), options=LEAN_CPU_OPTIONS)
         _LEAN[key] = compiled.executable
     return run_compiled(_LEAN[key], *args)

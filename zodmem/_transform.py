@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._budget import Plan, Work, compiled_plan, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
-from ._compiled import bind_compiled, runs_compiled
+from ._compiled import bind_compiled, heap_released_after_compiles, runs_compiled
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
@@ -132,7 +132,7 @@ class AbstractBlocked(AbstractTransform):
         """The call: planned from the budget (if any), then run. The program compiled to
         plan the chosen blocks is the one that runs, where it can (`_planned_bound`). The
         bars of a run that fails are closed, not left for the next run to draw beneath."""
-        with closing_bars():
+        with closing_bars(), heap_released_after_compiles():
             planned, bound = self._planned_bound(args, kwargs)
             if bound is not None:
                 return bound(args, kwargs)
