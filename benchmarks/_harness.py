@@ -235,7 +235,18 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("steady_min_s", "steady_cpu_min_s"):
         if key in good[0]:
             combined[key] = min(r[key] for r in good)
-    combined["runs"] = [{k: v for k, v in r.items() if k != "info"} for r in runs]
+    # Each run keeps the figures its case measured into `info` (bytes and seconds).
+    combined["runs"] = [
+        {
+            **{k: v for k, v in r.items() if k != "info"},
+            "measured": {
+                k: v
+                for k, v in r.get("info", {}).items()
+                if k.endswith(("_bytes", "_s")) and isinstance(v, (int, float))
+            },
+        }
+        for r in runs
+    ]
     return combined
 
 
