@@ -174,14 +174,6 @@ def _budgeted_case(
         return transform(*call_args)
 
     def after():
-        # The call's own peak: where the calls after planning set the process's peak,
-        # that peak less the resident memory they started from. Planning hands its
-        # compile heap back, so the call starts below the floor process's peak, and
-        # `peak - floor` undercounts it (the map's 36 MB intermediate measured 19 MB).
-        hwm = _status_bytes("VmHWM")
-        planned_peak = info.get("peak_after_plan_bytes")
-        if hwm and planned_peak and info.get("rss_after_plan_bytes") and hwm > planned_peak:
-            info["call_peak_bytes"] = hwm - info["rss_after_plan_bytes"]
         # Tracing the one-block program for its flops is work of the benchmark's own:
         # done once the calls are timed, so that it is in none of their times.
         if one_block is not None and info.get("tool") != "refused":
@@ -427,9 +419,18 @@ def _predicted(r: dict[str, Any], by_case: dict[str, Any]) -> int | None:
 
 
 def _call_peak(r: dict[str, Any]) -> int | None:
-    """The largest of the runs' call's own peaks (`call_peak_bytes`), where measured."""
-    runs = [run.get("measured", {}) for run in r.get("runs", [])] or [r["info"]]
-    peaks = [run["call_peak_bytes"] for run in runs if run.get("call_peak_bytes")]
+    """The call's own peak: where the first call after planning set the process's peak,
+    that peak less the resident memory the call started from; the largest over the
+    runs. Planning hands its compile heap back, so the call starts below the floor
+    process's peak, and `peak - floor` undercounts it (the map's 36 MB intermediate
+    measured 19 MB). Taken after the first call: later calls may hold two results while
+    the runtime frees the last one."""
+    peaks = []
+    for run in r.get("runs", [r]):
+        measured = run.get("measured", run.get("info", {}))
+        start, planned = measured.get("rss_after_plan_bytes"), measured.get("peak_after_plan_bytes")
+        if start and planned and run["peak_rss_bytes"] > planned:
+            peaks.append(run["peak_rss_bytes"] - start)
     return max(peaks) if peaks else None
 
 
