@@ -141,3 +141,63 @@ def test_a_budget_below_the_process_extra_is_refused_with_one_that_plans():
     plan = enough.plan(W, DATA)
     assert plan.fits
     close(enough(W, DATA), jax.jit(jax.hessian(loss))(W, DATA), rtol=1e-5)
+
+
+@pytest.fixture
+def compiles_that_grow(monkeypatch):
+    """The planner's reads of the process, faked: each compile grows the resident memory
+    by `growth` and raises the process's peak `peak` over where it began."""
+    from zodmem import _budget
+
+    sizes = {"growth": 45 * MB, "peak": 40 * MB}
+    base, reads = 500 * MB, []
+
+    def resident():
+        reads.append(None)
+        # Read before a compile, then after it: the heap grew by `growth`.
+        return base + (sizes["growth"] if len(reads) % 2 == 0 else 0)
+
+    monkeypatch.setattr(_budget, "resident_bytes", resident)
+    monkeypatch.setattr(_budget, "peak_resident_bytes", lambda: base + sizes["peak"], raising=False)
+    _budget._PLANS.clear()
+    yield sizes
+    _budget._PLANS.clear()
+
+
+def hessian_bytes(n):
+    return n * n * jnp.zeros(()).dtype.itemsize
+
+
+def test_a_concrete_call_holds_the_larger_of_the_compile_and_the_call(compiles_that_grow):
+    """The compile heap is handed back before a call on concrete arguments runs, so its
+    budget holds the call or a compile: at 60 MB, with 45 MB of heap grown by a compile
+    whose peak is 40 MB, a Hessian of several MB plans, where compile and call together
+    (plus the 10 MB runtime) do not fit."""
+    n = 1000
+    w, data = jnp.linspace(-1, 1, n), jnp.ones((8, n))
+    budget = 60 * MB
+    assert hessian_bytes(n) + 45 * MB + RESERVE_RUNTIME_BYTES > (1 - RESERVE_SHARE) * budget
+    transform = zm.BatchedHessian(loss, max_memory=budget)
+    plan = transform.plan(w, data)
+    assert plan.fits and plan.peak_bytes > hessian_bytes(n)
+    close(transform(w, data), jax.hessian(loss)(w, data), rtol=1e-5)
+
+
+def test_a_traced_call_holds_the_compile_and_the_call_together(compiles_that_grow):
+    """Under an outer `jax.jit` the call runs in that program, beside whatever heap its
+    compile left: the same budget is refused there, naming one that holds both."""
+    n = 1000
+    w, data = jnp.linspace(-1, 1, n), jnp.ones((8, n))
+    transform = zm.BatchedHessian(loss, max_memory=60 * MB)
+    with pytest.raises(zm.MemoryBudgetError, match="a budget of at least"):
+        jax.jit(transform)(w, data)
+
+
+def test_a_compile_whose_peak_passes_the_budget_keeps_both_together(compiles_that_grow):
+    """Where a compile's own peak does not fit the budget, the call on concrete arguments
+    is planned beside the compile heap, as a traced one is."""
+    compiles_that_grow["peak"] = 55 * MB
+    n = 1000
+    w, data = jnp.linspace(-1, 1, n), jnp.ones((8, n))
+    with pytest.raises(zm.MemoryBudgetError):
+        zm.BatchedHessian(loss, max_memory=60 * MB).plan(w, data)

@@ -51,13 +51,18 @@ Blocks are planned to fit the budget less a reserve for what the process allocat
 beside the call's buffers (`usable_bytes`). On an accelerator it is 2% of the budget,
 for the allocator's slack. On a CPU, where the call's memory is the process's own, it is
 2% of the budget, plus the most that compiling any candidate grew the process's
-resident memory while planning (measured around each compile, from a trimmed heap: the
-call's own compile grows it about as much again), plus `RESERVE_RUNTIME_BYTES` (10 MB)
-for the executable and the runtime's threads; where the resident memory cannot be read,
-`RESERVE_CPU_BYTES` (40 MB) stands for the compile and the runtime together. The
-reserve has no cap: a budget too small to hold it is refused rather than exceeded. A
-refusal names a budget `SUGGESTION_MARGIN` (15%) over the least that plans in this
-process (`least_budget`), since another process's compile may grow the heap more.
+resident memory while planning (measured around each compile, from a trimmed heap),
+plus `RESERVE_RUNTIME_BYTES` (10 MB) for the executable and the runtime's threads;
+where the resident memory cannot be read, `RESERVE_CPU_BYTES` (40 MB) stands for the
+compile and the runtime together. That holds compile and call together, as under an
+outer transform, whose program runs beside the heap its compile left. A call on
+concrete arguments runs once the compile heap is handed back (after planning, and after
+any compile of its own), so there the budget need only hold the larger of the two: the
+call with 2% and the runtime, and each compile's peak, bounded by the process's peak
+after it (`VmHWM`) less the resident memory before it. The reserve has no cap: a budget
+too small to hold it is refused rather than exceeded. A refusal names a budget
+`SUGGESTION_MARGIN` (15%) over the least that plans in this process (`least_budget`),
+since another process's compile may grow the heap more.
 
 The heap the compiler frees is handed back to the system before each candidate is
 compiled and once planning ends (`release_heap`), so that planning does not raise the
@@ -105,9 +110,9 @@ __all__ = [
 ]
 
 # What is kept of a budget for what the process allocates beside the call's own buffers:
-# blocks are planned to fit the rest. On a CPU the call's memory is the process's, and
-# compiling the call grows the heap by about what compiling a candidate grew it by while
-# planning (measured then, in the resident memory), plus the runtime's threads and the
+# blocks are planned to fit the rest. On a CPU the call's memory is the process's: the
+# heap a compile leaves (what compiling a candidate grew the resident memory by while
+# planning), where the call runs beside it, plus the runtime's threads and the
 # executable, `RESERVE_RUNTIME_BYTES`; where the resident memory cannot be read, a fixed
 # `RESERVE_CPU_BYTES` stands for both. On an accelerator only the allocator's slack shares
 # the device: 2% of the budget, never more than a tenth.
@@ -144,6 +149,18 @@ def resident_bytes() -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux's `VmHWM`), or `None`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # On a CPU, the most temporaries a block is planned to make (see the module's docstring).
@@ -413,11 +430,19 @@ def compiled_plan(
     compiled): `run_compiled(executable, candidate, args, kwargs)` runs the planned call
     without compiling it again, on arguments placed as these were (`runs_compiled`)."""
     run = _run if run is None else run
-    key = _cache_key((transform, args, kwargs, run), transform.max_memory)
+    # A plan for concrete arguments may count on the compile heap being handed back
+    # before the call runs; one for traced arguments may not (`_new_plan`).
+    key = _cache_key((transform, args, kwargs, run), (transform.max_memory, _traced(args, kwargs)))
     if key is not None and key in _PLANS:
         return _PLANS[key]
     with collector_paused():
         return _new_plan(transform, args, kwargs, run, key)
+
+
+def _traced(args: tuple, kwargs: dict) -> bool:
+    """Whether any argument is traced (the call is part of an outer transform's program)."""
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
 
 def _new_plan(
@@ -433,6 +458,15 @@ def _new_plan(
     # some set-up of the process's own, which errs on the safe side; a larger block's is
     # not always the larger (one block of everything is a program without a loop).
     growths: list[int] = []
+    # For concrete arguments the call runs the program compiled here (or one compiled as
+    # its first call begins), once the compile heap is handed back: its run does not
+    # carry that heap, and the budget holds the larger of the call and a compile, not
+    # both. A compile's peak above the heap it began from is at most the process's peak
+    # after it less the resident memory before it: an upper bound that is exact where
+    # the compile set the process's peak. Under an outer transform the call runs in a
+    # program compiled by that transform, beside whatever heap its compile left.
+    apart = not _traced(args, kwargs) and platform == "cpu"
+    compile_peaks: list[int] = []
     budget, source = budget_of(transform.max_memory)
     # With a budget, the search's two ends are probes (`compile_call`); a chosen probe is
     # compiled again for the call. Should its memory then not fit, the search is made
@@ -453,6 +487,9 @@ def _new_plan(
         after = resident_bytes()
         if before is not None and after is not None:
             growths.append(max(0, after - before))
+            peak = peak_resident_bytes()
+            if peak is not None:
+                compile_peaks.append(max(0, peak - before))
         compiles += 1
         return result
 
@@ -480,12 +517,28 @@ def _new_plan(
     def compile_bytes() -> int | None:
         return max(growths) if growths else None
 
+    def usable_now() -> int:
+        """The part of the budget a candidate's peak may take, from the compiles so far."""
+        beside = usable_bytes(budget, platform, compile_bytes())
+        if apart and compile_peaks and growths:
+            alone = usable_bytes(budget, platform, 0)
+            if max(compile_peaks) <= alone:
+                return max(beside, alone)
+        return beside
+
+    def least_now(peak: int) -> int:
+        """The least budget in which a call of `peak` bytes plans (`usable_now`)."""
+        least = least_budget(peak, platform, compile_bytes())
+        if apart and compile_peaks and growths:
+            least = min(least, least_budget(max(peak, max(compile_peaks)), platform, 0))
+        return least
+
     def usable(strategy: Any) -> int:
         if platform == "cpu":
             # The search compiles the whole work on a CPU anyway: the heap it grows is
             # measured. Its peak also says whether one item per block is the plan.
             memory(strategy, work.total)
-        return usable_bytes(budget, platform, compile_bytes())
+        return usable_now()
 
     def output_bytes(strategy: Any) -> int:
         # The same for every block size: from whichever end is compiled.
@@ -503,7 +556,7 @@ def _new_plan(
         if item is None or item < CPU_BLOCK_BYTES or work.total < 2:
             return None
         for_call.add((strategy, 1))
-        if memory(strategy, 1).peak_bytes <= usable_bytes(budget, platform, compile_bytes()):
+        if memory(strategy, 1).peak_bytes <= usable_now():
             return strategy, 1
         return None
 
@@ -514,7 +567,7 @@ def _new_plan(
 
             def refuse(least: int, strategy: Any = strategy) -> MemoryBudgetError:
                 # Over the least: a new process's compile may grow the heap more.
-                suggested = least_budget(least, platform, compile_bytes()) * SUGGESTION_MARGIN
+                suggested = least_now(least) * SUGGESTION_MARGIN
                 return refusal(
                     owner,
                     budget,
@@ -567,7 +620,7 @@ def _new_plan(
             final = measured[chosen]
         else:
             final = compiled(*chosen, probe=False)
-        if final.peak_bytes > usable_bytes(budget, platform, compile_bytes()):
+        if final.peak_bytes > usable_now():
             probing = False
             measured.clear()
             chosen = choose()
