@@ -92,6 +92,7 @@ from ._compiled import (
     abstract,
     collector_paused,
     compile_call,
+    is_traced,
     release_heap,
 )
 from ._memory import budget_of, format_bytes, format_bytes_up
@@ -432,21 +433,16 @@ def compiled_plan(
     run = _run if run is None else run
     # A plan for concrete arguments may count on the compile heap being handed back
     # before the call runs; one for traced arguments may not (`_new_plan`).
-    key = _cache_key((transform, args, kwargs, run), (transform.max_memory, _traced(args, kwargs)))
+    traced = is_traced((args, kwargs))
+    key = _cache_key((transform, args, kwargs, run), (transform.max_memory, traced))
     if key is not None and key in _PLANS:
         return _PLANS[key]
     with collector_paused():
-        return _new_plan(transform, args, kwargs, run, key)
-
-
-def _traced(args: tuple, kwargs: dict) -> bool:
-    """Whether any argument is traced (the call is part of an outer transform's program)."""
-    leaves = jax.tree_util.tree_leaves((args, kwargs))
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+        return _new_plan(transform, args, kwargs, run, key, traced)
 
 
 def _new_plan(
-    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any], key: Any
+    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any], key: Any, traced: bool
 ) -> tuple[Plan, Any]:
     owner = type(transform).__name__
     work = transform._work(*args, **kwargs)  # traces fn for a derivative: after the cache
@@ -465,7 +461,7 @@ def _new_plan(
     # after it less the resident memory before it: an upper bound that is exact where
     # the compile set the process's peak. Under an outer transform the call runs in a
     # program compiled by that transform, beside whatever heap its compile left.
-    apart = not _traced(args, kwargs) and platform == "cpu"
+    apart = not traced and platform == "cpu"
     compile_peaks: list[int] = []
     budget, source = budget_of(transform.max_memory)
     # With a budget, the search's two ends are probes (`compile_call`); a chosen probe is
@@ -520,7 +516,7 @@ def _new_plan(
     def usable_now() -> int:
         """The part of the budget a candidate's peak may take, from the compiles so far."""
         beside = usable_bytes(budget, platform, compile_bytes())
-        if apart and compile_peaks and growths:
+        if apart and compile_peaks:
             alone = usable_bytes(budget, platform, 0)
             if max(compile_peaks) <= alone:
                 return max(beside, alone)
@@ -529,7 +525,7 @@ def _new_plan(
     def least_now(peak: int) -> int:
         """The least budget in which a call of `peak` bytes plans (`usable_now`)."""
         least = least_budget(peak, platform, compile_bytes())
-        if apart and compile_peaks and growths:
+        if apart and compile_peaks:
             least = min(least, least_budget(max(peak, max(compile_peaks)), platform, 0))
         return least
 

@@ -30,6 +30,7 @@ __all__ = [
     "compile_call",
     "compiled_memory",
     "heap_released_after_compiles",
+    "is_traced",
     "release_heap",
     "run_compiled",
     "runs_compiled",
@@ -119,6 +120,11 @@ def heap_released_after_compiles() -> Any:
         yield
     finally:
         _releasing.depth -= 1
+
+
+def is_traced(tree: Any) -> bool:
+    """Whether any leaf of `tree` is traced (a call inside an outer transform's program)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def abstract(tree: Any) -> Any:

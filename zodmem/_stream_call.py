@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._blocks import OutputSink
+from ._compiled import is_traced
 from ._progress import closing_bars
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
 
 
 def _check_concrete(args: tuple, kwargs: dict, name: str) -> None:
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+    if is_traced((args, kwargs)):
         raise TypeError(
             f"zm.{name}: the arguments hold traced values; zm.{name} moves the result off "
             "the device as it is made, so call it outside jax.jit, jax.vmap and jax.grad."
