@@ -69,11 +69,14 @@ class Columns(ProbeJob):
 
 
 class Hutchinson(ProbeJob):
-    """The sums of Hutchinson's samples and of their squares over random sign probes `g`
-    (probe `i` is `sign_probes(key, first + i)`, whatever the blocks): `g^T A g` for a trace,
-    `g * (A g)` for a diagonal. With `basis` (orthonormal columns `Q`, `P = Q Q^T`), the
-    samples of what `P` leaves: `g' ^T A g'` with `g' = (I - P) g` (Hutch++), or
-    `g * (I - P) A g` (Diag++)."""
+    """The number, mean and summed squared deviations from the mean of Hutchinson's
+    samples over random sign probes `g` (probe `i` is `sign_probes(key, first + i)`,
+    whatever the blocks): `g^T A g` for a trace, `g * (A g)` for a diagonal. With `basis`
+    (orthonormal columns `Q`, `P = Q Q^T`), the samples of what `P` leaves: `g' ^T A g'`
+    with `g' = (I - P) g` (Hutch++), or `g * (I - P) A g` (Diag++).
+
+    Deviations, not the sums of the samples and of their squares: a trace far larger than
+    the samples' spread would lose the spread to rounding in `sum(x^2) - p mean^2`."""
 
     key: jax.Array
     basis: jax.Array | None
@@ -88,7 +91,8 @@ class Hutchinson(ProbeJob):
 
     def sums_like(self, view: FlatView) -> Any:
         shape = () if self.for_trace else (view.size,)
-        return (jax.ShapeDtypeStruct(shape, view.dtype),) * 2
+        moment = jax.ShapeDtypeStruct(shape, view.dtype)
+        return jax.ShapeDtypeStruct((), jnp.int32), moment, moment
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         basis = self.basis
@@ -104,13 +108,32 @@ class Hutchinson(ProbeJob):
             else:
                 applied = product(probe)
                 value = probe * (applied if basis is None else deflated(applied))
-            value = jnp.where(index < self.num, value, 0)  # past the last probe: nothing
-            return value, value * value
+            return value
 
         indices = start + jnp.arange(size, dtype=jnp.int32)
         probes = sign_probes(self.key, self.first + indices, view.size, view.dtype)
-        values, squares = jax.vmap(sample)(indices, probes)
-        return jnp.sum(values, axis=0), jnp.sum(squares, axis=0)
+        values = jax.vmap(sample)(indices, probes)
+        # Past the last probe (the last device's share, when the devices do not divide
+        # the probes): no sample.
+        real = jnp.expand_dims(indices < self.num, tuple(range(1, values.ndim)))
+        count = jnp.sum(indices < self.num, dtype=jnp.int32)
+        mean = jnp.sum(jnp.where(real, values, 0), axis=0) / jnp.maximum(count, 1).astype(
+            values.dtype
+        )
+        deviations = jnp.where(real, values - mean, 0)
+        return count, mean, jnp.sum(deviations * deviations, axis=0)
+
+    def combine(self, total: Any, part: Any) -> Any:
+        """Two sets of samples' statistics merged (Chan, Golub and LeVeque's pairwise
+        update), never subtracting two large sums; an empty set leaves the other as is."""
+        count_a, mean_a, spread_a = total
+        count_b, mean_b, spread_b = part
+        count = count_a + count_b
+        a, b = count_a.astype(mean_a.dtype), count_b.astype(mean_a.dtype)
+        share = b / jnp.maximum(a + b, 1)  # of the merged samples that are `part`'s
+        delta = mean_b - mean_a
+        mean = mean_a + delta * share
+        return count, mean, spread_a + spread_b + delta * delta * a * share
 
 
 # -- checks --------------------------------------------------------------------------------
@@ -146,34 +169,34 @@ def _stochastic_view(operator: Any, owner: str, method: str) -> FlatView:
     return view
 
 
-def _mean_and_error(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
-    """The mean of `count` samples and its standard error, from their sum and the sum of
-    their squares. Sums held whole in this process are worked on in NumPy, which
-    compiles nothing (a program would cost a one-shot call more than the estimate's
-    products do)."""
+def _mean_and_error(statistics: tuple, count: int) -> tuple:
+    """The mean of `count` samples and its standard error, from `Hutchinson`'s
+    statistics (their number, mean and summed squared deviations). Statistics held whole
+    in this process are finished in NumPy, in double precision, which compiles nothing (a
+    program would cost a one-shot call more than the estimate's products do)."""
+    _, mean, spread = statistics
     concrete = all(
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
-        for x in (sums, squares)
+        for x in (mean, spread)
     )
     if not concrete:
-        return _mean_and_error_traced(sums, squares, count)
-    mean, error = _moments(np, np.asarray(sums), np.asarray(squares), count)
-    # Put on the device in the sums' dtype (`jnp.asarray` with a dtype would compile a
+        return mean, _standard_error_traced(spread, count)
+    error = _standard_error(np, np.asarray(spread, np.float64), count)
+    # Put on the device in the mean's dtype (`jnp.asarray` with a dtype would compile a
     # cast).
-    return tuple(jax.device_put(np.asarray(x, sums.dtype)) for x in (mean, error))
+    return mean, jax.device_put(np.asarray(error, mean.dtype))
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _mean_and_error_traced(sums: jax.Array, squares: jax.Array, count: int) -> tuple:
-    return _moments(jnp, sums, squares, count)
+@functools.partial(jax.jit, static_argnums=1)
+def _standard_error_traced(spread: jax.Array, count: int) -> jax.Array:
+    return _standard_error(jnp, spread, count)
 
 
-def _moments(xp: Any, sums: Any, squares: Any, count: int) -> tuple:
-    """`_mean_and_error` in the array module `xp` (NumPy or `jax.numpy`); `count`, a
-    Python int, keeps the sums' dtype in either."""
-    mean = sums / count
-    spread = xp.maximum(squares - count * mean * mean, 0) / (count - 1)
-    return mean, xp.sqrt(spread / count)
+def _standard_error(xp: Any, spread: Any, count: int) -> Any:
+    """The standard error of the mean of `count` samples whose squared deviations from
+    it sum to `spread`, in the array module `xp` (NumPy or `jax.numpy`); `count`, a
+    Python int, keeps the spread's dtype in either."""
+    return xp.sqrt(spread / ((count - 1) * count))
 
 
 def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:
@@ -369,8 +392,8 @@ def _estimate(
     key = _check_key(key, owner, method)
     if method == "hutchinson":
         num = _check_probes(num_probes, owner, method, 2)
-        sums, squares = run_probes(view, Hutchinson(key, None, num, for_trace), **options)
-        return _mean_and_error(sums, squares, num)
+        statistics = run_probes(view, Hutchinson(key, None, num, for_trace), **options)
+        return _mean_and_error(statistics, num)
     num = _check_probes(num_probes, owner, method, 4)
     width = num // 3
     # The key's probes 0 to width - 1 sketch; those after them estimate the rest.
@@ -378,7 +401,7 @@ def _estimate(
     known = jnp.sum(basis * products) if for_trace else jnp.sum(basis * products, axis=1)
     rest = num - 2 * width
     job = Hutchinson(key, basis, rest, for_trace, first=width)
-    mean, error = _mean_and_error(*run_probes(view, job, **options), rest)
+    mean, error = _mean_and_error(run_probes(view, job, **options), rest)
     return known + mean, error
 
 

@@ -8,12 +8,14 @@ diagonal, say, or the probes' quadratic forms. `Probes` runs the blocks: as a bl
 transform, its block size is planned from `max_memory` like any other's, the blocks run
 in one compiled loop with an optional progress bar, and a `sharding` spreads the probes
 over devices. A job's results are either one per probe (`reduce = False`, assembled along
-`axis`) or summed over the probes (`reduce = True`).
+`axis`) or merged over the probes (`reduce = True`): each block's, then each device's,
+by the job's `combine`, a sum unless the job says otherwise.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -48,7 +50,7 @@ class ProbeJob(eqx.Module):
         """How many probes the job has."""
 
     def sums_like(self, view: FlatView) -> Any:
-        """A reduced job's sums as `jax.ShapeDtypeStruct`s, where the job knows them
+        """A reduced job's results as `jax.ShapeDtypeStruct`s, where the job knows them
         (`None`: they are found by tracing a block, once more per program)."""
         return None
 
@@ -56,9 +58,15 @@ class ProbeJob(eqx.Module):
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         """The results of probes `start, ..., start + size - 1` (`start` traced), with
         `product` one product with a flat vector: `size` results along `axis` for a
-        mapped job, their sum for a reduced one. Spread over devices that do not divide
-        the probes, a block may run past the last probe: a mapped job's results there
-        are cut, and a reduced job must count them as zero."""
+        mapped job, what `combine` merges for a reduced one. Spread over devices that do
+        not divide the probes, a block may run past the last probe: a mapped job's
+        results there are cut, and a reduced job must count them as zero."""
+
+    def combine(self, total: Any, part: Any) -> Any:
+        """A reduced job's results of two sets of probes merged into those of both: the
+        blocks done so far and the next one, or two devices' shares. By default their
+        sum, whose zero (as `sums_like` shapes it) starts the merge."""
+        return jax.tree_util.tree_map(jnp.add, total, part)
 
 
 class Probes(AbstractVectorBlocks):
@@ -100,7 +108,7 @@ def _probes(engine: Probes) -> Any:
             return _local(engine, 0, total)
         count = padded // split.count
         result = _local(engine, share.index * count, count)
-        if engine.job.reduce:  # each device's sum, stacked, then added up
+        if engine.job.reduce:  # each device's results, stacked, then merged
             result = jax.tree_util.tree_map(lambda leaf: leaf[None], result)
         return result
 
@@ -113,7 +121,13 @@ def _probes(engine: Probes) -> Any:
 
     result = dispatch(compute, engine, split, out_specs=specs)
     if engine.job.reduce:
-        return jax.tree_util.tree_map(lambda leaf: jnp.sum(leaf, axis=0), result)
+        # Whole on every device first: a share is read by its index along the split axis.
+        result = replicate(result, split.mesh)
+        shares = [
+            jax.tree_util.tree_map(lambda leaf, index=index: leaf[index], result)
+            for index in range(split.count)
+        ]
+        return functools.reduce(engine.job.combine, shares)
     if padded != total:
         result = replicate(result, split.mesh)
         axis = engine.job.axis
@@ -150,7 +164,7 @@ def _local(engine: Probes, offset: Any, count: int) -> Any:
     init = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
 
     def update(acc, result, index, size):
-        return jax.tree_util.tree_map(jnp.add, acc, result)
+        return job.combine(acc, result)
 
     return reduce_blocks(block, plan, init, update, progress=label)
 
