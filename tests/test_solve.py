@@ -61,6 +61,12 @@ def spd(n, seed, *, rank=None, shift=1.0):
     return A @ A.T / n + shift * np.eye(n)
 
 
+def in_units(C, scales):
+    """`C` with its variables measured in other units: `D^1/2 C D^1/2`, `D = diag(scales)`."""
+    root = np.sqrt(scales)
+    return root[:, None] * C * root[None, :]
+
+
 # -- solve -------------------------------------------------------------------------------
 
 
@@ -286,10 +292,20 @@ def test_singular_or_indefinite_f_is_refused():
     indefinite = spd(6, seed=6) - 3 * np.eye(6)
     with pytest.raises(ValueError, match=r"singular to working precision.*pseudo_inverse=True"):
         covariance(jnp.asarray(singular))
-    with pytest.raises(ValueError, match=r"not positive definite: its smallest eigenvalue is -"):
+    with pytest.raises(
+        ValueError,
+        match=r"not positive definite: scaled to a unit diagonal, its smallest eigenvalue is -",
+    ):
         covariance(jnp.asarray(indefinite))
-    tiny = np.diag([1.0, 1e-20, 2.0, 3.0, 1.0, 1.0])  # factors, but with a vanishing pivot
-    with pytest.raises(ValueError, match=r"singular to working precision: pivot 1 of its"):
+    # Two variables that the data tell apart by a rounding error, in different units:
+    # it factors, but with a vanishing pivot.
+    tiny = np.eye(6)
+    tiny[0, 1] = tiny[1, 0] = np.nextafter(1.0, 0.0)
+    tiny = in_units(tiny, 2.0 ** np.arange(-10, 20, 5))
+    with pytest.raises(
+        ValueError,
+        match=r"singular to working precision: scaled to a unit diagonal, pivot 1 of its",
+    ):
         covariance(jnp.asarray(tiny))
     jitted = jax.jit(covariance)
     for F, match in ((singular, "not positive definite"), (tiny, "pivot of its Cholesky")):
@@ -300,21 +316,76 @@ def test_singular_or_indefinite_f_is_refused():
 def test_pseudo_inverse_of_a_rank_deficient_f():
     F = spd(6, seed=7, rank=4, shift=0.0)
     C, errors = covariance(jnp.asarray(F), pseudo_inverse=True)
-    pinv = np.asarray(jnp.linalg.pinv(jnp.asarray(F)))
+    # The Moore-Penrose inverse of F in units of a unit diagonal, in F's units again.
+    units = 1 / np.diagonal(F)
+    pinv = in_units(np.linalg.pinv(in_units(F, units)), units)
     close(C, pinv, 1e-8, 1e-10)
     close(errors, np.sqrt(np.diagonal(pinv)), 1e-8, 1e-10)
     # A larger cutoff drops more directions.
-    w, V = np.linalg.eigh(F)
+    w, V = np.linalg.eigh(in_units(F, units))
     kept = w > 0.5 * w.max()
     close(
         covariance(jnp.asarray(F), pseudo_inverse=True, rcond=0.5)[0],
-        (V[:, kept] / w[kept]) @ V[:, kept].T,
+        in_units((V[:, kept] / w[kept]) @ V[:, kept].T, units),
         1e-8,
         1e-10,
     )
     indefinite = spd(6, seed=8) - 3 * np.eye(6)
-    with pytest.raises(ValueError, match=r"not positive semi-definite: its smallest eigenvalue"):
+    with pytest.raises(
+        ValueError, match=r"not positive semi-definite: scaled to a unit diagonal, its smallest"
+    ):
         covariance(jnp.asarray(indefinite), pseudo_inverse=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("pseudo_inverse", [False, True])
+def test_covariance_of_variables_in_different_units(dtype, pseudo_inverse):
+    # One variable a thousand times better determined than the rest is no singular matrix.
+    F = np.diag([1e6] + [1.0] * 19).astype(dtype)
+    C, errors = covariance(jnp.asarray(F), pseudo_inverse=pseudo_inverse)
+    close(C, np.diag([1e-6] + [1.0] * 19).astype(dtype))
+    close(errors, np.asarray([1e-3] + [1.0] * 19, dtype))
+    tiny = np.diag([1.0, 1e-20, 2.0, 3.0]).astype(dtype)  # a unit with 1e-10 in it
+    close(covariance(jnp.asarray(tiny))[1], np.sqrt(1 / np.diagonal(tiny)))
+
+
+@pytest.mark.parametrize(
+    "dtype, span, rtol", [(np.float64, 6, 1e-9), (np.float64, 12, 1e-9), (np.float32, 6, 1e-4)]
+)
+@pytest.mark.parametrize("pseudo_inverse", [False, True])
+def test_covariance_of_a_badly_scaled_matrix(dtype, span, rtol, pseudo_inverse):
+    well_conditioned = spd(8, seed=13)
+    scales = np.logspace(-span, span, 8)[np.random.default_rng(14).permutation(8)]
+    F = in_units(well_conditioned, scales)
+    inverse = np.linalg.inv(F)
+    C, errors = covariance(jnp.asarray(F, dtype), pseudo_inverse=pseudo_inverse)
+    # Entrywise, relative to each entry's own units `1 / sqrt(d_i d_j)`.
+    close(in_units(np.asarray(C, float), scales), in_units(inverse, scales), rtol, rtol)
+    assert C.dtype == errors.dtype == dtype
+    close(errors, np.sqrt(np.diagonal(inverse)).astype(dtype), rtol, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_singular_matrix_in_different_units_is_refused(dtype):
+    scales = np.logspace(-6, 6, 6)[::-1]
+    singular = in_units(spd(6, seed=15, rank=4, shift=0.0), scales).astype(dtype)
+    with pytest.raises(ValueError, match=r"singular to working precision.*pseudo_inverse=True"):
+        covariance(jnp.asarray(singular))
+    # The pseudo-inverse in the variables' own units is a generalised inverse: F G F = F.
+    G, errors = covariance(jnp.asarray(singular), pseudo_inverse=True)
+    rtol = 1e-4 if dtype == np.float32 else 1e-9
+    close(
+        in_units(singular @ np.asarray(G, float) @ singular, 1 / scales),
+        in_units(singular, 1 / scales),
+        rtol,
+        rtol,
+    )
+    close(errors, np.sqrt(np.diagonal(np.asarray(G))))
+    # A variable the data do not touch (a zero row) has no error, and leaves the others'.
+    F = np.diag([1e6, 0.0, 4.0]).astype(dtype)
+    with pytest.raises(ValueError, match=r"singular to working precision"):
+        covariance(jnp.asarray(F))
+    close(covariance(jnp.asarray(F), pseudo_inverse=True)[1], np.asarray([1e-3, 0.0, 0.5], dtype))
 
 
 def test_covariance_refuses_bad_input():

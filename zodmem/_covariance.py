@@ -22,32 +22,45 @@ __all__ = ["covariance"]
 _ASYMMETRIC, _NOT_DEFINITE, _SINGULAR = 1, 2, 3
 
 
-def _asymmetry(F: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`(difference, scale)`: `max |F v - F^T v|` and `max |F| |v|` for one fixed vector
-    `v`, a symmetry check that costs two products and no second matrix."""
+def _asymmetry(F: jax.Array, s: jax.Array) -> jax.Array:
+    """`max |A v - A^T v| / max |A| |v|` of `A = S F S`, `S = diag(s)`, for one fixed
+    vector `v`: a symmetry check that costs two products and no second matrix."""
     # Entries spread without pattern (an irrational step), so that no structured
     # asymmetry of F maps `v` to zero.
-    v = jnp.sin(jnp.arange(1, F.shape[0] + 1, dtype=F.dtype) * 0.7548776662466927)
-    return jnp.max(jnp.abs(F @ v - v @ F)), jnp.max(jnp.abs(F) @ jnp.abs(v))
+    v = s * jnp.sin(jnp.arange(1, F.shape[0] + 1, dtype=F.dtype) * 0.7548776662466927)
+    difference = jnp.max(jnp.abs(s * (F @ v - v @ F)))
+    scale = jnp.max(s * (jnp.abs(F) @ jnp.abs(v)))
+    return difference / jnp.where(scale > 0, scale, 1)
+
+
+def _unit_diagonal(F: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(S F S, s)` with `S = diag(s)`, `s = 1 / sqrt|diag F|`: `F` in units in which each
+    variable's own curvature is one (1 where a diagonal entry is zero)."""
+    diagonal = jnp.abs(jnp.diagonal(F))
+    # A zero diagonal entry of a semi-definite F has a zero row: any unit leaves it so.
+    s = jnp.where(diagonal > 0, 1 / jnp.sqrt(jnp.where(diagonal > 0, diagonal, 1)), 1)
+    return s[:, None] * F * s[None, :], s
 
 
 @jax.jit
 def _cholesky_inverse(F):
-    """`(inverse, code, row, pivot, ratio)`: `F^{-1}` from its Cholesky factor; the
-    failure code, the first bad row of the factor and its pivot, the asymmetry ratio."""
+    """`(inverse, code, row, pivot, ratio)`: `F^{-1}` from the Cholesky factor of `F`
+    scaled to a unit diagonal; the failure code, the first bad row of that factor and its
+    pivot, the asymmetry ratio."""
     n = F.shape[0]
     eps = jnp.finfo(F.dtype).eps
-    factor = jax.scipy.linalg.cho_factor(F, lower=True)
+    scaled, s = _unit_diagonal(F)
+    factor = jax.scipy.linalg.cho_factor(scaled, lower=True)
     pivots = jnp.diagonal(factor[0])
     inverse = jax.scipy.linalg.cho_solve(factor, jnp.eye(n, dtype=F.dtype))
-    # A pivot whose square is below n eps of the largest diagonal entry leaves no correct
-    # digit in the inverse: F is singular to working precision.
-    tiny = pivots**2 <= n * eps * jnp.max(jnp.abs(jnp.diagonal(F)))
+    inverse = s[:, None] * inverse * s[None, :]
+    # A pivot whose square is below n eps of the (unit) diagonal leaves no correct digit
+    # in the inverse: F is singular to working precision, whatever its variables' units.
+    tiny = pivots**2 <= n * eps * jnp.max(jnp.abs(jnp.diagonal(scaled)))
     broken = ~jnp.isfinite(pivots) | (pivots <= 0)
     bad = broken | tiny
     row = jnp.argmax(bad)
-    difference, scale = _asymmetry(F)
-    ratio = difference / jnp.where(scale > 0, scale, 1)
+    ratio = _asymmetry(F, s)
     code = jnp.select(
         [ratio > jnp.sqrt(eps), jnp.any(broken), jnp.any(tiny)],
         [_ASYMMETRIC, _NOT_DEFINITE, _SINGULAR],
@@ -58,15 +71,16 @@ def _cholesky_inverse(F):
 
 @jax.jit
 def _pseudo_inverse(F, rcond):
-    """`(pseudo-inverse, code, smallest eigenvalue, ratio)` from the eigendecomposition."""
-    eigenvalues, vectors = jnp.linalg.eigh(F, symmetrize_input=False)
+    """`(pseudo-inverse, code, smallest eigenvalue, ratio)`: `S pinv(S F S) S`, from the
+    eigendecomposition of `F` scaled to a unit diagonal, and its smallest eigenvalue."""
+    scaled, s = _unit_diagonal(F)
+    eigenvalues, vectors = jnp.linalg.eigh(scaled, symmetrize_input=False)
     cutoff = rcond * jnp.max(jnp.abs(eigenvalues))
     kept = jnp.abs(eigenvalues) > cutoff
     root = jnp.sqrt(jnp.where(kept & (eigenvalues > 0), 1 / jnp.where(kept, eigenvalues, 1), 0))
-    weighted = vectors * root
+    weighted = s[:, None] * vectors * root
     inverse = weighted @ weighted.T
-    difference, scale = _asymmetry(F)
-    ratio = difference / jnp.where(scale > 0, scale, 1)
+    ratio = _asymmetry(F, s)
     smallest = eigenvalues[0]
     code = jnp.select(
         [ratio > jnp.sqrt(jnp.finfo(F.dtype).eps), smallest < -cutoff],
@@ -90,20 +104,25 @@ def _refusal(owner: str, code: int, pseudo_inverse: bool, values: Any = None) ->
         return f"{owner}: `F` is not symmetric{size}; pass a symmetric matrix."
     if code == _NOT_DEFINITE:
         kind = "semi-definite" if pseudo_inverse else "definite"
-        smallest = f": its smallest eigenvalue is {values['smallest']:.3g}" if shown else ""
+        smallest = (
+            f": scaled to a unit diagonal, its smallest eigenvalue is {values['smallest']:.3g}"
+            if shown
+            else ""
+        )
         return (
             f"{owner}: `F` is not positive {kind}{smallest}, so it is no covariance's "
             f"inverse (a Hessian away from a minimum?).{way_out}"
         )
     if not shown:
-        why = ": a pivot of its Cholesky factor vanishes"
+        why = "a pivot of its Cholesky factor vanishes"
     elif "smallest" in values:
         why = (
-            f": its smallest eigenvalue is {values['smallest']:.3g}, its largest "
+            f"its smallest eigenvalue is {values['smallest']:.3g}, its largest "
             f"{values['largest']:.3g}"
         )
     else:
-        why = f": pivot {values['row']} of its Cholesky factor is {values['pivot']:.3g}"
+        why = f"pivot {values['row']} of its Cholesky factor is {values['pivot']:.3g}"
+    why = f": scaled to a unit diagonal, {why}"
     return f"{owner}: `F` is singular to working precision{why}.{way_out}"
 
 
@@ -136,25 +155,32 @@ def covariance(
     square roots of its diagonal their standard errors. For a few parameters of a model
     too large for the dense matrix, `zm.marginal_variances` takes solves instead.
 
-    The inverse comes from a Cholesky factorisation, `cho_solve(cho_factor(F), I)`. A
-    matrix that is not positive definite, or singular to working precision (a pivot of
-    its factor whose square is below `n * eps` of its largest diagonal entry), is
-    refused, never answered with NaNs: eagerly by a `ValueError`; under `jax.jit` by the
-    same message through `eqx.error_if` when the call runs. With `pseudo_inverse=True`
-    the Moore-Penrose pseudo-inverse is taken instead, from an eigendecomposition with
-    the eigenvalues below `rcond * max|eigenvalue|` dropped: the covariance of the
-    directions the data determine.
+    `F` is first scaled to a unit diagonal, `A = S F S` with `S = diag(F)^{-1/2}` (1
+    where the diagonal is zero, as is then a semi-definite `F`'s whole row): each
+    variable measured in units of its own curvature, so that variables in different
+    units (`F = diag(1e6, 1)`) are no sign of trouble. The inverse comes from a Cholesky
+    factorisation of `A`, `S cho_solve(cho_factor(A), I) S`. A matrix that is not
+    positive definite, or singular to working precision (a pivot of `A`'s factor whose
+    square is below `n * eps`), is refused, never answered with NaNs: eagerly by a
+    `ValueError`; under `jax.jit` by the same message through `eqx.error_if` when the
+    call runs. With `pseudo_inverse=True` the pseudo-inverse is taken instead,
+    `S pinv(A) S`, from an eigendecomposition of `A` with the eigenvalues below
+    `rcond * max|eigenvalue|` dropped: the covariance of the directions the data
+    determine. It is the Moore-Penrose inverse of `F` where `F`'s diagonal is constant
+    (and `F^{-1}` where `F` is invertible); unlike that one, it follows the variables'
+    units: measuring a variable in other units scales its row and column of the
+    covariance, and no other entry.
 
-    Only the lower triangle of `F` is factored; `F` is checked to be symmetric to within
-    `sqrt(eps)` of its scale by comparing `F v` with `F^T v` for one vector `v`.
+    Only the lower triangle of `A` is factored; `A` is checked to be symmetric to within
+    `sqrt(eps)` of its scale by comparing `A v` with `A^T v` for one vector `v`.
 
     **Arguments:**
 
     - `F`: a real `(n, n)` floating-point array, symmetric positive definite
       (semi-definite with `pseudo_inverse=True`).
     - `pseudo_inverse`: `True` for the pseudo-inverse of a singular `F`. Default `False`.
-    - `rcond`: with `pseudo_inverse=True`, the relative cutoff for small eigenvalues;
-      `None` (the default) is `n * eps` of `F`'s dtype, as `jnp.linalg.pinv`.
+    - `rcond`: with `pseudo_inverse=True`, the relative cutoff for small eigenvalues of
+      `A`; `None` (the default) is `n * eps` of `F`'s dtype, as `jnp.linalg.pinv`.
     - `like`: `None`, or the pytree `x` that `F` was taken at: the standard errors are
       then returned shaped like its variables (its inexact-array leaves; `None` at the
       other leaves). `zm.hessian_to_pytree(covariance, x)` cuts the matrix alike.
@@ -216,7 +242,7 @@ def covariance(
         if code == _NOT_DEFINITE and not pseudo_inverse:
             # Only on the way to an error: the failed factor says neither where nor by how
             # much, the eigenvalues do (and tell a singular F from an indefinite one).
-            eigenvalues = np.asarray(jnp.linalg.eigvalsh(F))
+            eigenvalues = np.asarray(jnp.linalg.eigvalsh(_unit_diagonal(F)[0]))
             values["smallest"], values["largest"] = eigenvalues[0], eigenvalues[-1]
             if eigenvalues[0] >= -n * np.finfo(F.dtype).eps * np.max(np.abs(eigenvalues)):
                 code = _SINGULAR
