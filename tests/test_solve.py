@@ -308,9 +308,28 @@ def test_singular_or_indefinite_f_is_refused():
     ):
         covariance(jnp.asarray(tiny))
     jitted = jax.jit(covariance)
-    for F, match in ((singular, "not positive definite"), (tiny, "pivot of its Cholesky")):
+    for F, match in ((singular, "singular to working precision"), (tiny, "pivot of its Cholesky")):
         with pytest.raises(RuntimeError, match=match):
             jax.block_until_ready(jitted(jnp.asarray(F)))
+
+
+def test_covariance_refuses_alike_eagerly_and_under_jit():
+    singular = jnp.asarray(spd(6, seed=5, rank=3, shift=0.0))  # its factor breaks down
+    indefinite = jnp.asarray(spd(6, seed=6) - 3 * np.eye(6))
+    way_out = r"\. Pass pseudo_inverse=True for the pseudo-inverse, or add a small multiple"
+    refusals = [
+        (singular, r"`F` is singular to working precision: scaled to a unit diagonal, "),
+        (indefinite, r"`F` is not positive definite"),
+    ]
+    for F, match in refusals:
+        message = rf"^zm\.covariance: {match}.*{way_out}"
+        with pytest.raises(ValueError, match=message):
+            covariance(F)
+        for jitted in (eqx.filter_jit(covariance), jax.jit(covariance)):
+            with pytest.raises(RuntimeError, match=rf"(?m){message[1:]}") as raised:
+                jax.block_until_ready(jitted(F))
+            other = "not positive definite" if F is singular else "singular to working"
+            assert other not in str(raised.value)
 
 
 def test_pseudo_inverse_of_a_rank_deficient_f():

@@ -44,9 +44,9 @@ def _unit_diagonal(F: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @jax.jit
 def _cholesky_inverse(F):
-    """`(inverse, code, row, pivot, ratio)`: `F^{-1}` from the Cholesky factor of `F`
-    scaled to a unit diagonal; the failure code, the first bad row of that factor and its
-    pivot, the asymmetry ratio."""
+    """`(inverse, code, details)`: `F^{-1}` from the Cholesky factor of `F` scaled to a
+    unit diagonal; the failure code; the first bad row of that factor and its pivot, the
+    asymmetry ratio and, where the factor broke down, the ends of the scaled spectrum."""
     n = F.shape[0]
     eps = jnp.finfo(F.dtype).eps
     scaled, s = _unit_diagonal(F)
@@ -61,12 +61,26 @@ def _cholesky_inverse(F):
     bad = broken | tiny
     row = jnp.argmax(bad)
     ratio = _asymmetry(F, s)
+
+    def spectrum_ends(F, s):
+        eigenvalues = jnp.linalg.eigvalsh(_unit_diagonal(F)[0], symmetrize_input=False)
+        return eigenvalues[0], eigenvalues[-1]
+
+    # A factor that breaks down says neither where nor by how much; the eigenvalues tell
+    # a singular F (rounding made a pivot negative) from an indefinite one. `cond` pays for
+    # them only then (but for every F under vmap), in jitted and eager calls alike, so
+    # both give one answer.
+    nan = jnp.asarray(jnp.nan, F.dtype)
+    smallest, largest = jax.lax.cond(jnp.any(broken), spectrum_ends, lambda F, s: (nan, nan), F, s)
+    # NaN eigenvalues (of a NaN F) are no evidence of a singular F.
+    semi_definite = smallest >= -n * eps * jnp.maximum(jnp.abs(smallest), jnp.abs(largest))
     code = jnp.select(
-        [ratio > jnp.sqrt(eps), jnp.any(broken), jnp.any(tiny)],
+        [ratio > jnp.sqrt(eps), jnp.any(broken) & ~semi_definite, jnp.any(bad)],
         [_ASYMMETRIC, _NOT_DEFINITE, _SINGULAR],
         0,
     )
-    return inverse, code, row, pivots[row], ratio
+    details = {"row": row, "pivot": pivots[row], "ratio": ratio}
+    return inverse, code, {**details, "smallest": smallest, "largest": largest}
 
 
 @jax.jit
@@ -115,13 +129,14 @@ def _refusal(owner: str, code: int, pseudo_inverse: bool, values: Any = None) ->
         )
     if not shown:
         why = "a pivot of its Cholesky factor vanishes"
-    elif "smallest" in values:
+    elif values["pivot"] > 0:
+        why = f"pivot {values['row']} of its Cholesky factor is {values['pivot']:.3g}"
+    else:
+        # The factor broke down at this pivot: the spectrum says by how much.
         why = (
             f"its smallest eigenvalue is {values['smallest']:.3g}, its largest "
             f"{values['largest']:.3g}"
         )
-    else:
-        why = f"pivot {values['row']} of its Cholesky factor is {values['pivot']:.3g}"
     why = f": scaled to a unit diagonal, {why}"
     return f"{owner}: `F` is singular to working precision{why}.{way_out}"
 
@@ -231,22 +246,13 @@ def covariance(
             raise ValueError(
                 f"{owner}: `rcond` applies only with pseudo_inverse=True, got rcond={rcond!r}."
             )
-        inverse, code, row, pivot, ratio = _cholesky_inverse(F)
-        details = {"row": row, "pivot": pivot, "ratio": ratio}
+        inverse, code, details = _cholesky_inverse(F)
     if _is_traced(code):
         messages = tuple(_refusal(owner, c, pseudo_inverse) for c in range(1, 4))
         inverse = eqx.branched_error_if(inverse, code > 0, jnp.maximum(code - 1, 0), messages)
     elif int(code) > 0:
-        code = int(code)
         values = {name: np.asarray(value).item() for name, value in details.items()}
-        if code == _NOT_DEFINITE and not pseudo_inverse:
-            # Only on the way to an error: the failed factor says neither where nor by how
-            # much, the eigenvalues do (and tell a singular F from an indefinite one).
-            eigenvalues = np.asarray(jnp.linalg.eigvalsh(_unit_diagonal(F)[0]))
-            values["smallest"], values["largest"] = eigenvalues[0], eigenvalues[-1]
-            if eigenvalues[0] >= -n * np.finfo(F.dtype).eps * np.max(np.abs(eigenvalues)):
-                code = _SINGULAR
-        raise ValueError(_refusal(owner, code, pseudo_inverse, values))
+        raise ValueError(_refusal(owner, int(code), pseudo_inverse, values))
     errors = jnp.sqrt(jnp.diagonal(inverse))
     if variables is not None:
         errors = variables.fill(variables.split_per_leaf(errors), keep_fixed=False)
