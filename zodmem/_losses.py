@@ -3,7 +3,8 @@
 Each is the negative log-likelihood of a common likelihood, summed over its elements,
 and its `hessian_product` is the Fisher information of that likelihood with respect to
 the outputs, applied to a tangent of the outputs: `BatchedGGN` with one of them gives
-the Fisher information matrix of the parameters, `J^T F J`.
+the Fisher information matrix of the parameters, `J^T F J`. With `reduction="mean"`
+each is divided by the number of examples, the length of the outputs' leading axis.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import gammaln
 
-from ._checks import described
+from ._checks import check_choice, described
 
 __all__ = [
     "AbstractLoss",
@@ -64,6 +65,31 @@ class AbstractLoss(eqx.Module):
         """The Hessian (or Fisher information) of the loss on the outputs, at `outputs`,
         applied to `tangents` (shaped like `outputs`); returned shaped and typed like
         `tangents`."""
+
+
+_REDUCTIONS = ("sum", "mean")
+
+
+def _reduced(value: Any, outputs: Any, reduction: str, owner: str, *, classes: bool = False) -> Any:
+    """`value` (the loss, or a product with its Hessian) as `reduction` says: as it is for
+    `"sum"`; for `"mean"`, divided by the number of examples, the length of the outputs'
+    leading axis (which, with `classes`, must come before the classes' axis)."""
+    if reduction == "sum":
+        return value
+    shape = jnp.shape(outputs)
+    if len(shape) < (2 if classes else 1):
+        held = f"of shape {shape}, one example's classes" if classes else "a scalar"
+        raise TypeError(
+            f"{owner}: reduction='mean' divides by the number of examples, the length of "
+            f"the outputs' leading axis, but the outputs are {held}, with no examples "
+            "axis. Give them one, or use reduction='sum'."
+        )
+    if shape[0] == 0:
+        raise TypeError(
+            f"{owner}: reduction='mean' divides by the number of examples, but the outputs, "
+            f"of shape {shape}, have none: the mean over no examples is undefined."
+        )
+    return jax.tree_util.tree_map(lambda leaf: leaf / shape[0], value)
 
 
 def _check_targets(targets: Any, owner: str) -> None:
@@ -115,13 +141,18 @@ def _check_shapes(outputs: Any, targets: Any, owner: str, what: str) -> None:
 
 
 class SquaredError(AbstractLoss):
-    """Half the weighted squared error, `0.5 * sum(weights * (outputs - targets)**2)`,
-    or with a covariance `0.5 * sum(r @ inv(covariance) * r)` over the last axis.
+    """Half the weighted squared error, summed over every entry of the outputs, or that
+    sum averaged over the examples.
 
-    It is the negative log-likelihood (up to a constant) of Gaussian outputs with
-    precisions `weights` or covariance `covariance`, so `zm.BatchedGGN` with it gives
-    the Fisher information `J^T Σ^{-1} J`; its Hessian is `diag(weights)` or
-    `inv(covariance)` (per example), applied in closed form.
+    With `reduction="sum"` (the default) the loss is
+    `0.5 * sum(weights * (outputs - targets)**2)`, or with a covariance
+    `0.5 * sum(r @ inv(covariance) * r)`, `r = outputs - targets`, over the last axis.
+    With `reduction="mean"` it is that sum divided by `N = outputs.shape[0]`, the
+    number of examples. It is the negative log-likelihood (up to a constant) of Gaussian
+    outputs with precisions `weights` or covariance `covariance`, so `zm.BatchedGGN`
+    with it gives the Fisher information `J^T Σ^{-1} J` (divided by `N` for the mean);
+    its Hessian is `diag(weights)` or `inv(covariance)` (per example), applied in
+    closed form.
 
     **Arguments:**
 
@@ -132,6 +163,23 @@ class SquaredError(AbstractLoss):
     - `targets`: where the targets are among the call's data arguments (those after
       `x`): an int position (`-1`, the default: the last), a str keyword name, or `None`
       when `fn` returns the residuals themselves.
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the outputs' leading axis (outputs of shape `(N,)` are
+      `N` examples of one entry; scalar outputs, with no examples axis, are refused).
+
+    !!! tip "Other libraries' conventions"
+
+        For outputs of shape `(N, C)` (`C = 1` for outputs of shape `(N,)`):
+
+        - `torch.nn.MSELoss()` is `mean((outputs - targets)**2)` over all `N * C`
+          entries, without the half: `SquaredError(weights=2 / C, reduction="mean")`,
+          or `SquaredError(weights=2 / (N * C))`. Only the first holds over
+          microbatches (`zm.Microbatcher(..., accumulator="mean")`), since it does not
+          depend on the batch's size.
+        - `torch.nn.MSELoss(reduction="sum")` is `SquaredError(weights=2.0)`.
+        - laplax's `loss_fn="mse"` gives the GGN `sum_i J_i^T (2 I) J_i` over the
+          examples: `SquaredError(weights=2.0)` (times laplax's
+          `num_total_samples / num_curv_samples` where those are given).
 
     !!! example
 
@@ -145,15 +193,19 @@ class SquaredError(AbstractLoss):
         inputs, targets = jnp.ones((5, 3)), jnp.zeros(5)
         loss = zm.losses.SquaredError(weights=jnp.full(5, 2.0))
         G = zm.BatchedGGN(predict, loss)(jnp.ones(3), inputs, targets)  # 2 * X^T X
+        mean = zm.losses.SquaredError(weights=2.0, reduction="mean")
+        G_mean = zm.BatchedGGN(predict, mean)(jnp.ones(3), inputs, targets)  # G / 5
         ```
     """
 
     weights: Any = None
     covariance: Any = None
     targets: int | str | None = eqx.field(default=-1, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
         _check_targets(self.targets, "SquaredError")
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="SquaredError")
         if self.weights is not None and self.covariance is not None:
             raise ValueError(
                 "SquaredError: give at most one of `weights` and `covariance`: weights "
@@ -193,26 +245,35 @@ class SquaredError(AbstractLoss):
 
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         r = self._residuals(outputs, args, kwargs)
-        return 0.5 * jnp.sum(r * self._precision(r))
+        total = 0.5 * jnp.sum(r * self._precision(r))
+        return _reduced(total, r, self.reduction, "SquaredError")
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
         self._residuals(outputs, args, kwargs)
-        return self._precision(tangents).astype(tangents.dtype)
+        product = _reduced(self._precision(tangents), outputs, self.reduction, "SquaredError")
+        return product.astype(tangents.dtype)
 
 
 class GaussianNLL(AbstractLoss):
     """The negative log-likelihood of targets under Gaussians whose means and log-variances
-    are the outputs: `0.5 * sum(log_var + (targets - mean)**2 * exp(-log_var) + log(2π))`.
+    are the outputs: `0.5 * sum(log_var + (targets - mean)**2 * exp(-log_var) + log(2π))`
+    over every entry, or with `reduction="mean"` that sum divided by the number of
+    examples, `mean.shape[0]`.
 
     `fn` returns the pair `(mean, log_variance)`, two arrays of the targets' shape. The
     product is the Fisher information, `exp(-log_var)` on the means and `1/2` on the
-    log-variances (no cross terms): the expectation over the targets of the loss's
-    Hessian, which itself depends on the targets and need not be positive.
+    log-variances (no cross terms; divided by the number of examples for the mean): the
+    expectation over the targets of the loss's Hessian, which itself depends on the
+    targets and need not be positive. For targets of shape `(N,)`,
+    `torch.nn.GaussianNLLLoss(full=True)` with `var = exp(log_var)` is this loss with
+    `reduction="mean"` (torch clamps the variances at its `eps`).
 
     **Arguments:**
 
     - `targets`: where the targets are among the call's data arguments: an int position
       (`-1`, the default: the last) or a str keyword name.
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the outputs' leading axis (scalar outputs are refused).
 
     !!! example
 
@@ -229,11 +290,13 @@ class GaussianNLL(AbstractLoss):
     """
 
     targets: int | str = eqx.field(default=-1, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
         if self.targets is None:
             raise TypeError("GaussianNLL: `targets` must be an int or a str, got None.")
         _check_targets(self.targets, "GaussianNLL")
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="GaussianNLL")
 
     def _pair(self, outputs: Any) -> tuple[Any, Any]:
         if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2):
@@ -254,28 +317,41 @@ class GaussianNLL(AbstractLoss):
         targets = _targets_of(self.targets, args, kwargs, "GaussianNLL")
         _check_shapes(mean, targets, "GaussianNLL", "means")
         squared = (targets - mean) ** 2 * jnp.exp(-log_variance)
-        return 0.5 * jnp.sum(log_variance + squared + math.log(2 * math.pi))
+        total = 0.5 * jnp.sum(log_variance + squared + math.log(2 * math.pi))
+        return _reduced(total, mean, self.reduction, "GaussianNLL")
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
         d_mean, d_log_variance = tangents
-        on_mean = (jnp.exp(-log_variance) * d_mean).astype(d_mean.dtype)
-        return type(tangents)((on_mean, 0.5 * d_log_variance))
+        on_mean = jnp.exp(-log_variance) * d_mean
+        on_mean, on_log_variance = _reduced(
+            (on_mean, 0.5 * d_log_variance), mean, self.reduction, "GaussianNLL"
+        )
+        return type(tangents)(
+            (on_mean.astype(d_mean.dtype), on_log_variance.astype(d_log_variance.dtype))
+        )
 
 
 class PoissonNLL(AbstractLoss):
     """The negative log-likelihood of counts under Poisson distributions whose log-rates
-    (or rates) are the outputs: `sum(rate - targets * log(rate) + gammaln(targets + 1))`.
+    (or rates) are the outputs: `sum(rate - targets * log(rate) + gammaln(targets + 1))`
+    over every entry, or with `reduction="mean"` that sum divided by the number of
+    examples, `outputs.shape[0]`.
 
-    The product is the Fisher information: `rate` on log-rates (there it is the loss's
-    Hessian too), `1 / rate` on rates (the expectation of the Hessian, `targets /
-    rate**2`, over the counts).
+    The product is the Fisher information (divided by the number of examples for the
+    mean): `rate` on log-rates (there it is the loss's Hessian too), `1 / rate` on rates
+    (the expectation of the Hessian, `targets / rate**2`, over the counts).
+    `torch.nn.PoissonNLLLoss()` leaves out `gammaln(targets + 1)`, which changes no
+    curvature, and averages over all `N * C` entries of `(N, C)` outputs: its GGN is
+    this loss's with `reduction="mean"` divided by `C`.
 
     **Arguments:**
 
     - `targets`: where the counts are among the call's data arguments: an int position
       (`-1`, the default: the last) or a str keyword name.
     - `log_rate`: the outputs are log-rates (`True`, the default) or rates (`False`).
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the outputs' leading axis (scalar outputs are refused).
 
     !!! example
 
@@ -293,6 +369,7 @@ class PoissonNLL(AbstractLoss):
 
     targets: int | str = eqx.field(default=-1, static=True)
     log_rate: bool = eqx.field(default=True, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
         if self.targets is None:
@@ -302,6 +379,7 @@ class PoissonNLL(AbstractLoss):
             raise TypeError(
                 f"PoissonNLL: `log_rate` must be True or False, got {described(self.log_rate)}."
             )
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="PoissonNLL")
 
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
@@ -311,27 +389,36 @@ class PoissonNLL(AbstractLoss):
             rate, log_rate = jnp.exp(outputs), outputs
         else:
             rate, log_rate = outputs, jnp.log(outputs)
-        return jnp.sum(rate - counts * log_rate + gammaln(counts + 1.0))
+        total = jnp.sum(rate - counts * log_rate + gammaln(counts + 1.0))
+        return _reduced(total, outputs, self.reduction, "PoissonNLL")
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
         outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
         fisher = jnp.exp(outputs) if self.log_rate else 1 / outputs
-        return (fisher * tangents).astype(tangents.dtype)
+        product = _reduced(fisher * tangents, outputs, self.reduction, "PoissonNLL")
+        return product.astype(tangents.dtype)
 
 
 class SoftmaxCrossEntropy(AbstractLoss):
     """The cross-entropy of labels under the softmax of logits, summed over examples:
-    `-sum(labels * log_softmax(logits))` over the last axis (the classes).
+    `-sum(labels * log_softmax(logits))` over every entry, the classes on the last axis;
+    or with `reduction="mean"` that sum divided by the number of examples,
+    `logits.shape[0]`.
 
     The labels are class indices (an integer array of the logits' shape without its last
     axis) or probabilities (the logits' shape, each example's summing to one). The
-    product is `(diag(p) - p p^T) u` per example, `p = softmax(logits)`: the Hessian of
-    the loss and the Fisher information of the categorical likelihood.
+    product is `(diag(p) - p p^T) u` per example, `p = softmax(logits)` (divided by the
+    number of examples for the mean): the Hessian of the loss and the Fisher information
+    of the categorical likelihood. For logits of shape `(N, C)`,
+    `torch.nn.CrossEntropyLoss()` is this loss with `reduction="mean"`.
 
     **Arguments:**
 
     - `targets`: where the labels are among the call's data arguments: an int position
       (`-1`, the default: the last) or a str keyword name.
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the logits' leading axis. The examples axis comes before
+      the classes, so logits of shape `(C,)` (one example) are refused for the mean.
 
     !!! example
 
@@ -348,11 +435,13 @@ class SoftmaxCrossEntropy(AbstractLoss):
     """
 
     targets: int | str = eqx.field(default=-1, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
         if self.targets is None:
             raise TypeError("SoftmaxCrossEntropy: `targets` must be an int or a str, got None.")
         _check_targets(self.targets, "SoftmaxCrossEntropy")
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="SoftmaxCrossEntropy")
 
     def _logits(self, outputs: Any) -> Any:
         outputs = _one_array(outputs, "SoftmaxCrossEntropy", "the logits, classes last")
@@ -375,13 +464,17 @@ class SoftmaxCrossEntropy(AbstractLoss):
                     f"shape {jnp.shape(labels)}."
                 )
             picked = jnp.take_along_axis(log_p, jnp.asarray(labels)[..., None], axis=-1)
-            return -jnp.sum(picked)
-        _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
-        return -jnp.sum(labels * log_p)
+            total = -jnp.sum(picked)
+        else:
+            _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+            total = -jnp.sum(labels * log_p)
+        return _reduced(total, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
-        p = jax.nn.softmax(self._logits(outputs), axis=-1)
+        logits = self._logits(outputs)
+        p = jax.nn.softmax(logits, axis=-1)
         product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
+        product = _reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
         return product.astype(tangents.dtype)
 
 
