@@ -7,6 +7,7 @@ import lineax as lx
 import numpy as np
 import pytest
 
+import zodmem as zm
 from zodmem._spectral import lanczos_quadrature, spectral_density
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -89,6 +90,41 @@ def test_density_of_two_clusters(dtype):
     assert mass(grid, density, 0, 3) == pytest.approx(0.75, abs=0.05)
     assert mass(grid, density, 3, 7) == pytest.approx(0.25, abs=0.05)
     assert mass(grid, density, -np.inf, np.inf) == pytest.approx(1, abs=1e-2)
+
+
+def integral(grid, density):
+    """The density's trapezoid integral over its grid, in double precision."""
+    return np.trapezoid(np.asarray(density, np.float64), np.asarray(grid, np.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_density_of_equal_eigenvalues_integrates_to_one(dtype):
+    # The Hessian of sum(w**2) is 2 I: every node is 2, up to rounding.
+    w = jnp.linspace(-1.0, 1.0, 30, dtype=dtype)
+    op = zm.BatchedHessian(lambda w: jnp.sum(w**2)).operator(w)
+    grid, density = spectral_density(op, num_probes=4, num_steps=10)
+    assert grid.dtype == density.dtype == dtype
+    assert len(np.unique(np.asarray(grid))) == len(grid)  # distinct points, around 2
+    assert grid[0] < 2 < grid[-1]
+    # The grid spans 3 kernel widths either side: it holds 99.7% of a Gaussian's mass.
+    assert integral(grid, density) == pytest.approx(1, abs=0.02)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_density_of_the_zero_operator_integrates_to_one(dtype):
+    op = lx.MatrixLinearOperator(jnp.zeros((12, 12), dtype), lx.symmetric_tag)
+    grid, density = spectral_density(op, num_probes=2, num_steps=4)
+    assert grid.dtype == density.dtype == dtype and grid[0] < 0 < grid[-1]
+    assert integral(grid, density) == pytest.approx(1, abs=0.02)
+
+
+def test_default_width_is_a_hundredth_of_the_nodes_spread():
+    # As many steps as the size: the nodes are the eigenvalues, 1 to 2, and the grid
+    # spans 3 widths of 0.01 either side of them.
+    op = lx.DiagonalLinearOperator(jnp.linspace(1.0, 2.0, 8))
+    grid, density = spectral_density(op, num_probes=2, num_steps=8)
+    np.testing.assert_allclose([grid[0], grid[-1]], [0.97, 2.03], rtol=1e-9)
+    assert integral(grid, density) == pytest.approx(1, abs=0.02)
 
 
 def test_density_under_jit_with_a_grid_and_more_steps_than_the_size():

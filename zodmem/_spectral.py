@@ -23,7 +23,7 @@ from ._traceback import public
 
 __all__ = ["lanczos_quadrature", "spectral_density"]
 
-# The default kernel width, as a fraction of the spectrum's width, and grid size.
+# The default kernel width, as a fraction of the nodes' spread, and grid size.
 _SIGMA_FRACTION = 0.01
 _GRID_POINTS = 512
 
@@ -105,10 +105,16 @@ def _density(
     """The rules' mean, each node a Gaussian of width `sigma`, on the grid."""
     dtype = nodes.dtype
     lower, upper = jnp.min(nodes), jnp.max(nodes)
-    width = upper - lower
-    width = jnp.where(width > 0, width, jnp.maximum(jnp.abs(upper), 1))
     if sigma is None:
-        sigma = _SIGMA_FRACTION * width
+        # Nodes a few roundings apart (an operator whose eigenvalues are all equal)
+        # would narrow the kernel, and the grid, to a few representable numbers: the
+        # width is at least the precision's square root times the nodes' magnitude.
+        scale = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
+        sigma = jnp.maximum(
+            _SIGMA_FRACTION * (upper - lower), math.sqrt(jnp.finfo(dtype).eps) * scale
+        )
+        # Every node zero: no scale to go by, so that of a spread of 1.
+        sigma = jnp.where(sigma > 0, sigma, _SIGMA_FRACTION)
     if isinstance(grid, int):
         grid = jnp.linspace(lower - 3 * sigma, upper + 3 * sigma, grid, dtype=dtype)
     # The mean over probes of each rule's weights on Gaussians at its nodes.
@@ -154,7 +160,10 @@ def spectral_density(
     - `grid`: the points to evaluate the density at: a 1-D array, or a number of points
       spread evenly over `[min node - 3 sigma, max node + 3 sigma]` (default 512).
     - `sigma`: the Gaussian kernel's width; by default 1% of the distance between the
-      smallest and the largest node.
+      smallest and the largest node, and at least the square root of the dtype's
+      precision (`jnp.finfo(dtype).eps`) times the largest node's magnitude (0.01 when
+      every node is 0): the nodes of an operator whose eigenvalues are all equal differ
+      only by rounding, and the density is then one Gaussian at their value.
     - `batch_size`, `max_memory`: at most one: the probes per block (vmapped together),
       given, or as many as fit the budget, planned as any transform's blocks. By default
       the options of the operator's transform, or for any other operator all probes in
