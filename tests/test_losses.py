@@ -282,3 +282,58 @@ def test_save_and_load_keep_the_reduction(tmp_path):
     zm.save(tmp_path / "mean.zm", transform)
     loaded = zm.load(tmp_path / "mean.zm")
     assert loaded == transform and loaded.loss.reduction == "mean"
+
+
+# --- soft labels ------------------------------------------------------------------------
+
+
+def soft_labels(classes=3, dtype=jnp.float64):
+    logits = jnp.cos(jnp.arange(N * classes, dtype=dtype).reshape(N, classes) * 0.37) * 4
+    return jax.nn.softmax(logits)
+
+
+def test_soft_labels_must_sum_to_one():
+    loss = zm.losses.SoftmaxCrossEntropy()
+    logits = three(W, INPUTS, None)
+    bad = soft_labels().at[2].multiply(1.5)  # the closed form would be off by half here
+    with pytest.raises(
+        ValueError,
+        match=r"^SoftmaxCrossEntropy: the labels \(targets=-1 .*\) are probabilities, so each "
+        r"example's must sum to 1 .* within 1\.5e-08 in float64, but one sums to 1\.5\b",
+    ):
+        loss.hessian_product(logits, logits, INPUTS, bad)
+    with pytest.raises(ValueError, match=r"but one sums to 1\.5\b"):
+        zm.BatchedGGN(three, loss, jit=False)(W, INPUTS, bad)  # not compiled: concrete labels
+    named = zm.losses.SoftmaxCrossEntropy(targets="labels")
+    with pytest.raises(ValueError, match=r"labels \(targets='labels' .* sums to 1\.5"):
+        named.hessian_product(logits, logits, INPUTS, labels=bad)
+    # A tolerance for the dtype: rounding passes, a slip of a few parts in 10^4 does not.
+    loss.hessian_product(logits, logits, INPUTS, soft_labels())
+    with pytest.raises(ValueError, match=r"within 1\.5e-08 in float64, but one sums to 1\.000001"):
+        loss.hessian_product(logits, logits, INPUTS, soft_labels() * (1 + 1e-6))
+    many = soft_labels(2000, jnp.float32)  # rounded in float32 over 2000 classes
+    logits32 = jnp.zeros((N, 2000), jnp.float32)
+    loss.hessian_product(logits32, logits32, INPUTS, many)
+    with pytest.raises(ValueError, match=r"in float32, but one sums to 1\.002"):
+        loss.hessian_product(logits32, logits32, INPUTS, many.at[0].multiply(1.002))
+    # Class indices and labels that sum to one pass.
+    loss.hessian_product(logits, logits, INPUTS, LABELS)
+    loss.hessian_product(logits, logits, INPUTS, jax.nn.one_hot(LABELS, 3))
+
+
+def test_soft_labels_must_sum_to_one_under_jit():
+    bad = soft_labels().at[2].multiply(1.5)
+    ggn = zm.BatchedGGN(three, zm.losses.SoftmaxCrossEntropy())
+    message = r"SoftmaxCrossEntropy: the labels \(targets=-1 .*\) are probabilities, so each"
+    for call in (
+        ggn,  # compiled: the labels are traced inside
+        jax.jit(lambda w, inputs, labels: ggn(w, inputs, labels)),
+        eqx.filter_jit(ggn),
+        lambda *args: ggn.operator(*args).mv(W),
+        zm.Microbatcher(ggn, microbatch_size=3, argnums=(1, 2)),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            jax.block_until_ready(call(W, INPUTS, bad))
+    good = soft_labels()
+    expected = plain_ggn(three, lambda o, t: cross_entropy(o, t) * N, W, INPUTS, good)
+    close(eqx.filter_jit(ggn)(W, INPUTS, good), expected)

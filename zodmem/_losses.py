@@ -16,9 +16,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.special import gammaln
 
 from ._checks import check_choice, described
+from ._compiled import is_traced
 
 __all__ = [
     "AbstractLoss",
@@ -420,6 +422,16 @@ class SoftmaxCrossEntropy(AbstractLoss):
       examples, the length of the logits' leading axis. The examples axis comes before
       the classes, so logits of shape `(C,)` (one example) are refused for the mean.
 
+    !!! warning
+
+        The product takes probabilities as labels to sum to one per example: the loss's
+        Hessian is `diag(p) - p p^T` times that sum. Labels whose sums are further from 1
+        than the rounding of their dtype allows (`max(sqrt(eps), 2 * C * eps)` for `C`
+        classes) are refused: with a ValueError where they are concrete, and through
+        `eqx.error_if` (an `EquinoxRuntimeError` when the compiled call runs) where they
+        are traced, as inside `BatchedGGN`'s compiled call or a `Microbatcher`. For labels
+        that are not probabilities, pass the loss as a plain function.
+
     !!! example
 
         ```python
@@ -475,7 +487,43 @@ class SoftmaxCrossEntropy(AbstractLoss):
         p = jax.nn.softmax(logits, axis=-1)
         product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
         product = _reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
-        return product.astype(tangents.dtype)
+        labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
+        return self._summing_to_one(labels, logits, product.astype(tangents.dtype))
+
+    def _summing_to_one(self, labels: Any, logits: Any, product: Any) -> Any:
+        """`product`, refused where probabilities as labels do not sum to one per example:
+        the Hessian of the loss is `diag(p) - p p^T` times each example's sum of labels,
+        and the closed form takes that sum to be one. Eagerly a ValueError; traced, the
+        same through `eqx.error_if` when the compiled call runs."""
+        if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+            return product
+        _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+        dtype = jnp.result_type(labels)
+        eps = float(jnp.finfo(dtype).eps)
+        classes = jnp.shape(labels)[-1]
+        # Rounding each label, and the sum itself, may move a sum by about classes * eps.
+        tolerance = max(math.sqrt(eps), 2 * classes * eps)
+        head = (
+            f"SoftmaxCrossEntropy: the labels (targets={self.targets!r} among the call's data "
+            "arguments) are probabilities, so each example's must sum to 1 over the classes "
+            f"(the last axis), within {tolerance:.1e} in {jnp.dtype(dtype).name}"
+        )
+        tail = (
+            ". The closed-form Fisher information assumes it: normalise them "
+            "(labels / labels.sum(-1, keepdims=True)), or pass the loss as a plain function "
+            "to have its Hessian taken as it is."
+        )
+        if is_traced(labels):
+            wide = jnp.promote_types(dtype, jnp.float32)
+            off = jnp.abs(jnp.sum(labels, axis=-1, dtype=wide) - 1)
+            wrong = jnp.max(off, initial=0) > tolerance
+            return eqx.error_if(product, wrong, f"{head}, but one does not{tail}")
+        sums = np.sum(np.asarray(labels, dtype=np.float64), axis=-1).ravel()
+        if sums.size:
+            worst = sums[np.argmax(np.abs(sums - 1))]
+            if abs(worst - 1) > tolerance:
+                raise ValueError(f"{head}, but one sums to {worst:.7g}{tail}")
+        return product
 
 
 def _shapes(tree: Any) -> Any:
