@@ -273,6 +273,8 @@ def test_mean_needs_an_examples_axis():
     # In BatchedGGN, the check of the loss names it.
     with pytest.raises(TypeError, match=r"`loss` cannot take .* reduction='mean'"):
         zm.BatchedGGN(jnp.sum, zm.losses.SquaredError(reduction="mean", targets=None))(W)
+    with pytest.raises(TypeError, match=r"GaussianNLL: .* shape \(0,\), have none"):
+        zm.losses.GaussianNLL(reduction="mean")((jnp.zeros(0), jnp.zeros(0)), jnp.zeros(0))
     # The sum needs none: one example.
     zm.losses.SquaredError(targets=None)(scalar)
 
