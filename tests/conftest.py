@@ -53,17 +53,6 @@ def float64():
     jax.config.update("jax_enable_x64", previous)
 
 
-@pytest.fixture
-def buffers_only(monkeypatch):
-    """Budgets that bound the compiled call's own buffers only, as on an accelerator: the
-    tens of MB a CPU process's compiles add beside them are left out of the plan, so that
-    the planner's search can be tested on calls of a few kB."""
-    from zodmem import _budget
-
-    monkeypatch.setattr(_budget, "resident_bytes", lambda: None)
-    monkeypatch.setattr(_budget, "RESERVE_CPU_BYTES", 0)
-
-
 # Two suites run as steps of their own in `.ci/run`, and only when named on the command
 # line (pytest collects a path it is given even where `collect_ignore` names it):
 # - tests/multidevice needs 4 devices, which JAX fixes when it starts: it runs in a process

@@ -20,7 +20,7 @@ from zodmem._memory import AUTO_MARGIN, budget_bytes, free_memory
 
 # The search on calls of a few kB: the process's own compile heap is tested apart
 # (test_budget_reserve.py).
-pytestmark = pytest.mark.usefixtures("float64", "buffers_only")
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 def measured_peak(transform, *args, **kwargs):

@@ -1,12 +1,18 @@
-"""What a budget bounds: on an accelerator the call's buffers and a share for the
-allocator's slack; on a CPU also what compiling and running the call adds to the process,
-measured while planning. A budget too small to hold them is refused with one that plans,
-written rounded up."""
+"""What a budget bounds: the compiled call's own buffers as XLA counts them, less a share
+for the allocator's slack, on every platform. A plan depends on the program, the budget
+and the devices only, so it is the same in a fresh process, in one whose heap differs,
+and in every process of a job; a refusal names the least budget that plans, written
+rounded up, and that budget plans."""
 
+import json
 import re
+import subprocess
+import sys
 from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,17 +21,17 @@ from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
 from zodmem._budget import (
-    RESERVE_CPU_BYTES,
-    RESERVE_RUNTIME_BYTES,
     RESERVE_SHARE,
     MemoryBudgetError,
     least_budget,
+    policy_of,
     refusal,
     usable_bytes,
 )
 from zodmem._memory import budget_bytes, format_bytes_up
 
 MB = 10**6
+SWEEP = Path(__file__).resolve().parent / "plan_sweep.py"
 
 
 def loss(w, data):
@@ -35,31 +41,23 @@ def loss(w, data):
 W, DATA = jnp.linspace(-1, 1, 60), jnp.ones((64, 60))
 
 
-def test_the_reserve_is_a_share_and_on_a_cpu_the_compile_heap_and_the_runtime():
-    """On a CPU the process's extra is no share of the budget: 45 MB with 30 MB of compile
-    heap leaves less than 15 MB for the call's buffers."""
-    assert usable_bytes(45 * MB, "cpu", 30 * MB) <= 15 * MB
-    assert usable_bytes(45 * MB, "cpu", None) <= 5 * MB
-    kept = (1 - RESERVE_SHARE) * 100 * MB
-    assert usable_bytes(100 * MB, "gpu") == usable_bytes(100 * MB, "tpu") == int(kept)
-    # The heap a compile grows is the host's: it takes nothing of an accelerator's budget.
-    assert usable_bytes(100 * MB, "gpu", 30 * MB) == int(kept)
-    assert usable_bytes(100 * MB, "cpu", 20 * MB) == int(kept - 20 * MB - RESERVE_RUNTIME_BYTES)
-    assert usable_bytes(100 * MB, "cpu") == int(kept - RESERVE_CPU_BYTES)
-    # A budget below the reserve leaves nothing for the call: every plan is refused.
-    assert usable_bytes(RESERVE_CPU_BYTES, "cpu") < 0
+def test_the_reserve_is_a_share_of_the_budget_on_every_platform():
+    kept = int((1 - RESERVE_SHARE) * 100 * MB)
+    assert usable_bytes(100 * MB, "cpu") == usable_bytes(100 * MB, "gpu") == kept
+    assert usable_bytes(100 * MB, "tpu") == kept
+    # Nothing of the process is kept beside it: a budget of a few kB holds a call of a
+    # few kB.
+    assert usable_bytes(5000, "cpu") == int((1 - RESERVE_SHARE) * 5000)
+    # A block's temporaries are capped on a CPU only.
+    assert policy_of("cpu").block_bytes is not None and policy_of("gpu").block_bytes is None
 
 
 @settings(max_examples=200)
-@given(
-    peak=st.integers(1, 10**13),
-    platform=st.sampled_from(["cpu", "gpu"]),
-    compile_bytes=st.one_of(st.none(), st.integers(0, 10**10)),
-)
-def test_the_least_budget_is_the_smallest_that_holds_the_peak(peak, platform, compile_bytes):
-    least = least_budget(peak, platform, compile_bytes)
-    assert usable_bytes(least, platform, compile_bytes) >= peak
-    assert usable_bytes(least - 1, platform, compile_bytes) < peak
+@given(peak=st.integers(1, 10**13), platform=st.sampled_from(["cpu", "gpu"]))
+def test_the_least_budget_is_the_smallest_that_holds_the_peak(peak, platform):
+    least = least_budget(peak, platform)
+    assert usable_bytes(least, platform) >= peak
+    assert usable_bytes(least - 1, platform) < peak
 
 
 def test_a_refusal_names_the_budget_the_least_and_a_budget_that_plans():
@@ -69,28 +67,22 @@ def test_a_refusal_names_the_budget_the_least_and_a_budget_that_plans():
         81_234,
         output_bytes=80_000,
         output_what="Hessian",
-        suggested=123_456,
+        suggested=82_893,
     )
     assert isinstance(error, MemoryBudgetError) and isinstance(error, ValueError)
     message = str(error)
     assert message.startswith(
-        "BatchedHessian: max_memory=50 kB cannot hold even one item per block: the call "
-        "needs at least 81.2 kB, of which the Hessian alone is 80 kB, and compiling and "
-        "running it takes about 42.2 kB more beside it. More blocks are not enough; the way "
-        "out is a budget of at least 124 kB, or less work per call (the Hessian itself "
-        "takes most of it"
+        "BatchedHessian: max_memory=50 kB cannot hold even one item per block: the call's "
+        "buffers need at least 81.2 kB, of which the Hessian alone is 80 kB. More blocks "
+        "are not enough; the way out is a budget of at least 82.9 kB, or less work per "
+        "call (the Hessian itself takes most of it"
     )
     assert message.endswith("each call's result moved off the device).")
     # A result under half the budget named: more memory is the only way out given.
     small = refusal(
-        "ChunkedVmap",
-        50_000,
-        81_234,
-        output_bytes=1000,
-        output_what="output",
-        suggested=123_456,
+        "ChunkedVmap", 50_000, 81_234, output_bytes=1000, output_what="output", suggested=82_893
     )
-    assert str(small).endswith("the way out is a budget of at least 124 kB.")
+    assert str(small).endswith("the way out is a budget of at least 82.9 kB.")
 
 
 @pytest.mark.parametrize(
@@ -126,78 +118,80 @@ def test_a_size_written_rounded_up_is_at_least_the_size_and_less_than_a_digit_ov
     assert written - Fraction(size) < digit
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the compile heap of a CPU process")
-def test_a_budget_below_the_process_extra_is_refused_with_one_that_plans():
-    # The 14.4 kB Hessian fits a budget of 5 MB by XLA's count, but compiling it alone
-    # grows a CPU process by more than that.
-    transform = zm.BatchedHessian(loss, max_memory="5MB")
+def suggested(message: str) -> str:
+    return re.search(r"a budget of at least ([0-9.]+ [kMG]?B)", message).group(1)
+
+
+def test_a_refused_budget_names_one_that_plans_and_holds():
+    # The 14.4 kB Hessian does not fit in 10 kB; the budget the refusal names plans,
+    # its peak within it, and gives jax.hessian's answer.
     with pytest.raises(zm.MemoryBudgetError) as info:
-        transform.plan(W, DATA)
-    message = str(info.value)
-    assert "compiling and running it takes about" in message
-    suggested = re.search(r"a budget of at least ([0-9.]+ [kMG]?B)", message).group(1)
-    assert budget_bytes(suggested) > 5 * 10**6
-    enough = zm.BatchedHessian(loss, max_memory=suggested)
+        zm.BatchedHessian(loss, max_memory="10kB").plan(W, DATA)
+    enough = zm.BatchedHessian(loss, max_memory=suggested(str(info.value)))
     plan = enough.plan(W, DATA)
-    assert plan.fits
+    assert plan.fits and plan.peak_bytes <= budget_bytes(enough.max_memory)
     close(enough(W, DATA), jax.jit(jax.hessian(loss))(W, DATA), rtol=1e-5)
 
 
-@pytest.fixture
-def compiles_that_grow(monkeypatch):
-    """The planner's reads of the process, faked: each compile grows the resident memory
-    by `growth` and raises the process's peak `peak` over where it began."""
-    from zodmem import _budget
-
-    sizes = {"growth": 45 * MB, "peak": 40 * MB}
-    base, reads = 500 * MB, []
-
-    def resident():
-        reads.append(None)
-        # Read before a compile, then after it: the heap grew by `growth`.
-        return base + (sizes["growth"] if len(reads) % 2 == 0 else 0)
-
-    monkeypatch.setattr(_budget, "resident_bytes", resident)
-    monkeypatch.setattr(_budget, "peak_resident_bytes", lambda: base + sizes["peak"], raising=False)
-    _budget._PLANS.clear()
-    yield sizes
-    _budget._PLANS.clear()
+def test_small_budgets_plan_and_hold_by_xlas_count():
+    # A microbatched loss of a 4-byte result under an outer jit in 10 MB, and a Hessian
+    # whose blocks need less than its 14.4 kB output beside them in 25 kB.
+    x = jnp.linspace(-1, 1, 4000).reshape(200, 20)
+    w = jnp.linspace(0, 1, 20)
+    batch = zm.Microbatcher(lambda w, x: jnp.sum(jnp.tanh(x @ w)), max_memory="10MB", argnums=1)
+    plan = batch.plan(w, x)
+    assert plan.fits and plan.peak_bytes <= 10 * MB
+    close(eqx.filter_jit(batch)(w, x), jnp.sum(jnp.tanh(x @ w)), rtol=1e-5)
+    hessian = zm.BatchedHessian(loss, max_memory="25kB")
+    plan = hessian.plan(W, DATA)
+    assert plan.fits and plan.peak_bytes <= 25_000 and plan.num_blocks > 1
+    close(eqx.filter_jit(hessian)(W, DATA), jax.hessian(loss)(W, DATA), rtol=1e-5)
 
 
-def hessian_bytes(n):
-    return n * n * jnp.zeros(()).dtype.itemsize
+def test_a_plan_does_not_depend_on_the_traced_or_concrete_call():
+    transform = zm.BatchedHessian(loss, max_memory="40kB")
+    eager = transform.plan(W, DATA).decision
+    traced = []
+    jax.jit(lambda w, d: traced.append(transform.plan(w, d).decision) or w)(W, DATA)
+    assert traced == [eager]
 
 
-def test_a_concrete_call_holds_the_larger_of_the_compile_and_the_call(compiles_that_grow):
-    """The compile heap is handed back before a call on concrete arguments runs, so its
-    budget holds the call or a compile: at 60 MB, with 45 MB of heap grown by a compile
-    whose peak is 40 MB, a Hessian of several MB plans, where compile and call together
-    (plus the 10 MB runtime) do not fit."""
-    n = 1000
-    w, data = jnp.linspace(-1, 1, n), jnp.ones((8, n))
-    budget = 60 * MB
-    assert hessian_bytes(n) + 45 * MB + RESERVE_RUNTIME_BYTES > (1 - RESERVE_SHARE) * budget
-    transform = zm.BatchedHessian(loss, max_memory=budget)
-    plan = transform.plan(w, data)
-    assert plan.fits and plan.peak_bytes > hessian_bytes(n)
-    close(transform(w, data), jax.hessian(loss)(w, data), rtol=1e-5)
+def sweeps_in_processes(pairs: list[tuple[int, int]], tmp_path: Path) -> list[list[str]]:
+    """The decisions on `(case, budget)` pairs of a fresh process, and of one that compiled
+    a larger program first, run side by side."""
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(pairs))
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(SWEEP), *warm, str(path)], stdout=subprocess.PIPE, text=True
+        )
+        for warm in ([], ["--warm"])
+    ]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    return [[json.loads(line) for line in output.splitlines()] for output in outputs]
 
 
-def test_a_traced_call_holds_the_compile_and_the_call_together(compiles_that_grow):
-    """Under an outer `jax.jit` the call runs in that program, beside whatever heap its
-    compile left: the same budget is refused there, naming one that holds both."""
-    n = 1000
-    w, data = jnp.linspace(-1, 1, n), jnp.ones((8, n))
-    transform = zm.BatchedHessian(loss, max_memory=60 * MB)
-    with pytest.raises(zm.MemoryBudgetError, match="a budget of at least"):
-        jax.jit(transform)(w, data)
-
-
-def test_a_compile_whose_peak_passes_the_budget_keeps_both_together(compiles_that_grow):
-    """Where a compile's own peak does not fit the budget, the call on concrete arguments
-    is planned beside the compile heap, as a traced one is."""
-    compiles_that_grow["peak"] = 55 * MB
-    n = 1000
-    w, data = jnp.linspace(-1, 1, n), jnp.ones((8, n))
-    with pytest.raises(zm.MemoryBudgetError):
-        zm.BatchedHessian(loss, max_memory=60 * MB).plan(w, data)
+def test_plans_and_suggestions_are_the_same_in_every_process(tmp_path):
+    """Random problems at random budgets: every refusal names a budget that plans, here,
+    in a fresh process and in one that compiled a larger program first; and those
+    processes plan every budget of the sweep as this one does."""
+    sys.path.insert(0, str(SWEEP.parent))
+    try:
+        import plan_sweep
+    finally:
+        sys.path.pop(0)
+    decided = {}
+    for index in range(plan_sweep.NUM_CASES):
+        budget = plan_sweep.budget_of(index)
+        decided[index, budget] = decision = plan_sweep.decide(index, budget)
+        if "cannot hold" in decision:
+            enough = budget_bytes(suggested(decision))
+            assert enough > budget
+            decided[index, enough] = planned = plan_sweep.decide(index, enough)
+            assert "cannot hold" not in planned, (index, decision, planned)
+    refused = len(decided) - plan_sweep.NUM_CASES
+    assert 0 < refused < plan_sweep.NUM_CASES, decided  # the sweep sees both
+    fresh, warm = sweeps_in_processes(list(decided), tmp_path)
+    assert fresh == list(decided.values())
+    assert warm == fresh

@@ -6,7 +6,7 @@ call, refusal before anything runs) is tested in test_budget.py."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zodmem._budget import _size_for, search
+from zodmem._search import search, size_for as _size_for
 
 
 class Refused(Exception):

@@ -88,7 +88,7 @@ def test_exact_diagonal_keeps_float32_and_runs_under_jit():
     close(result, np.diag(mixed_hessian()).astype(np.float32), rtol=1e-4, atol=1e-4)
 
 
-def test_exact_diagonal_with_a_budget(buffers_only):
+def test_exact_diagonal_with_a_budget():
     params, data = point()
     op = zm.BatchedHessian(loss, max_memory="2kB").operator(params, data)
     close(zm.diagonal(op), np.diag(mixed_hessian()))

@@ -170,7 +170,7 @@ def test_budget_plans_the_blocks_of_vectors():
     H, flat = dense_hessian()
     V = vectors(flat.size, 6)
     close(zm.BatchedHessian(loss, max_memory="400MB").operator(params, data).mm(V), H @ V)
-    tiny = zm.BatchedHessian(loss, max_memory="1kB").operator(params, data)
+    tiny = zm.BatchedHessian(loss, max_memory="50B").operator(params, data)
     with pytest.raises(zm.MemoryBudgetError, match=r"BatchedHessian.operator\(...\).mm: max_m"):
         tiny.mm(V[:, :2])
     assert zm.BatchedHessian(loss).operator(params, data).mm(V[:, :0]).shape == (10, 0)

@@ -32,7 +32,6 @@ def test_blocks_of_rows_equal_the_matrix(batch_size):
         assert gram.plan(X).num_blocks == -(-12 // batch_size)
 
 
-@pytest.mark.usefixtures("buffers_only")  # a call of a few kB: the compile heap left out
 def test_a_budget_plans_the_blocks():
     x = jnp.linspace(-1.0, 1.0, 60)
     peaks = [BlockedGram(features, batch_size=b).plan(x).peak_bytes for b in (1, 5, 30, 60)]

@@ -170,7 +170,7 @@ def test_refusals():
         lanczos_quadrature(lambda v: v, jnp.ones(3), 4)
 
 
-def test_density_of_a_hessian_in_planned_blocks_with_a_bar(buffers_only, capfd):
+def test_density_of_a_hessian_in_planned_blocks_with_a_bar(capfd):
     import zodmem as zm
 
     def loss(w):

@@ -71,7 +71,6 @@ def test_to_file_equals_the_call(transform, args, tmp_path):
         assert "blocks.journal" in names and all(n.endswith((".npy", ".journal")) for n in names)
 
 
-@pytest.mark.usefixtures("buffers_only")  # budgets of a few kB: the compile heap left out
 def test_budgets_plan_the_streamed_call():
     w, data = jnp.linspace(-1.0, 1.0, 40), jnp.linspace(0.0, 1.0, 120).reshape(3, 40)
     transform = zm.BatchedHessian(loss, max_memory="5kB")

@@ -1,77 +1,39 @@
 """Planning blocks from a memory budget: the block size whose compiled call fits.
 
-A transform with `max_memory` cuts its work (`total` items: variables, output
-elements, batch elements) into blocks, like one given a count or a size; the planner
-here chooses the size. It compiles the transform's whole call at candidate block sizes
-and reads XLA's own account of the call's buffers (`memory_analysis()`): the output
-plus the temporaries, which is what the budget bounds. Nothing runs to plan.
+A transform with `max_memory` cuts its work (`total` items: variables, output elements,
+batch elements) into blocks, like one given a count or a size; the planner here chooses
+the size. It compiles the transform's whole call at candidate block sizes and reads
+XLA's own account of the call's buffers (`memory_analysis()`): the output plus the
+temporaries, on the device the call runs on. That is what the budget bounds, less a
+small share kept for the allocator's slack (`Policy`), eagerly, under an outer `jit` and
+in the estimators alike. Nothing runs to plan.
 
-The two ends of the search (one item per block, everything in one block) are probes:
-compiled without the backend's code optimisations, which come after XLA has assigned the
-buffers, so that each costs about 60% of the call's own compile and reports the same
-memory. Sizes between them are compiled for the call, since the first that fits is
-usually the plan; a probe that is chosen is compiled again for the call (its memory
-checked again; should it not fit, the search is made again from programs compiled for
-the call). The chosen candidate's executable is the one the call runs.
+A plan is a function of the traced program, the budget and the devices only: it reads
+nothing of the process's history, so every process of a job plans the same blocks and a
+script plans the same in every run. The host memory the compiler takes while compiling
+does not depend on the blocks chosen, so no plan could make it smaller; it is measured
+and reported beside the plan (`Plan.compile_bytes`), never counted against the budget.
 
-How `search` finds a size, in few compiles:
+The planner (`Planner`) reads top to bottom:
 
-1. the largest size it considers: on a CPU, the largest whose temporaries stay within
-   `CPU_BLOCK_BYTES` (the temporaries per item are the slope of the compiled peaks
-   between one item per block and the whole work; one item at least), since there a
-   block whose temporaries outgrow the caches runs slower per item; on an accelerator,
-   where a wider block keeps more of the device busy, the whole work. If it fits, it
-   is the plan;
-2. one item per block: if that does not fit either, a ladder of sizes (the largest
-   considered, halved up to eight times, down to 2) is compiled, since XLA may form a
-   large block's products as one matrix product with fewer temporaries than a few
-   separate products take. If none of them fits the call is refused with
-   `MemoryBudgetError` before anything runs; otherwise the search goes on from the
-   largest that fits;
-3. between a size known to fit and one known not to, the peak grows about linearly with
-   the block size, so a secant step guesses the largest size that fits; each guess is
-   compiled and checked, and the search stops when the two sizes are within a
-   sixteenth of the one that fits. Where the peak grows faster than that, the secant
-   guesses low every time: after two such steps the end that does not fit counts half
-   as far over the budget each time (the Illinois rule), so the guesses still close in.
-   Sizes are taken as `ceil(total / num_blocks)`, the smallest size for a number of
-   blocks, so the blocks come out even.
+1. candidates: the transform's call compiled at a block size (and, for derivatives, a
+   strategy). The two ends of the search (one item per block, everything in one block)
+   are probes, compiled without the backend's code optimisations, which come after XLA
+   has assigned the buffers: they report the same memory at a fraction of the compile.
+   Sizes between them are compiled for the call, since the first that fits is usually
+   the plan; a chosen probe is compiled again for the call (and, should its memory then
+   not fit, the search is made again from programs compiled for the call). The chosen
+   candidate's executable is the one the call runs.
+2. search (`_search.search`): the largest size that fits, in few compiles. Where the
+   platform caps a block's temporaries (a CPU's caches) and the transform can read from
+   its function that one item alone makes a value past that cap, one item per block is
+   compiled first, for the call, and is the plan when it fits.
+3. reserve: the platform's policy (`policy_of`), in one place.
+4. refusal: where no block size fits, `MemoryBudgetError` names the least budget that
+   plans, found by planning it.
 
-On a CPU, where the transform can read from its function that one item alone makes a value
-larger than `CPU_BLOCK_BYTES` (`ChunkedVmap`: the largest value its function makes from one
-element, from the function's jaxpr), the cap is one item: that size is compiled first, for
-the call, and is the plan when it fits, in one compile and no probe. Where it does not fit,
-the search above is made.
-
-For a derivative with `strategy="auto"`, `make_plan` tries one linearisation kept for
-every block first, then `fn` evaluated again inside each block, and takes the first that
-plans; the call is refused when none does.
-
-Blocks are planned to fit the budget less a reserve for what the process allocates
-beside the call's buffers (`usable_bytes`). On an accelerator it is 2% of the budget,
-for the allocator's slack. On a CPU, where the call's memory is the process's own, it is
-2% of the budget, plus the most that compiling any candidate grew the process's
-resident memory while planning (measured around each compile, from a trimmed heap),
-plus `RESERVE_RUNTIME_BYTES` (10 MB) for the executable and the runtime's threads;
-where the resident memory cannot be read, `RESERVE_CPU_BYTES` (40 MB) stands for the
-compile and the runtime together. That holds compile and call together, as under an
-outer transform, whose program runs beside the heap its compile left. A call on
-concrete arguments runs once the compile heap is handed back (after planning, and after
-any compile of its own), so there the budget need only hold the larger of the two: the
-call with 2% and the runtime, and each compile's peak, bounded by the process's peak
-after it (`VmHWM`) less the resident memory before it. The reserve has no cap: a budget
-too small to hold it is refused rather than exceeded. A refusal names a budget
-`SUGGESTION_MARGIN` (15%) over the least that plans in this process (`least_budget`),
-since another process's compile may grow the heap more.
-
-The heap the compiler frees is handed back to the system before each candidate is
-compiled and once planning ends (`release_heap`), so that planning does not raise the
-process's peak memory. Plans are cached per transform, argument shapes, dtypes and
-placements, budget and planned call, so the cost is paid by the first call only; with
-each plan the executable of its chosen candidate is kept, and it is what the call runs
-(`run_compiled`), so that a planned call compiles its program once. A budget whose
-usable part cannot hold the output itself is refused from the two ends' compiles, without
-the ladder: no block size changes the output.
+Plans are cached per transform, argument shapes, dtypes and placements, budget and
+planned call, so their cost is paid by the first call only.
 """
 
 from __future__ import annotations
@@ -83,112 +45,97 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.extend as jex
 import numpy as np
 
 from ._compiled import (
-    LEAN_CPU_OPTIONS,
+    CPU_PROBE_OPTIONS,
+    PROBE_OPTIONS,
     Compiled,
     abstract,
     collector_paused,
     compile_call,
-    is_traced,
-    release_heap,
 )
 from ._memory import budget_of, format_bytes, format_bytes_up
+from ._search import CPU_BLOCK_BYTES, largest_made_from, search
 from ._sharding import placement
 
 __all__ = [
-    "usable_bytes",
+    "CPU_BLOCK_BYTES",
     "MemoryBudgetError",
     "Plan",
-    "CPU_BLOCK_BYTES",
+    "Policy",
     "Work",
     "abstract",
-    "make_plan",
+    "compiled_plan",
     "largest_made_from",
+    "least_budget",
+    "make_plan",
+    "policy_of",
     "search",
+    "usable_bytes",
 ]
 
-# What is kept of a budget for what the process allocates beside the call's own buffers:
-# blocks are planned to fit the rest. On a CPU the call's memory is the process's: the
-# heap a compile leaves (what compiling a candidate grew the resident memory by while
-# planning), where the call runs beside it, plus the runtime's threads and the
-# executable, `RESERVE_RUNTIME_BYTES`; where the resident memory cannot be read, a fixed
-# `RESERVE_CPU_BYTES` stands for both. On an accelerator only the allocator's slack shares
-# the device: 2% of the budget, never more than a tenth.
+
+# -- the platform's policy -------------------------------------------------------------
+
+
+class Policy(NamedTuple):
+    """How plans are made on a platform: the share of a budget kept for the allocator's
+    slack, the most temporaries a block is given (`None`: no cap), and the compiler
+    options of a probe."""
+
+    reserve_share: float
+    block_bytes: int | None
+    probe_options: dict[str, Any]
+
+    def usable(self, budget: int) -> int:
+        """The part of `budget` that the compiled call's peak may take."""
+        return int(budget * (1 - self.reserve_share))
+
+    def least(self, peak: int) -> int:
+        """The smallest budget whose usable part holds a call of `peak` bytes."""
+        budget = math.ceil(peak / (1 - self.reserve_share))
+        while self.usable(budget) < peak:  # float rounding
+            budget += 1
+        return budget
+
+
+# The allocator's slack: a share of the budget on every platform. Nothing else is kept:
+# the budget bounds the call's buffers, and on a CPU the compiler's heap is the host's,
+# reported apart.
 RESERVE_SHARE = 0.02
-RESERVE_CPU_BYTES = 40 * 10**6
-RESERVE_RUNTIME_BYTES = 10 * 10**6
-# A refusal suggests this much over the least budget that plans here: the compile heap of
-# another process differs (on benchmarks/budgets.py's small problem, refusals of 50 MB in
-# fresh processes found least budgets 5% apart).
-SUGGESTION_MARGIN = 1.15
+_POLICIES = {
+    # A CPU block runs fastest while its temporaries stay in the caches; its probes are
+    # compiled with the older fusion emitters too, which assign the same buffers.
+    "cpu": Policy(RESERVE_SHARE, CPU_BLOCK_BYTES, CPU_PROBE_OPTIONS),
+}
+# An accelerator keeps more of itself busy with wider blocks: no cap.
+_ACCELERATOR = Policy(RESERVE_SHARE, None, PROBE_OPTIONS)
 
 
-def usable_bytes(budget: int, platform: str, compile_bytes: int | None = None) -> int:
-    """The part of `budget` that the compiled call's peak may take; `compile_bytes` is what
-    compiling it adds to a CPU process (`None`: not measured)."""
-    if platform != "cpu":
-        return int(budget - min(RESERVE_SHARE * budget, 0.1 * budget))
-    extra = RESERVE_CPU_BYTES if compile_bytes is None else compile_bytes + RESERVE_RUNTIME_BYTES
-    return int(budget * (1 - RESERVE_SHARE) - extra)
+def policy_of(platform: str) -> Policy:
+    """The policy of plans on `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...)."""
+    return _POLICIES.get(platform, _ACCELERATOR)
 
 
-def least_budget(peak: int, platform: str, compile_bytes: int | None = None) -> int:
+def usable_bytes(budget: int, platform: str) -> int:
+    """The part of `budget` that a compiled call's peak may take on `platform`."""
+    return policy_of(platform).usable(budget)
+
+
+def least_budget(peak: int, platform: str) -> int:
     """The smallest budget whose usable part (`usable_bytes`) holds a call of `peak`."""
-    if platform != "cpu":
-        return math.ceil(peak / (1 - RESERVE_SHARE))
-    extra = RESERVE_CPU_BYTES if compile_bytes is None else compile_bytes + RESERVE_RUNTIME_BYTES
-    return math.ceil((peak + extra) / (1 - RESERVE_SHARE))
+    return policy_of(platform).least(peak)
 
 
 def resident_bytes() -> int | None:
-    """This process's resident memory now (Linux), or `None`."""
+    """This process's resident memory now (Linux), or `None`. Read around compiles for
+    `Plan.compile_bytes` only, never for a plan's choice."""
     try:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-
-
-def peak_resident_bytes() -> int | None:
-    """This process's peak resident memory so far (Linux's `VmHWM`), or `None`."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-# On a CPU, the most temporaries a block is planned to make (see the module's docstring).
-CPU_BLOCK_BYTES = 16 * 10**6
-
-
-def largest_made_from(jaxpr: Any, made_from: list[bool]) -> int:
-    """The bytes of the largest value that `jaxpr`'s top-level equations make from the
-    inputs flagged in `made_from` (its outputs excepted). Values inside nested programs
-    (a `jit`, a loop's body) are not looked into, so this errs low."""
-    dependent = {var for var, flag in zip(jaxpr.invars, made_from, strict=True) if flag}
-    outputs = {id(var) for var in jaxpr.outvars}
-    largest = 0
-    for eqn in jaxpr.eqns:
-        if not any(var in dependent for var in eqn.invars if not isinstance(var, jex.core.Literal)):
-            continue
-        for var in eqn.outvars:
-            dependent.add(var)
-            aval = var.aval
-            if id(var) in outputs or not hasattr(aval, "shape"):
-                continue
-            try:
-                size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-            except TypeError:  # a key or token: no plain item size
-                continue
-            largest = max(largest, size)
-    return largest
 
 
 class Work(NamedTuple):
@@ -246,6 +193,11 @@ class Plan(eqx.Module):
       `MemAvailable`, or the container's cgroup limit where that leaves less).
     - `compiles`: how many candidate calls were compiled to make the plan (a plan taken
       from the cache of plans already made says how many it took then).
+    - `compile_bytes`: an estimate of the host memory compiling took: the most that
+      compiling one candidate grew this process's resident memory (`None` where that
+      cannot be read). It is measured, so it varies from process to process; it is
+      reported beside the plan and never counted against the budget, and it is no part
+      of the choice (`decision`), which is the same in every process.
     - `strategy`: for derivatives, `"linearize"` (one linearisation of `fn` kept for every
       block) or `"recompute"` (`fn` evaluated again inside each block); `None` otherwise.
 
@@ -270,6 +222,21 @@ class Plan(eqx.Module):
     strategy: str | None = eqx.field(static=True, default=None)
     budget_source: str | None = eqx.field(static=True, default=None)
     compiles: int = eqx.field(static=True, default=0)
+    compile_bytes: int | None = eqx.field(static=True, default=None)
+
+    @property
+    def decision(self) -> tuple:
+        """What the plan chose and predicts, the same in every process that plans the
+        same program, budget and devices: `(block_size, num_blocks, strategy,
+        peak_bytes, output_bytes, budget_bytes)`."""
+        return (
+            self.block_size,
+            self.num_blocks,
+            self.strategy,
+            self.peak_bytes,
+            self.output_bytes,
+            self.budget_bytes,
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -296,89 +263,22 @@ class Plan(eqx.Module):
         )
 
 
-def _size_for(total: int, block_size: int) -> int:
-    """The smallest block size that cuts `total` into as many blocks as `block_size` does."""
-    return -(-total // -(-total // block_size))
-
-
-def search(
-    peak_at: Callable[[int], int],
-    total: int,
-    budget: int,
-    *,
-    refuse: Callable[[int], Exception],
-    block_bytes: int | None = None,
-    least: int | None = None,
-) -> int:
-    """The block size to use: the largest whose peak (`peak_at(size)`) fits `budget` and,
-    with `block_bytes`, whose temporaries (the peaks' slope per item times the size) stay
-    within it. `least`, where given, is a lower bound of one item's peak (the output,
-    which every block size holds) that the slope is taken from instead of compiling one
-    item per block: a slope no smaller, so blocks no larger. `refuse(least_peak)` is
-    raised when no size fits."""
-    peaks: dict[int, int] = {}
-
-    def peak(size: int) -> int:
-        if size not in peaks:
-            peaks[size] = peak_at(size)
-        return peaks[size]
-
-    cap = total
-    if block_bytes is not None and total > 1:
-        whole = peak(total)
-        per_item = (whole - (peak(1) if least is None else least)) / (total - 1)
-        if per_item > 0:
-            cap = _size_for(total, max(1, min(total, int(block_bytes // per_item))))
-    if peak(cap) <= budget:
-        return cap
-    fits, over = 1, cap
-    if peak(1) > budget:
-        # Usually nothing fits then; but the peak need not grow with the block size
-        # (XLA may form a large block's products as one matrix product, with fewer
-        # temporaries than a few separate ones): look down a ladder of sizes first.
-        ladder = [_size_for(total, cap >> k) for k in range(1, 9) if cap >> k > 1]
-        fitting = [size for size in ladder if peak(size) <= budget]
-        if not fitting:
-            raise refuse(min(peaks.values()))
-        fits = fitting[0]
-        over = min(size for size in peaks if size > fits)
-    rising = 0  # how many steps in a row have raised the size known to fit
-    while over - fits > max(1, fits // 16):
-        # The secant between the largest size known to fit and the smallest known not to.
-        # Where the peak grows faster than linearly it guesses low every time; from the
-        # second such step on, the excess of the end that does not fit is halved each
-        # time (the Illinois rule), so the guesses reach the answer in few steps.
-        excess = (peak(over) - budget) / 2 ** max(0, rising - 1)
-        slope = (budget + excess - peak(fits)) / (over - fits)
-        guess = fits + (budget - peak(fits)) / slope if slope > 0 else over - 1
-        size = _size_for(total, int(min(max(guess, fits + 1), over - 1)))
-        if size <= fits or size >= over:
-            break
-        if peak(size) <= budget:
-            fits, rising = size, rising + 1
-        else:
-            over, rising = size, 0
-    return fits
-
-
 def refusal(
     owner: str, budget: int, least: int, *, output_bytes: int, output_what: str, suggested: int
 ) -> MemoryBudgetError:
-    """The error for a budget that cannot hold one item per block; `suggested` is the
-    least budget that holds a call of `least` bytes (`least_budget`)."""
+    """The error for a budget that cannot hold one item per block: `least` is the least
+    peak of the call's buffers, `suggested` the least budget that plans."""
     way = f"a budget of at least {format_bytes_up(suggested)}"
     if output_bytes >= 0.5 * suggested:
         way += (
             f", or less work per call (the {output_what} itself takes most of it: fewer "
             "variables or outputs per call, each call's result moved off the device)"
         )
-    beside = suggested - least
     return MemoryBudgetError(
         f"{owner}: max_memory={format_bytes(budget)} cannot hold even one item per block: "
-        f"the call needs at least {format_bytes(least)}, of which the {output_what} alone is "
-        f"{format_bytes(output_bytes)}, and compiling and running it takes about "
-        f"{format_bytes(beside)} more beside it. More blocks are not enough; the way out is "
-        f"{way}."
+        f"the call's buffers need at least {format_bytes(least)}, of which the "
+        f"{output_what} alone is {format_bytes(output_bytes)}. More blocks are not enough; "
+        f"the way out is {way}."
     )
 
 
@@ -427,225 +327,232 @@ def compiled_plan(
     args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
     holds no output on the device); by default, the transform's own call.
 
-    Returns the plan and the executable compiled for it (`None` where nothing was
-    compiled): `run_compiled(executable, candidate, args, kwargs)` runs the planned call
-    without compiling it again, on arguments placed as these were (`runs_compiled`)."""
+    Returns the plan and the executable compiled for it: `run_compiled(executable,
+    candidate, args, kwargs)` runs the planned call without compiling it again, on
+    arguments placed as these were (`runs_compiled`)."""
     run = _run if run is None else run
-    # A plan for concrete arguments may count on the compile heap being handed back
-    # before the call runs; one for traced arguments may not (`_new_plan`).
-    traced = is_traced((args, kwargs))
-    key = _cache_key((transform, args, kwargs, run), (transform.max_memory, traced))
+    key = _cache_key((transform, args, kwargs, run), transform.max_memory)
     if key is not None and key in _PLANS:
         return _PLANS[key]
     with collector_paused():
-        return _new_plan(transform, args, kwargs, run, key, traced)
-
-
-def _new_plan(
-    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any], key: Any, traced: bool
-) -> tuple[Plan, Any]:
-    owner = type(transform).__name__
-    work = transform._work(*args, **kwargs)  # traces fn for a derivative: after the cache
-    shapes = abstract((transform, args, kwargs))  # arrays and tracers as abstract values
-    measured: dict[Any, Compiled] = {}
-    platform = jax.default_backend()
-    # What compiling grows the heap by, from the heap as the call will find it (trimmed
-    # before each candidate): the most any candidate grew it. The first compile also pays
-    # some set-up of the process's own, which errs on the safe side; a larger block's is
-    # not always the larger (one block of everything is a program without a loop).
-    growths: list[int] = []
-    # For concrete arguments the call runs the program compiled here (or one compiled as
-    # its first call begins), once the compile heap is handed back: its run does not
-    # carry that heap, and the budget holds the larger of the call and a compile, not
-    # both. A compile's peak above the heap it began from is at most the process's peak
-    # after it less the resident memory before it: an upper bound that is exact where
-    # the compile set the process's peak. Under an outer transform the call runs in a
-    # program compiled by that transform, beside whatever heap its compile left.
-    apart = not traced and platform == "cpu"
-    compile_peaks: list[int] = []
-    budget, source = budget_of(transform.max_memory)
-    # With a budget, the search's two ends are probes (`compile_call`); a chosen probe is
-    # compiled again for the call. Should its memory then not fit, the search is made
-    # again from programs compiled for the call.
-    probing = budget is not None and work.total > 0
-    compiles = 0
-
-    def compiled(strategy: Any, size: int | None, probe: bool) -> Compiled:
-        nonlocal compiles
-        candidate = transform if size is None else transform._with_block_size(size, strategy)
-        release_heap()
-        before = resident_bytes()
-        lean = not probe and platform == "cpu" and getattr(transform, "_lean_program", False)
-        options = LEAN_CPU_OPTIONS if lean else None
-        result = compile_call(
-            run, abstract(candidate), shapes[1], shapes[2], probe=probe, options=options
-        )
-        after = resident_bytes()
-        if before is not None and after is not None:
-            growths.append(max(0, after - before))
-            peak = peak_resident_bytes()
-            if peak is not None:
-                compile_peaks.append(max(0, peak - before))
-        compiles += 1
-        return result
-
-    probes: set[Any] = set()
-    for_call: set[Any] = set()  # candidates to compile for the call, not as probes
-
-    def memory(strategy: Any, size: int | None) -> Compiled:
-        if (strategy, size) not in measured:
-            # The two ends (one item per block, and all in one block) give the slope and
-            # are seldom the plan: probes. A size between them is compiled for the call,
-            # since the first that fits is usually the plan.
-            probe = probing and size in (1, work.total) and work.total > 1
-            probe = probe and (strategy, size) not in for_call
-            if probe and size == 1 and platform == "cpu" and (strategy, work.total) in measured:
-                # Where even the whole work's peak shared out over its items passes the
-                # most temporaries a CPU block is given, one item per block is the
-                # largest size considered, and the usual plan: compiled for the call.
-                whole = measured[strategy, work.total].peak_bytes
-                probe = whole / (work.total - 1) < CPU_BLOCK_BYTES
-            measured[strategy, size] = compiled(strategy, size, probe)
-            if probe:
-                probes.add((strategy, size))
-        return measured[strategy, size]
-
-    def compile_bytes() -> int | None:
-        return max(growths) if growths else None
-
-    def usable_now() -> int:
-        """The part of the budget a candidate's peak may take, from the compiles so far."""
-        beside = usable_bytes(budget, platform, compile_bytes())
-        if apart and compile_peaks:
-            alone = usable_bytes(budget, platform, 0)
-            if max(compile_peaks) <= alone:
-                return max(beside, alone)
-        return beside
-
-    def least_now(peak: int) -> int:
-        """The least budget in which a call of `peak` bytes plans (`usable_now`)."""
-        least = least_budget(peak, platform, compile_bytes())
-        if apart and compile_peaks:
-            least = min(least, least_budget(max(peak, max(compile_peaks)), platform, 0))
-        return least
-
-    def usable(strategy: Any) -> int:
-        if platform == "cpu":
-            # The search compiles the whole work on a CPU anyway: the heap it grows is
-            # measured. Its peak also says whether one item per block is the plan.
-            memory(strategy, work.total)
-        return usable_now()
-
-    def output_bytes(strategy: Any) -> int:
-        # The same for every block size: from whichever end is compiled.
-        for size in (work.total, 1):
-            if (strategy, size) in measured:
-                return measured[strategy, size].output_bytes
-        return memory(strategy, 1).output_bytes
-
-    def one_item_first(strategy: Any) -> tuple[Any, int] | None:
-        """One item per block, without the slope's probe, where a single item makes a
-        value past the temporaries a CPU block is given (`AbstractBlocked._item_bytes`):
-        the cap of the search would be one item then. Compiled for the call, it is the
-        plan when it fits."""
-        item = transform._item_bytes(*args, **kwargs)
-        if item is None or item < CPU_BLOCK_BYTES or work.total < 2:
-            return None
-        for_call.add((strategy, 1))
-        if memory(strategy, 1).peak_bytes <= usable_now():
-            return strategy, 1
-        return None
-
-    def choose() -> tuple[Any, int]:
-        """The strategy and block size whose candidate fits the budget."""
-        refusals = []
-        for strategy in transform._strategies:
-
-            def refuse(least: int, strategy: Any = strategy) -> MemoryBudgetError:
-                # Over the least: a new process's compile may grow the heap more.
-                suggested = least_now(least) * SUGGESTION_MARGIN
-                return refusal(
-                    owner,
-                    budget,
-                    least,
-                    output_bytes=output_bytes(strategy),
-                    output_what=work.output_what,
-                    suggested=math.ceil(suggested),
-                )
-
-            if platform == "cpu" and (strategy, 1) not in measured:
-                one = one_item_first(strategy)
-                if one is not None:
-                    return one
-            limit = usable(strategy)
-            if output_bytes(strategy) > limit:
-                # The output alone does not fit, and no block size changes it: refused
-                # without searching the ladder of sizes.
-                ends = [memory(strategy, 1).peak_bytes]
-                if (strategy, work.total) in measured:
-                    ends.append(measured[strategy, work.total].peak_bytes)
-                refusals.append(refuse(min(ends)))
-                continue
-            # On a CPU the slope that caps a block's temporaries is taken from the whole
-            # work's peak down to the output, unless one item per block is compiled
-            # already: one compile fewer where the cap fits the budget.
-            least = None
-            if platform == "cpu" and (strategy, 1) not in measured:
-                least = output_bytes(strategy)
-            try:
-                size = search(
-                    lambda size, strategy=strategy: memory(strategy, size)[0],
-                    work.total,
-                    limit,
-                    refuse=refuse,
-                    block_bytes=CPU_BLOCK_BYTES if platform == "cpu" else None,
-                    least=least,
-                )
-            except MemoryBudgetError as error:
-                refusals.append(error)
-                continue
-            return strategy, size
-        raise refusals[-1] if len(refusals) == 1 else _both_refused(refusals)
-
-    if not probing:
-        chosen = (transform._strategies[0], None)
-        final = memory(*chosen)
-    else:
-        chosen = choose()
-        if chosen not in probes:
-            final = measured[chosen]
-        else:
-            final = compiled(*chosen, probe=False)
-        if final.peak_bytes > usable_now():
-            probing = False
-            measured.clear()
-            chosen = choose()
-            final = memory(*chosen)
-    plan = Plan(
-        owner=owner,
-        what=work.what,
-        total=work.total,
-        block_size=work.block_size if chosen[1] is None else chosen[1],
-        peak_bytes=final.peak_bytes,
-        output_bytes=final.output_bytes,
-        budget_bytes=budget,
-        strategy=chosen[0],
-        budget_source=source,
-        compiles=compiles,
-    )
-    # The chosen candidate's executable is the one the call runs; the others are freed.
-    measured.clear()
-    release_heap()
+        made = Planner(transform, args, kwargs, run).plan()
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan, final.executable
-    return plan, final.executable
+        _PLANS[key] = made
+    return made
 
 
-def _both_refused(refusals: list[MemoryBudgetError]) -> MemoryBudgetError:
-    # The message of the strategy that needs less, noting that the other was tried.
-    return MemoryBudgetError(
-        f"{refusals[-1]} (Both strategies were tried: keeping one linearisation of `fn` "
-        "for every block, and evaluating `fn` again inside each block.)"
-    )
+class _NoFit(Exception):
+    """No block size of any strategy fits: the least peak seen, and of which strategy."""
+
+    def __init__(self, least: int, strategy: Any):
+        super().__init__(least, strategy)
+        self.least, self.strategy = least, strategy
+
+
+class Planner:
+    """The plan of one call: its candidates, the search among them, the reserve of the
+    platform's policy, and the refusal. Every figure it decides on is XLA's count of a
+    compiled program, so the plan is the same in every process."""
+
+    def __init__(self, transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]):
+        self.transform, self.args, self.kwargs, self.run = transform, args, kwargs, run
+        self.owner = type(transform).__name__
+        self.work = transform._work(*args, **kwargs)  # traces fn for a derivative
+        self.shapes = abstract((transform, args, kwargs))  # arrays and tracers as shapes
+        self.policy = policy_of(jax.default_backend())
+        self.budget, self.source = budget_of(transform.max_memory)
+        self.measured: dict[tuple[Any, int | None], Compiled] = {}
+        self.probes: set[tuple[Any, int | None]] = set()  # measured as probes
+        self.for_call: set[tuple[Any, int | None]] = set()  # never to be probes
+        self.probing = self.budget is not None and self.work.total > 0
+        self.compiles = 0
+        self.compile_bytes: int | None = None
+
+    def plan(self) -> tuple[Plan, Any]:
+        """The plan and the executable of its chosen candidate."""
+        if self.budget is None or self.work.total == 0:
+            chosen = (self.transform._strategies[0], None)
+            final = self.candidate(*chosen)
+        else:
+            try:
+                chosen, final = self.choose(self.policy.usable(self.budget))
+            except _NoFit as nofit:
+                raise self.refusal(nofit) from None
+        plan = Plan(
+            owner=self.owner,
+            what=self.work.what,
+            total=self.work.total,
+            block_size=self.work.block_size if chosen[1] is None else chosen[1],
+            peak_bytes=final.peak_bytes,
+            output_bytes=final.output_bytes,
+            budget_bytes=self.budget,
+            strategy=chosen[0],
+            budget_source=self.source,
+            compiles=self.compiles,
+            compile_bytes=self.compile_bytes,
+        )
+        return plan, final.executable
+
+    # -- 1. candidates ------------------------------------------------------------------
+
+    def compile(self, strategy: Any, size: int | None, probe: bool) -> Compiled:
+        """The call compiled at `size` items per block (`None`: the transform's own
+        options) with `strategy`; a probe only for its memory."""
+        transform = self.transform
+        if size is not None:
+            transform = transform._with_block_size(size, strategy)
+        before = resident_bytes()
+        compiled = compile_call(
+            self.run,
+            abstract(transform),
+            self.shapes[1],
+            self.shapes[2],
+            options=self.policy.probe_options if probe else None,
+        )
+        after = resident_bytes()
+        if before is not None and after is not None:
+            self.compile_bytes = max(self.compile_bytes or 0, after - before)
+        self.compiles += 1
+        return compiled
+
+    def candidate(self, strategy: Any, size: int | None) -> Compiled:
+        """The call at `size` and `strategy`, compiled once: the two ends of the search
+        (one item per block, all in one) as probes, since they give the slope and are
+        seldom the plan; the sizes between them for the call."""
+        key = (strategy, size)
+        if key not in self.measured:
+            total = self.work.total
+            probe = self.probing and size in (1, total) and total > 1 and key not in self.for_call
+            if probe and size == 1 and self.policy.block_bytes is not None:
+                # Where even the whole work's peak shared out over its items passes the
+                # temporaries a block is given, one item per block is the largest size
+                # considered and the usual plan: compiled for the call.
+                whole = self.measured.get((strategy, total))
+                if whole is not None:
+                    probe = whole.peak_bytes / (total - 1) < self.policy.block_bytes
+            self.measured[key] = self.compile(strategy, size, probe)
+            if probe:
+                self.probes.add(key)
+        return self.measured[key]
+
+    def output_bytes(self, strategy: Any) -> int:
+        """The output's bytes, the same at every block size: from either end compiled."""
+        for size in (self.work.total, 1):
+            if (strategy, size) in self.measured:
+                return self.measured[strategy, size].output_bytes
+        return self.candidate(strategy, 1).output_bytes
+
+    # -- 2. search ------------------------------------------------------------------------
+
+    def choose(self, usable: int) -> tuple[tuple[Any, int], Compiled]:
+        """The strategy and block size whose call's peak fits `usable` bytes, and the
+        call compiled for it. A chosen probe is compiled again for the call; should its
+        memory then not fit, the search is made again without probes."""
+        chosen = self.search(usable)
+        if chosen in self.probes:
+            final = self.compile(*chosen, probe=False)
+            self.measured[chosen] = final
+            self.probes.discard(chosen)
+        else:
+            final = self.measured[chosen]
+        if final.peak_bytes > usable:
+            self.probing = False
+            self.measured = {key: c for key, c in self.measured.items() if key not in self.probes}
+            self.probes.clear()
+            chosen = self.search(usable)
+            final = self.candidate(*chosen)
+        return chosen, final
+
+    def search(self, usable: int) -> tuple[Any, int]:
+        """The first strategy with a block size that fits, and that size; `_NoFit` with
+        the least peak seen where none does."""
+        leasts = []
+        for strategy in self.transform._strategies:
+            one = self.one_item_first(strategy, usable)
+            if one is not None:
+                return strategy, one
+            try:
+                return strategy, self.search_strategy(strategy, usable)
+            except _NoFit as nofit:
+                leasts.append(nofit)
+        raise min(leasts, key=lambda nofit: nofit.least)
+
+    def one_item_first(self, strategy: Any, usable: int) -> int | None:
+        """One item per block, where the platform caps a block's temporaries and one
+        item alone makes a value past the cap (`AbstractBlocked._item_bytes`): compiled
+        for the call, it is the plan when it fits, in one compile."""
+        cap = self.policy.block_bytes
+        if cap is None or self.work.total < 2 or (strategy, 1) in self.measured:
+            return None
+        item = self.transform._item_bytes(*self.args, **self.kwargs)
+        if item is None or item < cap:
+            return None
+        self.for_call.add((strategy, 1))
+        return 1 if self.candidate(strategy, 1).peak_bytes <= usable else None
+
+    def search_strategy(self, strategy: Any, usable: int) -> int:
+        """The largest block size of `strategy` that fits (`_search.search`)."""
+        total, cap = self.work.total, self.policy.block_bytes
+        least = None
+        if cap is not None:
+            # The whole work is compiled anyway where blocks are capped; where the output
+            # alone does not fit, no block size helps, and the ladder is not searched.
+            self.candidate(strategy, total)
+            if (strategy, 1) not in self.measured:
+                # The slope that caps a block is taken down to the output, which every
+                # block size holds: one compile fewer where the cap fits.
+                least = self.output_bytes(strategy)
+        if self.output_bytes(strategy) > usable:
+            ends = [
+                self.measured[k].peak_bytes
+                for k in ((strategy, 1), (strategy, total))
+                if k in self.measured
+            ]
+            raise _NoFit(min(ends) if ends else self.candidate(strategy, 1).peak_bytes, strategy)
+
+        def refuse(peak: int) -> _NoFit:
+            return _NoFit(peak, strategy)
+
+        return search(
+            lambda size: self.candidate(strategy, size).peak_bytes,
+            total,
+            usable,
+            refuse=refuse,
+            block_bytes=cap,
+            least=least,
+        )
+
+    # -- 3 and 4. reserve and refusal -----------------------------------------------------
+
+    def least_budget(self, nofit: _NoFit) -> int:
+        """The least budget that plans: the policy's for the least peak seen, checked by
+        planning it (planning at a larger budget compiles the same sizes up to the first
+        that fits, so this seldom takes a second round)."""
+        least = self.policy.least(nofit.least)
+        for _ in range(8):
+            try:
+                self.choose(self.policy.usable(least))
+                return least
+            except _NoFit as larger:
+                least = max(least + 1, self.policy.least(larger.least))
+        return least
+
+    def refusal(self, nofit: _NoFit) -> MemoryBudgetError:
+        strategies = self.transform._strategies
+        error = refusal(
+            self.owner,
+            self.budget,
+            nofit.least,
+            output_bytes=self.output_bytes(nofit.strategy),
+            output_what=self.work.output_what,
+            suggested=self.least_budget(nofit),
+        )
+        if len(strategies) > 1:
+            # The message of the strategy that needs less, noting that the other was tried.
+            error = MemoryBudgetError(
+                f"{error} (Both strategies were tried: keeping one linearisation of `fn` "
+                "for every block, and evaluating `fn` again inside each block.)"
+            )
+        return error

@@ -35,7 +35,6 @@ class UnitDiagonal(ProbeJob):
 
     reduce: ClassVar[bool] = False
     what: ClassVar[str] = "unit vectors"
-    lean: ClassVar[bool] = False  # `n` products, the cost of the dense matrix
 
     def count(self, view: FlatView) -> int:
         return view.size

@@ -41,9 +41,6 @@ class ProbeJob(eqx.Module):
     reduce: eqx.AbstractClassVar[bool]
     what: eqx.AbstractClassVar[str]  # the probes, for plans and messages
     axis: ClassVar[int] = 0  # where a mapped job's results hold their probes
-    # Whether its planned program is compiled lean (`AbstractBlocked._lean_program`): a
-    # job of a few products is mostly its compile; one of `n` products, mostly its run.
-    lean: ClassVar[bool] = True
 
     @abc.abstractmethod
     def count(self, view: FlatView) -> int:
@@ -77,10 +74,6 @@ class Probes(AbstractVectorBlocks):
     job: ProbeJob = eqx.field(kw_only=True)
     owner: str = eqx.field(static=True, kw_only=True)
     _vector_axis: ClassVar[int] = 0
-
-    @property
-    def _lean_program(self) -> bool:  # type: ignore[override]
-        return self.job.lean
 
     @property
     def _owner(self) -> str:

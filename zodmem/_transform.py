@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ._budget import Plan, Work, compiled_plan, make_plan
 from ._checks import as_index, check_block_options, check_bool, check_callable, check_choice
-from ._compiled import bind_compiled, heap_released_after_compiles, runs_compiled
+from ._compiled import bind_compiled, runs_compiled
 from ._memory import check_memory
 from ._progress import closing_bars
 from ._pytree import Variables
@@ -77,9 +77,6 @@ class AbstractBlocked(AbstractTransform):
 
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
-    # Whether the planned program is compiled lean on a CPU (`LEAN_CPU_OPTIONS`): for
-    # work usually run once, where the compiler's heap and time outweigh a slower run.
-    _lean_program: ClassVar[bool] = False
 
     def _item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
         """The bytes of the largest value that one item of the work makes on its own, as
@@ -111,7 +108,7 @@ class AbstractBlocked(AbstractTransform):
             w, data = jnp.ones(2000), jnp.ones((256, 2000))
             zm.BatchedHessian(loss).plan(w, data).peak_bytes     # about 18 MB at once
             plan = zm.BatchedHessian(loss, max_memory="100MB").plan(w, data)
-            assert plan.fits  # the 16 MB Hessian, and on a CPU the compiler's heap beside it
+            assert plan.fits  # the 16 MB Hessian and the blocks' temporaries
             ```
         """
         return make_plan(self._quiet, args, kwargs)
@@ -132,7 +129,7 @@ class AbstractBlocked(AbstractTransform):
         """The call: planned from the budget (if any), then run. The program compiled to
         plan the chosen blocks is the one that runs, where it can (`_planned_bound`). The
         bars of a run that fails are closed, not left for the next run to draw beneath."""
-        with closing_bars(), heap_released_after_compiles():
+        with closing_bars():
             planned, bound = self._planned_bound(args, kwargs)
             if bound is not None:
                 return bound(args, kwargs)

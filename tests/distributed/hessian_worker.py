@@ -28,12 +28,14 @@ os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_c
 os.environ.pop("JAX_NUM_CPU_DEVICES", None)  # would take precedence over the flag
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import hashlib  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
@@ -160,7 +162,7 @@ def run_checks(mesh: jax.sharding.Mesh) -> int:
                 np.asarray(shard.data), expected_mean, rtol=1e-12, err_msg=f"{name}: aux mean"
             )
         passed += 1
-    return passed + check_batches(mesh)
+    return passed + check_batches(mesh) + check_plans_agree(mesh)
 
 
 def check_batches(mesh: jax.sharding.Mesh) -> int:
@@ -185,6 +187,41 @@ def check_batches(mesh: jax.sharding.Mesh) -> int:
     for shard in total.addressable_shards:
         np.testing.assert_allclose(np.asarray(shard.data), expected.sum(), rtol=1e-12)
     return 2
+
+
+def check_plans_agree(mesh: jax.sharding.Mesh) -> int:
+    """Both processes plan a row-sharded Hessian the same way at every budget of a sweep,
+    though process 1 compiled and ran a larger program first (its heap differs): each
+    plan, or refusal, is the same in both, so no process takes a branch the other does
+    not. The one that plans at the smallest budget then runs, and its rows are checked."""
+    if jax.process_index() == 1:
+        big = jnp.ones((1500, 1500))
+        jax.block_until_ready(jax.jit(lambda m: jnp.linalg.qr(m @ m.T)[0])(big))
+    n = 400
+    w = jnp.linspace(-1.0, 1.0, n)
+    data = jnp.cos(jnp.arange(8 * n, dtype=w.dtype).reshape(8, n))
+
+    def wide_loss(w: jax.Array, data: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.tanh(data @ w) ** 2) * jnp.sum(w**2)
+
+    rows = NamedSharding(mesh, P("d", None))
+    seen, fitting = [], None
+    for budget in ["50kB", "200kB", "400kB", "800kB", "2MB", "40MB", "60MB", "80MB", "92MB"]:
+        transform = zm.BatchedHessian(wide_loss, sharding=rows, max_memory=budget)
+        try:
+            seen.append(repr(transform.plan(w, data).decision))
+            fitting = fitting or transform
+        except zm.MemoryBudgetError as error:
+            seen.append(str(error))
+    digest = np.frombuffer(hashlib.sha256("\n".join(seen).encode()).digest()[:8], np.int64)
+    digests = multihost_utils.process_allgather(digest)
+    assert np.all(digests == digests[0]), f"plans differ between processes: {seen}"
+    assert fitting is not None, f"no budget planned: {seen}"
+    hessian = fitting(w, data)
+    reference = np.asarray(jax.hessian(wide_loss)(w, data))
+    for shard in hessian.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), reference[shard.index], rtol=1e-10)
+    return 1
 
 
 def main(port: int, process_id: int) -> int:
