@@ -82,7 +82,7 @@ print(
 )
 print(f"per-device output is the share: {analysis.output_size_in_bytes == share}")
 
-# A budget is per device: here a device's share and 100 MB beside it (on a CPU, room for
-# the compiler's heap), planned for its rows alone.
+# A budget is per device: here a device's share and 100 MB beside it for the blocks'
+# temporaries, planned for its rows alone.
 budgeted = zm.BatchedHessian(loss, sharding=rows, max_memory=share + 100 * 10**6)
 print(budgeted.plan(model, xs, ys))
