@@ -529,3 +529,27 @@ def test_sweep_against_the_exact_jacobian(case):
     J = zm.BatchedJacobian(fn, mode=mode, **kwargs)(x)
     assert J.shape == (*out_shape, n) and J.dtype == jnp.float64
     np.testing.assert_allclose(J, exact, rtol=1e-12, atol=1e-12)
+
+
+def test_forward_mode_refuses_a_custom_vjp_function_in_words():
+    @jax.custom_vjp
+    def squash(z):
+        return jnp.tanh(z)
+
+    squash.defvjp(lambda z: (jnp.tanh(z), jnp.tanh(z)), lambda t, g: (g * (1 - t**2),))
+
+    def fn(w, inputs):
+        return squash(inputs @ w)
+
+    w, inputs = jnp.asarray([0.5, -0.25, 1.0]), jnp.asarray(np.cos(np.arange(12.0).reshape(4, 3)))
+    expected = jax.jacrev(lambda w: jnp.tanh(inputs @ w))(w)
+    close(zm.BatchedJacobian(fn, mode="rev", batch_size=2)(w, inputs), expected)
+    refusals = [
+        ("fwd", r"mode='fwd' takes forward-mode derivatives \(JVPs\) of `fn`"),
+        # 3 variables, 4 output elements: "auto" takes columns, by forward mode.
+        ("auto", r"mode='auto' \(which chose forward mode for 3 variables and 4 output elements\)"),
+    ]
+    for mode, match in refusals:
+        for strategy in ("linearize", "recompute"):
+            with pytest.raises(TypeError, match=rf"BatchedJacobian: {match}.*Pass mode='rev'"):
+                zm.BatchedJacobian(fn, mode=mode, strategy=strategy, batch_size=2)(w, inputs)

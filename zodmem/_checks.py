@@ -10,8 +10,9 @@ names repeat Python's (`numpy.bool` is not `bool`), are told apart.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -27,6 +28,8 @@ __all__ = [
     "check_block_options",
     "common_size",
     "described",
+    "refuses_forward_mode",
+    "taking_jvps_of_fn",
 ]
 
 
@@ -180,3 +183,26 @@ def check_key(key: Any, *, owner: str, optional: bool = False) -> Any:
     else:
         allowed = "a JAX random key, such as jax.random.key(0) (or a jax.random.PRNGKey)"
     raise TypeError(f"{owner}: `key` must be {allowed}, got {described(key)}.")
+
+
+def refuses_forward_mode(error: Exception) -> bool:
+    """Whether `error` is JAX's refusal to take a JVP of a `jax.custom_vjp` function."""
+    return isinstance(error, TypeError) and "(jvp) to a custom_vjp function" in str(error)
+
+
+@contextlib.contextmanager
+def taking_jvps_of_fn(owner: str, mode: str = "mode='fwd'") -> Iterator[None]:
+    """Around the code that takes JVPs of the user's `fn` in `mode`: JAX's bare refusal
+    of a `jax.custom_vjp` function inside `fn` becomes a message that names the mode,
+    the reason and the way out."""
+    try:
+        yield
+    except TypeError as error:
+        if not refuses_forward_mode(error):
+            raise
+        raise TypeError(
+            f"{owner}: {mode} takes forward-mode derivatives (JVPs) of `fn`, but `fn` calls "
+            "a function with a `jax.custom_vjp` rule, which JAX differentiates in reverse "
+            "mode only. Pass mode='rev', which takes only reverse-mode derivatives (VJPs) "
+            "of `fn`."
+        ) from error

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
-from ._checks import check_callable
+from ._checks import check_callable, refuses_forward_mode, taking_jvps_of_fn
 from ._leafwise import by_leaf
 from ._losses import AbstractLoss
 from ._operator import BlockedOperator, make_operator
@@ -352,15 +352,20 @@ def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
         try:
             eqx.filter_eval_shape(batched_jvp, primal)
         except TypeError as error:
-            if "custom_vjp" not in str(error):
+            if not refuses_forward_mode(error):
                 raise
             return _linearised(fn, primal, "rev", has_aux)
         return _linearised(fn, primal, "fwd", has_aux)
     if mode == "fwd":
-        if has_aux:
-            outputs, jvp, aux = jax.linearize(fn, primal, has_aux=True)
-        else:
-            (outputs, jvp), aux = jax.linearize(fn, primal), None
+        with taking_jvps_of_fn("BatchedGGN"):
+            if has_aux:
+                outputs, jvp, aux = jax.linearize(fn, primal, has_aux=True)
+            else:
+                (outputs, jvp), aux = jax.linearize(fn, primal), None
+            # JAX refuses a `jax.custom_vjp` function in a batched product as it is traced,
+            # but in a single one only as it is compiled, past any place to say why.
+            batch = [jax.ShapeDtypeStruct((1, *leaf.shape), leaf.dtype) for leaf in primal]
+            jax.eval_shape(jax.vmap(jvp), batch)
         transposed = jax.linear_transpose(jvp, primal)
         return outputs, aux, jvp, lambda u: transposed(u)[0]
     if has_aux:

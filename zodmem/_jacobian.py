@@ -14,6 +14,7 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._checks import taking_jvps_of_fn
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
 from ._pytree import basis_block, flat_function, split_variables
@@ -315,7 +316,13 @@ def _jacobian_share(
     """The Jacobian, or with `share` one device's share of its rows (or columns)."""
     flat, fn_of_flat, restore_aux, n, m, mode = _prepare(transform, x, args, kwargs, split)
     if mode == "fwd":
-        jacobian, aux = _forward(transform, fn_of_flat, flat, n, sink, share, split)
+        named = "mode='fwd'"
+        if transform.mode == "auto":
+            named = (
+                f"mode='auto' (which chose forward mode for {n} variables and {m} output elements)"
+            )
+        with taking_jvps_of_fn("BatchedJacobian", named):
+            jacobian, aux = _forward(transform, fn_of_flat, flat, n, sink, share, split)
     else:
         jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m, sink, share, split)
     if restore_aux is None:
