@@ -8,6 +8,12 @@ eigenvalues, at the price of `steps * n` numbers of memory and `4 * steps * n` f
 step beside the product. Every loop is a `lax` loop inside one compiled program, with
 the operator's product traced once in its body; `eigsh`'s convergence checks call back
 to the host for the wanted eigenpairs of the tridiagonal matrix.
+
+One start vector finds one copy of each eigenvalue, and the copies of a tight cluster
+only slowly, while the residuals of the copies it has found are already small: `eigsh`
+therefore locks its converged pairs into the first rows of the buffer and checks them
+with a second run, from a fresh random start in their orthogonal complement, which must
+find nothing larger than the `k`-th (and, where it does, relocks and checks again).
 """
 
 from __future__ import annotations
@@ -46,15 +52,21 @@ _CHUNK = 16
 # A pass of Gram-Schmidt that leaves less than this fraction of a vector's norm is
 # repeated once ("twice is enough").
 _TWICE = 2**-0.5
+# The chance, for the worst spectrum, that a check run passes over an eigenvalue larger
+# than the k-th found one (Kuczynski and Wozniakowski's bound for a random start).
+_MISS_CHANCE = 1e-3
 
 
 class EigshInfo(NamedTuple):
     """What `eigsh(..., return_info=True)` reports beside the eigenpairs.
 
-    - `num_products`: the number of products with the operator (Lanczos steps) taken.
-    - `converged`: whether all `k` wanted pairs met the tolerance.
+    - `num_products`: the number of products with the operator (Lanczos steps) taken,
+      the check runs' included.
+    - `converged`: whether all `k` wanted pairs met the tolerance and passed the check
+      for missed copies.
     - `residual_norms`: the `k` residual norms `|A y - theta y|`, in the order of the
-      eigenvalues, as the Lanczos recurrence gives them (`|beta_m s_{m,i}|`).
+      eigenvalues, as the Lanczos recurrence gives them (`|beta_m s_{m,i}|`, and for
+      pairs of a check run bounds that count its products with the locked pairs).
     """
 
     num_products: jax.Array
@@ -151,12 +163,16 @@ def _direction(j: Any, n: int, dtype: Any) -> jax.Array:
 
 
 def _normal_start(key: jax.Array, n: int, dtype: Any) -> jax.Array:
-    """A unit vector of standard normal entries (Box-Muller over hashed words), drawn
-    from the words of `key`."""
-    seed = key_seed(key)
+    """A unit vector of standard normal entries, drawn from the words of `key`."""
+    return _normal_direction(key_seed(key), 0, n, dtype)
+
+
+def _normal_direction(seed: Any, draw: Any, n: int, dtype: Any) -> jax.Array:
+    """Unit vector number `draw` of standard normal entries (Box-Muller over hashed
+    words) for the 32-bit `seed`: uniform on the sphere, as a random start must be."""
     # In (0, 1], so that the logarithm is finite.
-    u1 = (hashed_bits(n, 0, seed).astype(dtype) + 1) * 2.0**-32
-    u2 = hashed_bits(n, 1, seed).astype(dtype) * 2.0**-32
+    u1 = (hashed_bits(n, 2 * draw, seed).astype(dtype) + 1) * 2.0**-32
+    u2 = hashed_bits(n, 2 * draw + 1, seed).astype(dtype) * 2.0**-32
     return _normalised(jnp.sqrt(-2 * jnp.log(u1)) * jnp.cos(2 * math.pi * u2))
 
 
@@ -178,6 +194,18 @@ def _step(
     next step must be `fresh`), and the running estimate of the operator's norm (the
     largest norm of a product seen).
     """
+    return _step_with_image(product, basis, j, vector, fresh, norm)[:-1]
+
+
+def _step_with_image(
+    product: Callable,
+    basis: jax.Array,
+    j: Any,
+    vector: jax.Array,
+    fresh: Any,
+    norm: Any,
+) -> tuple:
+    """`_step`, and last the product of the step's vector (its image)."""
 
     def draw(vector):
         drawn = _direction(j, vector.shape[0], basis.dtype)
@@ -202,7 +230,7 @@ def _step(
     beta = jnp.linalg.norm(residual)
     broke = beta <= _BREAKDOWN * jnp.finfo(basis.dtype).eps * norm
     beta = jnp.where(broke, 0, beta)
-    return basis, alpha, beta, residual / jnp.where(broke, 1, beta), broke, norm
+    return basis, alpha, beta, residual / jnp.where(broke, 1, beta), broke, norm, image
 
 
 def _tridiagonal(alphas: jax.Array, betas: jax.Array) -> jax.Array:
@@ -212,9 +240,18 @@ def _tridiagonal(alphas: jax.Array, betas: jax.Array) -> jax.Array:
 # -- eigsh ----------------------------------------------------------------------------------
 
 
-def _host_ritz(alphas: Any, betas: Any, m: Any, start: Any, k: int) -> tuple:
+def _host_ritz(
+    alphas: Any,
+    betas: Any,
+    couplings: Any,
+    locked_residuals: Any,
+    m: Any,
+    start: Any,
+    k: int,
+) -> tuple:
     """`_ritz` on the host, with NumPy arrays."""
     alphas, betas = np.asarray(alphas), np.asarray(betas)
+    couplings, locked_residuals = np.asarray(couplings), np.asarray(locked_residuals)
     m, start, dtype = int(m), int(start), alphas.dtype
     values = np.full(k, -np.inf, dtype)
     vectors = np.zeros((alphas.shape[0], k), dtype)
@@ -222,10 +259,20 @@ def _host_ritz(alphas: Any, betas: Any, m: Any, start: Any, k: int) -> tuple:
     found = min(k, m)
     pairs = _largest_pairs(alphas[:m], betas[: m - 1], found)
     values[k - found :], vectors[:m, k - found :] = pairs
-    residuals[k - found :] = np.abs(betas[m - 1] * pairs[1][m - 1])
+    # A pair's residual has a part along the next Lanczos vector, one along the locked
+    # Ritz vectors (the products with them that the tridiagonal matrix leaves out),
+    # orthogonal to it, and the locked vectors' own residuals in the pair's shares of them.
+    shares = pairs[1]
+    along_next = betas[m - 1] * shares[m - 1]
+    along_locked = np.linalg.norm(couplings[:m].T @ shares, axis=0)
+    locked = min(k, m)
+    inherited = locked_residuals[:locked] @ np.abs(shares[:locked])
+    residuals[k - found :] = np.hypot(along_next, along_locked) + inherited
     top, top_vector = _largest_pairs(alphas[start:m], betas[start : m - 1], 1)
     top_residual = np.abs(betas[m - 1] * top_vector[-1, 0])
-    return values, vectors, residuals, top[0].astype(dtype), top_residual.astype(dtype)
+    low = _smallest_value(alphas[:m], betas[: m - 1])
+    scalars = (top[0], top_residual, low)
+    return (values, vectors, residuals, *(np.asarray(x, dtype) for x in scalars))
 
 
 def _largest_pairs(diagonal: np.ndarray, couplings: np.ndarray, count: int) -> tuple:
@@ -250,50 +297,72 @@ def _largest_pairs(diagonal: np.ndarray, couplings: np.ndarray, count: int) -> t
     return values.astype(diagonal.dtype), vectors.astype(diagonal.dtype)
 
 
-def _ritz(alphas: jax.Array, betas: jax.Array, m: Any, k: int, start: Any) -> tuple:
-    """The `k` largest Ritz values of the first `m` steps (ascending), their
-    eigenvectors of the tridiagonal matrix (as `(max_steps, k)`) and their residual
-    norms; then the largest Ritz value of the steps since the last restart (`start`
-    on; that block is decoupled from the earlier ones) and its residual norm.
+def _smallest_value(diagonal: np.ndarray, couplings: np.ndarray) -> Any:
+    """The smallest eigenvalue of a symmetric tridiagonal matrix (by bisection)."""
+    if diagonal.shape[0] == 1:
+        return diagonal[0]
+    return scipy.linalg.eigvalsh_tridiagonal(
+        diagonal, couplings, select="i", select_range=(0, 0), check_finite=False
+    )[0]
+
+
+class _State(NamedTuple):
+    m: Any  # rows of the basis in use
+    products: Any  # products made (Lanczos steps), in all runs
+    basis: jax.Array
+    alphas: jax.Array
+    betas: jax.Array
+    couplings: jax.Array  # `(max_steps, k)`: each row's products with the locked rows
+    locked_residuals: jax.Array  # the residual norms of the locked rows (0 before a lock)
+    locks: Any
+    vector: jax.Array
+    fresh: Any  # the next step starts a run from a new random direction
+    start: Any  # the first row of the latest run (0: the run from the start vector)
+    norm: Any
+    low: Any  # the smallest Ritz value seen: where the spectrum begins, near enough
+    converged: Any
+    values: jax.Array
+    vectors: jax.Array
+    residuals: jax.Array
+
+
+def _ritz(state: _State, k: int) -> tuple:
+    """The `k` largest Ritz values of the rows in use (ascending), their eigenvectors
+    of the Rayleigh-Ritz matrix (as `(max_steps, k)`) and bounds on their residual
+    norms; the largest Ritz value of the latest run (rows `start` on, decoupled from the
+    rows before), and its residual norm; and the smallest Ritz value.
+
+    The Rayleigh-Ritz matrix is the tridiagonal one: the locked rows are Ritz vectors
+    (their values on the diagonal, uncoupled), and their products with the rows after,
+    about their residuals in size, count in the residual bounds instead.
 
     Computed on the host, a call back from the compiled loop at each check: the
     tridiagonal eigensolvers there take only the wanted pairs and use no threaded
     BLAS, where a dense `eigh` in the program (LAPACK's syevd on CPU) wakes BLAS
     threads that contend with XLA's own from about 70 steps on, at up to 0.1 s a call.
     """
-    dtype = alphas.dtype
+    dtype = state.alphas.dtype
+    scalar = jax.ShapeDtypeStruct((), dtype)
     shapes = (
         jax.ShapeDtypeStruct((k,), dtype),
-        jax.ShapeDtypeStruct((alphas.shape[0], k), dtype),
+        jax.ShapeDtypeStruct((state.alphas.shape[0], k), dtype),
         jax.ShapeDtypeStruct((k,), dtype),
-        jax.ShapeDtypeStruct((), dtype),
-        jax.ShapeDtypeStruct((), dtype),
+        scalar,
+        scalar,
+        scalar,
     )
     # Under `jax.vmap` (the pairs of a batch of operators), one call per operator.
     return jax.pure_callback(
         functools.partial(_host_ritz, k=k),
         shapes,
-        alphas,
-        betas,
-        m,
-        start,
+        state.alphas,
+        state.betas,
+        state.couplings,
+        state.locked_residuals,
+        state.m,
+        state.start,
         vmap_method="sequential",
     )
-
-
-class _State(NamedTuple):
-    m: Any  # steps taken (products made)
-    basis: jax.Array
-    alphas: jax.Array
-    betas: jax.Array
-    vector: jax.Array
-    fresh: Any  # the next step starts from a new random direction
-    start: Any  # the first step since the last restart
-    norm: Any
-    converged: Any
-    values: jax.Array
-    vectors: jax.Array
-    residuals: jax.Array
 
 
 def _eigsh(
@@ -311,28 +380,56 @@ def _eigsh(
     n, dtype = view.size, view.dtype
     floor = jnp.finfo(dtype).eps ** (2 / 3)
     product = view.linear()  # built once: a kept linearisation serves every step
+    seed = key_seed(key)
+    # A run of p steps from a random start whose largest Ritz value falls short of the
+    # k-th found one by a fraction f of the spectrum's width below it hides a larger
+    # eigenvalue with a chance under 1.648 sqrt(n) exp(-(2p - 1) sqrt(f)) (Kuczynski and
+    # Wozniakowski): under `_MISS_CHANCE` once `(2p - 1) sqrt(f)` reaches this.
+    assurance = math.log(1.648 * math.sqrt(n) / _MISS_CHANCE)
+
+    def fresh_direction(state):
+        # A normal vector, orthogonal to the rows in use: a run from it is Lanczos on
+        # the operator restricted to their complement.
+        drawn = _normal_direction(seed, state.products, n, dtype)
+        drawn = drawn - _projection(state.basis, state.m - 1, drawn)
+        return _normalised(drawn - _projection(state.basis, state.m - 1, drawn))
 
     def step(state):
         j = state.m
-        basis, alpha, beta, vector, broke, norm = _step(
-            lambda v: sign * product(v),
-            state.basis,
-            j,
-            state.vector,
-            state.fresh,
-            state.norm,
+        vector = jax.lax.cond(state.fresh, fresh_direction, lambda state: state.vector, state)
+        basis, alpha, beta, vector, broke, norm, image = _step_with_image(
+            lambda v: sign * product(v), state.basis, j, vector, False, state.norm
         )
-        alphas = state.alphas.at[j].set(alpha)
-        betas = state.betas.at[j].set(beta)
+        coupling = jnp.where(state.locks > 0, basis[:k] @ image, 0)
         return state._replace(
             m=j + 1,
+            products=state.products + 1,
             basis=basis,
-            alphas=alphas,
-            betas=betas,
+            alphas=state.alphas.at[j].set(alpha),
+            betas=state.betas.at[j].set(beta),
+            couplings=state.couplings.at[j].set(coupling),
             vector=vector,
             fresh=broke,
             start=jnp.where(state.fresh, j, state.start),
             norm=norm,
+        )
+
+    def lock(state):
+        # The k pairs become the first rows, with their values and residuals; the next
+        # run starts afresh in their complement (the rows after are left, unread).
+        ritz_vectors = state.basis.T @ state.vectors
+        zeros = jnp.zeros_like(state.alphas)
+        return state._replace(
+            m=jnp.asarray(k, jnp.int32),
+            basis=state.basis.at[:k].set(ritz_vectors.T),
+            alphas=zeros.at[:k].set(state.values),
+            betas=zeros,
+            couplings=jnp.zeros_like(state.couplings),
+            locked_residuals=state.residuals,
+            locks=state.locks + 1,
+            fresh=jnp.asarray(True),
+            start=jnp.asarray(k, jnp.int32),
+            vectors=jnp.eye(max_steps, k, dtype=dtype),
         )
 
     def steps_and_check(state):
@@ -342,36 +439,53 @@ def _eigsh(
         # check costs a host round trip.
         stop = jnp.minimum(jnp.maximum(state.m + _CHECK_EVERY, 3 * k), max_steps)
         state = jax.lax.while_loop(lambda state: state.m < stop, step, state)
-        values, vectors, residuals, top, top_residual = _ritz(
-            state.alphas, state.betas, state.m, k, state.start
-        )
+        values, vectors, residuals, top, top_residual, low = _ritz(state, k)
+        low = jnp.minimum(state.low, low)
         bound = tol * jnp.maximum(jnp.abs(values), floor * state.norm)
-        # After a breakdown, the pairs found so far are exact, but wanted ones may lie
-        # outside the exhausted space: decide only once the largest eigenvalue of the
-        # new direction's space has converged too (or no steps are left).
+        paired = (state.m >= k) & jnp.all(residuals <= bound)
+        # A run from a fresh direction (after a breakdown or a lock) is a check: the
+        # operator in the complement of the rows before it has no eigenvalue above its
+        # largest Ritz value, once that has converged or, short of the k-th found one,
+        # once the run is long enough that a larger one would have shown.
+        kth = values[0]
         top_bound = tol * jnp.maximum(jnp.abs(top), floor * state.norm)
-        restarted = (state.start > 0) | state.fresh
-        decided = ~restarted | ((top_residual <= top_bound) & ~state.fresh)
-        decided = decided | (state.m == max_steps)
-        converged = decided & (state.m >= k) & jnp.all(residuals <= bound)
-        # The bar counts steps; a converged run fills it at once.
-        bar.done(jnp.where(converged, max_steps, state.m), residuals)
-        return state._replace(
-            converged=converged, values=values, vectors=vectors, residuals=residuals
+        shortfall = jnp.maximum(kth - top, 0) / jnp.maximum(kth - low, jnp.finfo(dtype).tiny)
+        long_enough = (2 * (state.m - state.start) - 1) * jnp.sqrt(shortfall) >= assurance
+        checked = (state.start > 0) & ((top_residual <= top_bound) | long_enough)
+        found_nothing = checked & (top <= kth + bound[0])
+        # The largest eigenvalue needs no check: a missed copy of it changes no value.
+        unchecked = (state.start == 0) & ~state.fresh if k == 1 else False
+        whole = state.m == n  # the rows span the space
+        converged = paired & (found_nothing | unchecked | whole)
+        # The check found a missed copy (or none was made yet): lock the best k again.
+        relock = paired & ~converged & ~state.fresh & ((state.start == 0) | checked)
+        relock = relock & (state.locks <= k)
+        state = state._replace(
+            converged=converged, values=values, vectors=vectors, residuals=residuals, low=low
         )
+        state = jax.lax.cond(relock, lock, lambda state: state, state)
+        # The bar counts products; a run that ends fills it.
+        count = jnp.where(unfinished(state), jnp.minimum(state.products, max_steps - 1), max_steps)
+        bar.done(count, residuals)
+        return state
 
     def unfinished(state):
         return ~state.converged & (state.m < max_steps)
 
     init = _State(
         m=jnp.asarray(0, jnp.int32),
+        products=jnp.asarray(0, jnp.int32),
         basis=jnp.zeros((max_steps, n), dtype),
         alphas=jnp.zeros(max_steps, dtype),
         betas=jnp.zeros(max_steps, dtype),
+        couplings=jnp.zeros((max_steps, k), dtype),
+        locked_residuals=jnp.zeros(k, dtype),
+        locks=jnp.asarray(0, jnp.int32),
         vector=_normal_start(key, n, dtype),
         fresh=jnp.asarray(False),
         start=jnp.asarray(0, jnp.int32),
         norm=jnp.zeros((), dtype),
+        low=jnp.asarray(jnp.inf, dtype),
         converged=jnp.asarray(False),
         values=jnp.zeros(k, dtype),
         vectors=jnp.zeros((max_steps, k), dtype),
@@ -386,7 +500,7 @@ def _eigsh(
     values = jnp.where(smallest, -state.values[::-1], state.values)
     eigenvectors = jnp.where(smallest, eigenvectors[:, ::-1], eigenvectors)
     residuals = jnp.where(smallest, state.residuals[::-1], state.residuals)
-    return values, eigenvectors, EigshInfo(state.m, state.converged, residuals)
+    return values, eigenvectors, EigshInfo(state.products, state.converged, residuals)
 
 
 _eigsh_jit = eqx.filter_jit(_eigsh)
@@ -416,8 +530,7 @@ def eigsh(
     directions of largest curvature) or its most negative eigenvalues, where the
     `(n, n)` matrix does not fit: it follows `scipy.sparse.linalg.eigsh`'s convention.
     The method is Lanczos with full reorthogonalisation from a random start, in one
-    compiled loop that stops as soon as the `k` wanted Ritz pairs `(theta_i, y_i)` have
-    converged:
+    compiled loop. Its `k` wanted Ritz pairs `(theta_i, y_i)` have converged when
 
     `|A y_i - theta_i y_i| = |beta_m s_{m,i}| <= tol * max(|theta_i|, eps**(2/3) * |A|)`
 
@@ -426,10 +539,21 @@ def eigsh(
     a product seen (the floor lets eigenvalues at 0 converge). Convergence is checked
     every 4 steps and at the last one, by the wanted eigenpairs of the tridiagonal
     matrix, computed on the host (a call back from the loop that takes a fraction of a
-    product's time; nothing else leaves the device). A breakdown (an invariant Krylov
-    space) goes on from a new pseudo-random direction orthogonal to the basis, and then
-    the pairs are taken as converged only once the largest one of the new space has
-    converged too: eigenvalues outside the space so far may still be wanted.
+    product's time; nothing else leaves the device).
+
+    Small residuals do not show that no wanted eigenvalue is missing: one start vector
+    finds one copy of a repeated eigenvalue, and the copies of a tight cluster only
+    after many steps, while the residuals of those it has found are small already. So for
+    `k >= 2` the converged pairs are locked (kept as the first rows of the basis) and
+    checked by a second Lanczos run from a fresh random start orthogonal to them, on
+    the operator in their complement. They pass once that run's largest Ritz value has
+    converged to no more than the `k`-th eigenvalue found (plus its tolerance), or lies
+    so far below it, for the run's length, that a larger eigenvalue would have shown
+    but with a chance under `1e-3` whatever the spectrum (Kuczynski and Wozniakowski's
+    bound for Lanczos from a random start). Where the run finds a larger one (a missed
+    copy), the best `k` pairs of both runs are locked and checked again. A breakdown
+    (an invariant Krylov space) goes on in the same way, from a fresh random direction
+    orthogonal to the basis.
 
     **Arguments:**
 
@@ -440,16 +564,18 @@ def eigsh(
     - `k`: how many eigenpairs, `1 <= k < n` (`n` the operator's size).
     - `which`: `"LA"` for the largest (algebraic) eigenvalues, `"SA"` for the smallest.
     - `tol`: the relative residual tolerance above.
-    - `max_steps`: the most Lanczos steps (products), `k + 1 <= max_steps <= n`; by
-      default `min(n, max(100, 10 * k))`, enough for the top 5 of a typical network's
-      Hessian to converge to `1e-6`. It sizes the basis: `max_steps * n` numbers.
+    - `max_steps`: the size of the basis, `max_steps * n` numbers, and so the most
+      Lanczos steps (products) of a run: the first one, and each check, which starts
+      again from the `k` locked pairs; `k + 1 <= max_steps <= n`. By default
+      `min(n, max(100, 10 * k))`, enough for the top 5 of a typical network's Hessian
+      to converge to `1e-6` and be checked.
     - `key`: a `jax.random` key, whose words seed the pseudo-random normal start
       vector (default `jax.random.key(0)`).
     - `pytree`: return the eigenvectors shaped like the operator's input (for a zodmem
       operator, like `x`'s variables) instead of as flat columns.
     - `return_info`: also return an `EigshInfo`, and never raise for non-convergence.
     - `progress`: a progress bar of the Lanczos steps on stderr, out of `max_steps` (filled
-      when the pairs converge).
+      when the iteration ends).
 
     **Returns:**
 
@@ -460,27 +586,28 @@ def eigsh(
     is `jax.tree_util.tree_map(lambda leaf: leaf[i], eigenvectors)`). Both in the
     operator's dtype. With `return_info=True`, `(eigenvalues, eigenvectors, info)`.
 
-    Not converged within `max_steps`, it raises (an `EquinoxRuntimeError`, eagerly and
-    under `jax.jit` alike) unless `return_info=True`, which returns the current Ritz
-    pairs with `info.converged` false.
+    Converged, the pairs' residuals are within `tol`, and every eigenvalue larger than
+    the `k`-th returned one by more than its tolerance is among those returned, as often
+    as it occurs (but for the check's chance of `1e-3`): a wanted eigenvalue of
+    multiplicity 2 or more comes back as many times, and a cluster of wanted eigenvalues
+    comes back whole, however tight. For `k = 1` no check runs: a missed copy of the
+    largest eigenvalue changes no value. Not converged, or not checked, within a run of
+    `max_steps` steps, it raises (an `EquinoxRuntimeError`, eagerly and under `jax.jit`
+    alike) unless `return_info=True`, which returns the current Ritz pairs with
+    `info.converged` false.
 
-    **Cost:** as many products as steps (at most `max_steps`), and memory for the basis,
-    `max_steps * n` numbers, beside one product's. Each step also orthogonalises against
-    the basis (`4 * max_steps * n` flops). One compiled program per operator type,
-    shapes, `k` and `max_steps` (not per `which`, `tol` or `key`). For a zodmem operator
+    **Cost:** as many products as steps, and memory for the basis, `max_steps * n`
+    numbers, beside one product's. Each step also orthogonalises against the basis
+    (`4 * max_steps * n` flops). For `k >= 2` the check adds a run of its own: the
+    fewer steps the clearer the `k`-th eigenvalue stands above the rest (a dozen or so
+    for a few outliers), up to about as many as the first run where it lies in a dense
+    part of the spectrum, and a run more for each missed copy it finds. One compiled
+    program per operator type, shapes, `k` and `max_steps` (not per `which`, `tol` or
+    `key`). For a zodmem operator
     whose transform has a `max_memory`, on a CPU, the program is compiled with XLA's
     older fusion emitters: the compiler's heap, part of the process's peak while it
     compiles, is then about a third (on the benchmarks page's network, 20-30 MB against
     75-110 MB), for steps up to a tenth slower.
-
-    !!! warning
-
-        One start vector finds one copy of each eigenvalue: an eigenvalue of
-        multiplicity 2 or more among the wanted ones (exactly repeated, not merely
-        close) may be returned once, and the next one in its place. Only where the
-        Krylov space is exhausted (a breakdown, as for an operator with few distinct
-        eigenvalues) do the restarts find the other copies, at the price of more
-        steps, up to `n`.
 
     !!! example
 
