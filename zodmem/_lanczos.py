@@ -32,9 +32,7 @@ import numpy as np
 import scipy.linalg
 
 from ._checks import check_bool, check_choice, check_int, check_key, described
-from ._compiled import lean_call
 from ._flat import FlatView, flat_view
-from ._operator import vector_options
 from ._progress import progress_bar
 from ._random import hashed_bits, key_seed
 from ._traceback import public
@@ -98,12 +96,6 @@ def _view_of(operator: Any, owner: str) -> FlatView:
             "`lx.MatrixLinearOperator(A, lx.symmetric_tag)`)."
         )
     return view
-
-
-def _budgeted(operator: Any) -> bool:
-    """Whether `operator` is a zodmem operator whose transform has a memory budget."""
-    transform = getattr(operator, "transform", None)
-    return transform is not None and vector_options(transform)["max_memory"] is not None
 
 
 def _check_key(key: Any, owner: str) -> jax.Array:
@@ -603,11 +595,7 @@ def eigsh(
     for a few outliers), up to about as many as the first run where it lies in a dense
     part of the spectrum, and a run more for each missed copy it finds. One compiled
     program per operator type, shapes, `k` and `max_steps` (not per `which`, `tol` or
-    `key`). For a zodmem operator
-    whose transform has a `max_memory`, on a CPU, the program is compiled with XLA's
-    older fusion emitters: the compiler's heap, part of the process's peak while it
-    compiles, is then about a third (on the benchmarks page's network, 20-30 MB against
-    75-110 MB), for steps up to a tenth slower.
+    `key`).
 
     !!! example
 
@@ -651,11 +639,7 @@ def eigsh(
 
     sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
     inputs = (view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
-    if _budgeted(operator):
-        # Under a budget the compiler's own heap counts: the program is compiled lean.
-        values, vectors, info = lean_call(_eigsh, *inputs)
-    else:
-        values, vectors, info = _eigsh_jit(*inputs)
+    values, vectors, info = _eigsh_jit(*inputs)
     if not return_info:
         values = eqx.error_if(
             values,
