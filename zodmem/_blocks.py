@@ -6,7 +6,8 @@ results for `block_size` consecutive items starting at a traced index. The engin
 
 1. plans the blocks (`plan_blocks`): their size and count, from either a number
    of blocks or a block size, with the checks users need;
-2. runs the block function in a `lax.fori_loop` and writes each block's results
+2. runs the block function in a `lax.fori_loop` (its body's convolutions in the form
+   a CPU runs fast inside a loop, `_layout.canonical_body`) and writes each block's results
    straight into preallocated outputs with `dynamic_update_slice` (`map_blocks`),
    or folds them into an accumulator (`reduce_blocks`); or, when the output leaves
    the device block by block (`zm.to_host`, `zm.to_file`), hands each finished
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 
+from ._layout import canonical_body
 from ._progress import progress_bar
 
 __all__ = [
@@ -262,7 +264,9 @@ def map_blocks(
         # to the last block, so this read stays in bounds (and is unused).
         return buffers, read_block(index + 1)
 
-    buffers, _ = jax.lax.fori_loop(0, plan.num_blocks, write_block, (buffers, read_block(first)))
+    buffers, _ = jax.lax.fori_loop(
+        0, plan.num_blocks, canonical_body(write_block), (buffers, read_block(first))
+    )
     return jax.tree_util.tree_unflatten(treedef, buffers)
 
 
@@ -295,7 +299,9 @@ def _hand_over_blocks(
         return read_block(index + 1)
 
     bar.done(sink.first_block, sink.first_block)
-    jax.lax.fori_loop(sink.first_block, plan.num_blocks, hand_over, read_block(sink.first_block))
+    jax.lax.fori_loop(
+        sink.first_block, plan.num_blocks, canonical_body(hand_over), read_block(sink.first_block)
+    )
 
 
 def _write(buffer: Any, piece: Any, start: Any, keep: Any) -> Any:
@@ -432,7 +438,7 @@ def scan_blocks(
     elif full > 1:
         indices = jnp.arange(full, dtype=jnp.int32)
         (carry, buffers), _ = jax.lax.scan(
-            run_block, (carry, buffers), indices, reverse=reverse, unroll=unroll
+            canonical_body(run_block), (carry, buffers), indices, reverse=reverse, unroll=unroll
         )
     if rest:
         carry, out = block_fn(carry, rest_start, rest)
@@ -509,7 +515,9 @@ def reduce_blocks(
     bar.start()
     if num_blocks is None:
         if plan.num_full_blocks:
-            acc, _ = jax.lax.fori_loop(0, plan.num_full_blocks, step, (acc, read_full(first)))
+            acc, _ = jax.lax.fori_loop(
+                0, plan.num_full_blocks, canonical_body(step), (acc, read_full(first))
+            )
         if plan.remainder:
             acc = last(acc)
             bar.done(plan.num_blocks, acc)
@@ -526,7 +534,7 @@ def reduce_blocks(
 
     if plan.num_full_blocks:
         acc, _ = jax.lax.fori_loop(
-            0, plan.num_full_blocks, step_if_running, (acc, read_full(first))
+            0, plan.num_full_blocks, canonical_body(step_if_running), (acc, read_full(first))
         )
     if plan.remainder:
         acc = jax.lax.cond(stop > plan.num_full_blocks, last, lambda a: a, acc)

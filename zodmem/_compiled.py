@@ -117,11 +117,6 @@ def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
     return compiled.peak_bytes, compiled.output_bytes
 
 
-def lean_call(call: Callable[..., Any], *args: Any) -> Any:
-    """`eqx.filter_jit(call)(*args)`."""
-    return eqx.filter_jit(call)(*args)
-
-
 def run_compiled(executable: Any, *args: Any) -> Any:
     """The result of the call compiled by `compile_call` for these arguments' shapes:
     their arrays go to the executable, and every other leaf is the constant it was

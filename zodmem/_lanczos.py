@@ -33,6 +33,7 @@ import scipy.linalg
 
 from ._checks import check_bool, check_choice, check_int, check_key, described
 from ._flat import FlatView, flat_view
+from ._layout import canonical_body
 from ._progress import progress_bar
 from ._random import hashed_bits, key_seed
 from ._traceback import public
@@ -430,7 +431,7 @@ def _eigsh(
         # No check before 3k steps: the k wanted pairs seldom converge sooner, and each
         # check costs a host round trip.
         stop = jnp.minimum(jnp.maximum(state.m + _CHECK_EVERY, 3 * k), max_steps)
-        state = jax.lax.while_loop(lambda state: state.m < stop, step, state)
+        state = jax.lax.while_loop(lambda state: state.m < stop, canonical_body(step), state)
         values, vectors, residuals, top, top_residual, low = _ritz(state, k)
         low = jnp.minimum(state.low, low)
         bound = tol * jnp.maximum(jnp.abs(values), floor * state.norm)
@@ -485,7 +486,7 @@ def _eigsh(
     )
     bar = progress_bar("zm.eigsh steps" if progress else None, max_steps, unit="step")
     bar.start()
-    state = jax.lax.while_loop(unfinished, steps_and_check, init)
+    state = jax.lax.while_loop(unfinished, canonical_body(steps_and_check), init)
     eigenvectors = state.basis.T @ state.vectors
     # Ascending for A: the largest of -A, negated, come in descending order.
     smallest = sign < 0

@@ -17,6 +17,7 @@ import numpy as np
 from ._checks import check_int, described
 from ._flat import FlatView
 from ._lanczos import _check_key, _check_positive, _normalised, _step, _tridiagonal, _view_of
+from ._layout import canonical_body
 from ._probes import ProbeJob, run_probes
 from ._random import sign_probes
 from ._traceback import public
@@ -74,7 +75,7 @@ def lanczos_quadrature(
         jnp.asarray(False),
         jnp.zeros((), dtype),
     )
-    _, alphas, betas, _, _, _ = jax.lax.fori_loop(0, num_steps, body, init)
+    _, alphas, betas, _, _, _ = jax.lax.fori_loop(0, num_steps, canonical_body(body), init)
     nodes, vectors = jnp.linalg.eigh(_tridiagonal(alphas, betas[:-1]))
     return nodes, vectors[0] ** 2
 

@@ -1,0 +1,153 @@
+"""Convolutions written in the layout a CPU runs fast, for the bodies of the block loops.
+
+XLA's CPU backend runs a convolution fast in one layout: batch, spatial dimensions,
+features (`NHWC`), with the kernel as spatial dimensions, input and output features
+(`HWIO`). Outside a loop its layout pass turns every convolution into that form; inside
+the body of a `while` loop it cannot, since the body's parameters keep the layout of
+the loop's state, and a convolution in any other form (Equinox's and PyTorch's `NCHW`,
+and the transposed convolutions that derivatives of any convolution make) runs through
+a slow general emitter, several times slower per block. `canonical_body(body)` gives
+the body with each such convolution written in the fast form between two transposes,
+which XLA then folds into the operands' layouts.
+
+The body is traced once to a jaxpr; where it holds no convolution in another form, the
+jaxpr is evaluated as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+__all__ = ["canonical_body", "canonical_spec"]
+
+_CONV = lax.conv_general_dilated_p
+
+
+def canonical_spec(spatial: int) -> lax.ConvDimensionNumbers:
+    """The dimension numbers of the fast form with `spatial` spatial dimensions:
+    input `(batch, *spatial, feature)`, kernel `(*spatial, in, out)`, output as the
+    input."""
+    last = spatial + 1
+    return lax.ConvDimensionNumbers(
+        lhs_spec=(0, last, *range(1, last)),
+        rhs_spec=(last, spatial, *range(spatial)),
+        out_spec=(0, last, *range(1, last)),
+    )
+
+
+def _is_canonical(numbers: lax.ConvDimensionNumbers) -> bool:
+    return tuple(map(tuple, numbers)) == tuple(map(tuple, canonical_spec(len(numbers[0]) - 2)))
+
+
+def _canonical_conv(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -> Any:
+    """The convolution `dimension_numbers` describes, made in the fast form: the
+    operands transposed into it, and the result transposed back."""
+    lhs_spec, rhs_spec, out_spec = dimension_numbers
+    lhs = jnp.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+    rhs = jnp.transpose(rhs, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
+    spec = canonical_spec(len(lhs_spec) - 2)
+    out = _CONV.bind(lhs, rhs, dimension_numbers=spec, **params)
+    made = (out_spec[0], *out_spec[2:], out_spec[1])  # the output's dimensions, in order
+    return jnp.transpose(out, tuple(int(i) for i in np.argsort(made)))
+
+
+def _needs_rewrite(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr`, or a program nested in it, holds a convolution in another form."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is _CONV and not _is_canonical(eqn.params["dimension_numbers"]):
+            return True
+        if any(_needs_rewrite(sub) for sub in _nested(eqn.params)):
+            return True
+    return False
+
+
+def _nested(params: dict[str, Any]) -> list[Jaxpr]:
+    """The programs nested in an equation's parameters (a `jit`, a loop's body, the
+    branches of a `cond`, a `custom_jvp`'s primal)."""
+    found = []
+    for value in params.values():
+        values = value if isinstance(value, tuple) else (value,)
+        for item in values:
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
+
+
+def _rewritten_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
+    if not _needs_rewrite(closed.jaxpr):
+        return closed
+    shapes = [
+        jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+        for aval in closed.in_avals
+    ]
+    return jax.make_jaxpr(lambda *args: _evaluate(closed.jaxpr, closed.consts, args))(*shapes)
+
+
+def _rewritten_param(value: Any) -> Any:
+    """A parameter of an equation with its nested programs rewritten (an open program
+    that would gain constants stays as it is)."""
+    if isinstance(value, ClosedJaxpr):
+        return _rewritten_closed(value)
+    if isinstance(value, Jaxpr):
+        if value.constvars or not _needs_rewrite(value):
+            return value
+        closed = _rewritten_closed(ClosedJaxpr(value, ()))
+        return value if closed.consts else closed.jaxpr
+    if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
+        return tuple(_rewritten_closed(v) for v in value)
+    return value
+
+
+def _evaluate(jaxpr: Jaxpr, consts: Any, args: Any) -> list[Any]:
+    """`jaxpr` evaluated on `args`, with every convolution in the fast form."""
+    env: dict[Any, Any] = {}
+
+    def read(var: Any) -> Any:
+        return var.val if isinstance(var, Literal) else env[var]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        values = [read(var) for var in eqn.invars]
+        if eqn.primitive is _CONV and not _is_canonical(eqn.params["dimension_numbers"]):
+            outs = [_canonical_conv(*values, **eqn.params)]
+        else:
+            params = {name: _rewritten_param(value) for name, value in eqn.params.items()}
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def canonical_body(body: Callable[..., Any]) -> Callable[..., Any]:
+    """`body`, a loop's body, with its convolutions in the form a CPU runs fast inside a
+    loop; `body` as it is on other platforms, where the convolution libraries choose
+    their own layouts."""
+    if jax.default_backend() != "cpu":
+        return body
+
+    def rewritten(*args: Any) -> Any:
+        flat, tree = jax.tree_util.tree_flatten(args)
+
+        def flat_body(*flat: Any) -> Any:
+            return body(*jax.tree_util.tree_unflatten(tree, flat))
+
+        closed, shapes = jax.make_jaxpr(flat_body, return_shape=True)(*flat)
+        if _needs_rewrite(closed.jaxpr):
+            outs = _evaluate(closed.jaxpr, closed.consts, flat)
+        else:
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outs)
+
+    return rewritten
