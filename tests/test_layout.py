@@ -14,7 +14,7 @@ from helpers import close
 from jax import lax
 
 import zodmem as zm
-from zodmem._layout import canonical_body
+from zodmem._layout import canonical_body, holds_convolution
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -137,3 +137,22 @@ def test_a_body_without_convolutions_is_evaluated_as_it_is():
         jax.jit(lambda c: lax.fori_loop(0, 4, canonical_body(body), c))(jnp.ones(3)),
         jax.jit(lambda c: lax.fori_loop(0, 4, body, c))(jnp.ones(3)),
     )
+
+
+def test_auto_mode_takes_forward_over_reverse_where_fn_holds_a_convolution():
+    # Reverse-over-reverse products of a convolution run slowly; "auto" finds the
+    # convolution in fn's program (here inside Equinox's own jit of the layer).
+    net = Net(jax.random.key(1))
+    images = jnp.asarray(RNG.normal(size=(3, 2, 5, 5)))
+    labels = jnp.arange(3) % 3
+    assert holds_convolution(lambda n: net_loss(n, images, labels), net)
+    assert not holds_convolution(lambda w: jnp.sum(jnp.tanh(w) ** 2), jnp.ones(3))
+    assert holds_convolution(jax.jit(lambda n: net_loss(n, images, labels)), net)
+    params, static = eqx.partition(net, eqx.is_inexact_array)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    expected = jax.hessian(lambda p: net_loss(eqx.combine(unravel(p), static), images, labels))(
+        flat
+    )
+    hessian = zm.BatchedHessian(net_loss, nbatches=3)(net, images, labels)
+    close(hessian, expected, rtol=1e-10)
+    assert hessian.dtype == expected.dtype

@@ -15,6 +15,7 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
+from ._layout import holds_convolution
 from ._leafwise import by_leaf
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
@@ -66,9 +67,12 @@ class BatchedHessian(AbstractDerivative):
       written as blocks of rows (H is symmetric); a block whose rows lie in one leaf
       that holds many blocks is the VJP of that leaf's part of the gradient alone, so
       the other leaves' zero pieces cost nothing. `"auto"` (the default) picks
-      `"rev"` when all variables share one real dtype -- it ran up to 2x faster on
-      CPU in `benchmarks/hessian_memory.py`, in no more memory -- and `"fwd"` when
-      precisions are mixed, where rounding makes H not exactly symmetric.
+      `"rev"` when all variables share one real dtype and `fn` holds no convolution,
+      and `"fwd"` otherwise: reverse-over-reverse products of a convolution are
+      convolutions of the transposed convolutions its gradient makes, which run
+      several times slower than forward-over-reverse ones; and where precisions are
+      mixed, rounding makes H not exactly symmetric (the benchmarks of real models
+      on the Benchmarks page compare the two).
     - `holomorphic`: the variables are complex and `fn` (complex-valued) is
       holomorphic in them, as `jax.hessian(holomorphic=True)`. Without it, complex
       variables are refused.
@@ -237,12 +241,11 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
     _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
     recompute = transform.strategy == "recompute"
-    if transform.mode != "fwd" and variables.real_and_alike:
+    mode = _mode_of(transform.mode, variables, fn_of_flat, flat)
+    if mode == "rev" and variables.real_and_alike:
         # Reverse over reverse, per leaf: a product is the gradient's VJP with the
         # vector's pieces, gathered by one concatenation (no pieces padded to `n` and
-        # added, as differentiating through the raveling would make them). On the
-        # benchmarks' network a block of products took three quarters of the time of
-        # forward over reverse.
+        # added, as differentiating through the raveling would make them).
         gradient, _ = _leaf_gradient(transform, variables, args, kwargs)
         _, vjp, _ = product_function(
             (lambda leaves: gradient(leaves)[0]) if transform.has_aux else gradient,
@@ -266,6 +269,16 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     gradient = jax.grad(value, holomorphic=transform.holomorphic)
     _, hvp, _ = product_function(gradient, flat, reverse=False, has_aux=False, recompute=recompute)
     return flat, variables, hvp
+
+
+def _mode_of(mode: str, variables: Variables, fn_of_flat: Any, flat: Any) -> str:
+    """`mode`, with `"auto"` resolved: reverse over reverse for variables of one real
+    dtype where `fn`'s program holds no convolution, forward over reverse otherwise."""
+    if mode != "auto":
+        return mode
+    if not variables.real_and_alike:
+        return "fwd"
+    return "fwd" if holds_convolution(fn_of_flat, flat) else "rev"
 
 
 def _leaf_gradient(
@@ -342,9 +355,8 @@ def _hessian_share(
         return basis_block(start + offset, plan.block_size, n, flat.dtype)
 
     mode = None if split is None else _sharded_mode(transform, split)
-    mode = mode or transform.mode
-    if mode == "auto":
-        mode = "rev" if variables.real_and_alike else "fwd"
+    fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
+    mode = _mode_of(mode or transform.mode, variables, fn_of_flat, flat)
     if mode == "rev":
         # H is symmetric, so row i is the VJP of the gradient with e_i (for a
         # holomorphic function too: H is then complex symmetric, and JAX's VJPs

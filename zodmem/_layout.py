@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-__all__ = ["canonical_body", "canonical_spec"]
+__all__ = ["canonical_body", "canonical_spec", "holds_convolution"]
 
 _CONV = lax.conv_general_dilated_p
 
@@ -66,6 +67,24 @@ def _needs_rewrite(jaxpr: Jaxpr) -> bool:
         if any(_needs_rewrite(sub) for sub in _nested(eqn.params)):
             return True
     return False
+
+
+def holds_convolution(fn: Callable[..., Any], *args: Any) -> bool:
+    """Whether the program of `fn(*args)` (its array outputs), or one nested in it, holds
+    a convolution. `args` may be tracers; a `jit` of `fn` already traced at these shapes
+    is not traced again."""
+
+    def arrays(*args: Any) -> Any:
+        return [leaf for leaf in jax.tree_util.tree_leaves(fn(*args)) if eqx.is_array(leaf)]
+
+    return _holds_convolution(jax.make_jaxpr(arrays)(*args).jaxpr)
+
+
+def _holds_convolution(jaxpr: Jaxpr) -> bool:
+    return any(
+        eqn.primitive is _CONV or any(_holds_convolution(sub) for sub in _nested(eqn.params))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _nested(params: dict[str, Any]) -> list[Jaxpr]:
