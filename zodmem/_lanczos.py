@@ -332,7 +332,7 @@ def _ritz(state: _State, k: int) -> tuple:
     Computed on the host, a call back from the compiled loop at each check: the
     tridiagonal eigensolvers there take only the wanted pairs and use no threaded
     BLAS, where a dense `eigh` in the program (LAPACK's syevd on CPU) wakes BLAS
-    threads that contend with XLA's own from about 70 steps on, at up to 0.1 s a call.
+    threads that contend with XLA's own once the basis grows.
     """
     dtype = state.alphas.dtype
     scalar = jax.ShapeDtypeStruct((), dtype)

@@ -26,11 +26,9 @@ from ._pytree import Variables
 __all__ = ["LEAF_SHARE", "by_leaf", "leaves_of_their_own"]
 
 # A leaf gets a branch of its own where at least 1 / LEAF_SHARE of the blocks lie wholly
-# in it: at most this many loop bodies more to compile. Each branch is one more body's compile,
-# and on a CPU its heap (compiling a diagonal's blocks of the reference Hessian, an MLP
-# of width 96, grew the process by 42-54 MB with no branch, 68-83 MB with one and 85-92
-# MB with two): little beside a dense `(n, n)` result (633 MB there), which is where the
-# branches are used.
+# in it: at most this many loop bodies more to compile. Each branch is one more body's
+# compile (time, and host memory), which pays only where the branch saves products over
+# many blocks, as for a dense `(n, n)` result.
 LEAF_SHARE = 10
 
 
