@@ -11,6 +11,7 @@ from ._ggn import BatchedGGN as BatchedGGN
 from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
 from ._lanczos import eigsh as eigsh
+from ._logdet import logdet as logdet, trace_function as trace_function
 from ._microbatch import (
     AccumulationType as AccumulationType,
     Accumulator as Accumulator,
@@ -54,6 +55,7 @@ __all__ = [
     "hessian_to_pytree",
     "jacobian_to_pytree",
     "load",
+    "logdet",
     "marginal_variances",
     "save",
     "solve",
@@ -61,6 +63,7 @@ __all__ = [
     "to_file",
     "to_host",
     "trace",
+    "trace_function",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,261 @@
+"""Traces of matrix functions by stochastic Lanczos quadrature: `zm.trace_function` and
+`zm.logdet` against dense eigendecompositions and `jnp.linalg.slogdet`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import zodmem as zm
+from zodmem._random import sign_probes
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+FUNCTIONS = {"log": np.log, "inv": np.reciprocal, "sqrt": np.sqrt}
+# The options of most tests, on matrices of size 16: one compiled program each.
+EXACT = dict(num_probes=10, num_steps=16)  # as many steps as the size
+PARTIAL = dict(num_probes=10, num_steps=8)
+
+
+def spd(n, condition, seed=0, dtype=np.float64):
+    """A random symmetric positive definite matrix with eigenvalues spread
+    geometrically from 1 to `condition`."""
+    q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+    eigenvalues = np.geomspace(1.0, condition, n)
+    return jnp.asarray((q * eigenvalues) @ q.T, dtype)
+
+
+def operator(matrix):
+    return lx.MatrixLinearOperator(matrix, lx.symmetric_tag)
+
+
+def dense(matrix, function):
+    """`f(A)` from the eigendecomposition, in double precision."""
+    eigenvalues, vectors = np.linalg.eigh(np.asarray(matrix, np.float64))
+    return (vectors * function(eigenvalues)) @ vectors.T
+
+
+def hutchinson(matrix, function, key, num_probes):
+    """The samples `g^T f(A) g` of the estimator's own sign probes, computed densely."""
+    n = matrix.shape[0]
+    probes = np.asarray(sign_probes(key, jnp.arange(num_probes), n, jnp.float64))
+    return np.einsum("pi,ij,pj->p", probes, dense(matrix, function), probes)
+
+
+@pytest.mark.parametrize("name", ["log", "inv", "sqrt", "callable"])
+def test_as_many_steps_as_the_size_give_hutchinson_exactly(name):
+    # With n steps each probe's rule is exact: its sample is g^T f(A) g itself, so the
+    # estimate and its error are the mean and standard error of those samples.
+    matrix, key = spd(16, 50.0, seed=1), jax.random.key(3)
+    function, reference = (jnp.expm1, np.expm1) if name == "callable" else (name, FUNCTIONS[name])
+    estimate, error = zm.trace_function(operator(matrix), function, **EXACT, key=key)
+    samples = hutchinson(matrix, reference, key, 10)
+    assert estimate.dtype == error.dtype == jnp.float64
+    np.testing.assert_allclose(estimate, samples.mean(), rtol=1e-8)
+    np.testing.assert_allclose(error, samples.std(ddof=1) / np.sqrt(10), rtol=1e-7)
+
+
+def test_logdet_is_trace_function_of_log():
+    op, key = operator(spd(16, 50.0, seed=1)), jax.random.key(3)
+    np.testing.assert_array_equal(
+        zm.logdet(op, **PARTIAL, key=key), zm.trace_function(op, "log", **PARTIAL, key=key)
+    )
+
+
+def coverage(n, condition, steps):
+    """Of 100 seeds, how many estimates of 10 probes lie within 3 standard errors of
+    `slogdet`."""
+    matrix = spd(n, condition, seed=n)
+    exact = jnp.linalg.slogdet(matrix)[1]
+
+    @jax.jit
+    def estimate(key):
+        return zm.logdet(operator(matrix), num_probes=10, num_steps=steps, key=key)
+
+    estimates, errors = np.array([estimate(jax.random.key(seed)) for seed in range(100)]).T
+    assert np.all(errors > 0)
+    return np.sum(np.abs(estimates - exact) <= 3 * errors)
+
+
+# (n, condition, steps): a rule of `steps` nodes for log on eigenvalues in
+# [1, condition] is far more accurate than the probes' spread, so the estimate's error
+# is the probes' alone.
+@pytest.mark.parametrize(
+    ("n", "condition", "steps"), [(20, 10.0, 10), (40, 100.0, 20), (60, 1e3, 40)]
+)
+def test_logdet_is_within_three_standard_errors_for_most_seeds(n, condition, steps):
+    # With 10 probes the standardised error is about Student's t with 9 degrees of
+    # freedom, outside 3 with chance 0.015: 8 misses or more in 100 has chance below
+    # 1e-3 (the false-alarm rate of each case).
+    assert coverage(n, condition, steps) >= 93
+
+
+def test_too_few_steps_show_as_missed_coverage():
+    # The test can tell a biased estimate: 4 nodes for log on [1, 1000] miss by several
+    # standard errors, which count only the probes' randomness.
+    assert coverage(60, 1e3, 4) < 60
+
+
+@pytest.mark.parametrize("name", ["inv", "sqrt"])
+def test_traces_of_the_inverse_and_square_root_against_eigh(name):
+    matrix = spd(30, 20.0, seed=4)
+    exact = np.trace(dense(matrix, FUNCTIONS[name]))
+    estimate, error = zm.trace_function(
+        operator(matrix), name, num_probes=40, num_steps=15, key=jax.random.key(5)
+    )
+    # One seed, 3 standard errors: a false alarm has chance about 0.005.
+    assert abs(estimate - exact) <= 3 * error
+    assert error < 0.05 * abs(exact)
+
+
+def test_damping_adds_a_multiple_of_the_identity():
+    # A singular positive semi-definite matrix: its log-determinant is -inf, that of
+    # A + 0.5 I finite.
+    rows = np.random.default_rng(6).normal(size=(5, 16))
+    matrix = jnp.asarray(rows.T @ rows)
+    op, key = operator(matrix), jax.random.key(7)
+    estimate, error = zm.logdet(op, **EXACT, key=key, damping=0.5)
+    samples = hutchinson(matrix + 0.5 * jnp.eye(16), np.log, key, 10)
+    np.testing.assert_allclose(estimate, samples.mean(), rtol=1e-8)
+    np.testing.assert_allclose(error, samples.std(ddof=1) / np.sqrt(10), rtol=1e-7)
+    exact = jnp.linalg.slogdet(matrix + 0.5 * jnp.eye(16))[1]
+    assert abs(estimate - exact) <= 3 * error
+    # Traced, as a hyperparameter under jit.
+    traced = jax.jit(lambda damping: zm.logdet(op, **EXACT, key=key, damping=damping))(
+        jnp.asarray(0.5)
+    )
+    np.testing.assert_allclose(traced, (estimate, error), rtol=1e-10)
+
+
+def test_logdet_of_a_convex_loss_hessian():
+    data = np.random.default_rng(8).normal(size=(30, 10))
+    labels = np.sign(np.random.default_rng(9).normal(size=30))
+
+    def loss(w, data, labels):
+        # Logistic regression with a Gaussian prior: strictly convex.
+        return jnp.sum(jax.nn.softplus(-labels * (data @ w))) + 0.5 * jnp.sum(w**2)
+
+    w = jnp.linspace(-0.5, 0.5, 10)
+    data, labels = jnp.asarray(data), jnp.asarray(labels)
+    op = zm.BatchedHessian(loss).operator(w, data, labels)
+    hessian = jax.hessian(loss)(w, data, labels)
+    key = jax.random.key(10)
+    estimate, error = zm.logdet(op, num_probes=20, num_steps=10, key=key)
+    samples = hutchinson(hessian, np.log, key, 20)
+    np.testing.assert_allclose(estimate, samples.mean(), rtol=1e-8)
+    assert abs(estimate - jnp.linalg.slogdet(hessian)[1]) <= 3 * error
+
+
+def test_under_jit_equals_eager():
+    matrix, key = spd(16, 30.0, seed=11), jax.random.key(12)
+
+    @jax.jit
+    def traced(matrix, key):
+        return zm.logdet(operator(matrix), **PARTIAL, key=key)
+
+    eager = zm.logdet(operator(matrix), **PARTIAL, key=key)
+    np.testing.assert_allclose(traced(matrix, key), eager, rtol=1e-10)
+
+
+@pytest.mark.parametrize("batch_size", [2, 4])  # one divides the 10 probes, one does not
+def test_blocks_do_not_change_the_estimate(batch_size):
+    op, key = operator(spd(16, 30.0, seed=13)), jax.random.key(14)
+    whole = zm.logdet(op, **PARTIAL, key=key)
+    blocked = zm.logdet(op, **PARTIAL, key=key, batch_size=batch_size)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-10)
+
+
+def test_a_budget_a_bar_and_a_sharding(capfd):
+    op, key = operator(spd(16, 30.0, seed=13)), jax.random.key(14)
+    options = dict(PARTIAL, key=key)
+    whole = zm.logdet(op, **options)
+    planned = zm.logdet(op, **options, max_memory="20kB", progress=True)
+    np.testing.assert_allclose(planned, whole, rtol=1e-10)
+    # The budget holds a few probes' bases at a time: several blocks.
+    bar = capfd.readouterr().err
+    assert "zm.logdet probes" in bar and "1/1" not in bar
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec("d"))
+    np.testing.assert_allclose(zm.logdet(op, **options, sharding=sharding), whole, rtol=1e-10)
+
+
+def test_dtypes_follow_the_operator():
+    matrix, key = spd(16, 30.0, seed=15), jax.random.key(16)
+    wide = zm.logdet(operator(matrix), **PARTIAL, key=key)
+    narrow = zm.logdet(operator(matrix.astype(jnp.float32)), **PARTIAL, key=key)
+    assert [x.dtype for x in wide] == [jnp.float64] * 2
+    assert [x.dtype for x in narrow] == [jnp.float32] * 2
+    np.testing.assert_allclose(narrow, wide, rtol=1e-4)
+    # A callable's values in another dtype come back in the operator's.
+    cast = zm.trace_function(
+        operator(matrix.astype(jnp.float32)),
+        lambda x: x.astype(jnp.float64),
+        **PARTIAL,
+        key=key,
+    )
+    assert [x.dtype for x in cast] == [jnp.float32] * 2
+
+
+def test_an_indefinite_operator_is_refused():
+    matrix = jnp.diag(jnp.linspace(-1.0, 2.0, 16))
+    options = dict(EXACT, key=jax.random.key(0))
+    for name in ("log", "inv", "sqrt"):
+        with pytest.raises(ValueError, match=rf"zm.trace_function: .*{name}.* positive definite"):
+            zm.trace_function(operator(matrix), name, **options)
+    with pytest.raises(
+        ValueError, match=r"zm.logdet: .* Ritz value is -1\. log det needs .*`damping`"
+    ):
+        zm.logdet(operator(matrix), **options)
+    # Enough damping makes it definite; a callable takes any operator.
+    assert np.isfinite(zm.logdet(operator(matrix), damping=1.5, **options)[0])
+    estimate, _ = zm.trace_function(operator(matrix), lambda x: x**2, **options)
+    np.testing.assert_allclose(estimate, jnp.sum(jnp.diag(matrix) ** 2), rtol=1e-10)
+    # Under jit the same message is raised when the program runs.
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"zm.logdet: .* positive definite"):
+        jax.jit(lambda m: zm.logdet(operator(m), **options))(matrix)
+
+
+def test_refusals():
+    op, key = operator(spd(16, 3.0)), jax.random.key(0)
+    run = functools.partial(zm.trace_function, op, "log", **PARTIAL, key=key)
+    with pytest.raises(
+        ValueError, match=r"zm.trace_function: `num_probes` must be an int >= 2, got num_probes=1"
+    ):
+        run(num_probes=1)
+    with pytest.raises(TypeError, match=r"`num_probes` must be an int >= 2, got 2.5"):
+        run(num_probes=2.5)
+    with pytest.raises(ValueError, match=r"`num_steps` must be a positive int, got num_steps=0"):
+        run(num_steps=0)
+    with pytest.raises(
+        ValueError, match=r"`num_steps` must be at most the operator's size 16, got num_steps=17"
+    ):
+        run(num_steps=17)
+    with pytest.raises(TypeError, match=r"`key` must be a JAX random key.*got None"):
+        run(key=None)
+    with pytest.raises(TypeError, match=r"`key` must be a JAX random key.*got 0 of type int"):
+        run(key=0)
+    with pytest.raises(
+        ValueError, match=r"`function` must be one of 'log', 'inv', 'sqrt' or a callable; got 'exp'"
+    ):
+        zm.trace_function(op, "exp", **PARTIAL, key=key)
+    with pytest.raises(
+        TypeError,
+        match=r"`function` must be one of 'log', 'inv', 'sqrt' or a callable; got 3 of type int",
+    ):
+        zm.trace_function(op, 3, **PARTIAL, key=key)
+    with pytest.raises(
+        ValueError,
+        match=r"`function` must map the Ritz values elementwise.*shape \(10, 8\).*shape \(\)",
+    ):
+        zm.trace_function(op, jnp.sum, **PARTIAL, key=key)
+    with pytest.raises(TypeError, match=r"zm.logdet: `damping` must be a real number, got 'a'"):
+        zm.logdet(op, num_probes=4, key=key, damping="a")
+    with pytest.raises(ValueError, match=r"`batch_size` \(probes per block\) and `max_memory`"):
+        run(batch_size=2, max_memory="1GB")
+    with pytest.raises(TypeError, match=r"zm.logdet: `operator` has the complex dtype complex128"):
+        zm.logdet(operator(jnp.eye(4, dtype=jnp.complex128)), num_probes=4, key=key)
+    with pytest.raises(ValueError, match=r"zm.logdet: `operator` must be symmetric"):
+        zm.logdet(lx.MatrixLinearOperator(jnp.eye(4)), num_probes=4, key=key)
