@@ -12,6 +12,7 @@ from ._hessian import BatchedHessian as BatchedHessian
 from ._jacobian import BatchedJacobian as BatchedJacobian
 from ._lanczos import eigsh as eigsh
 from ._logdet import logdet as logdet, trace_function as trace_function
+from ._low_rank import LowRankDiagonal as LowRankDiagonal, low_rank as low_rank
 from ._microbatch import (
     AccumulationType as AccumulationType,
     Accumulator as Accumulator,
@@ -43,6 +44,7 @@ __all__ = [
     "BatchedJacobian",
     "CheckpointedScan",
     "ChunkedVmap",
+    "LowRankDiagonal",
     "MemoryBudgetError",
     "Microbatcher",
     "Plan",
@@ -56,6 +58,7 @@ __all__ = [
     "jacobian_to_pytree",
     "load",
     "logdet",
+    "low_rank",
     "marginal_variances",
     "save",
     "solve",
