@@ -39,7 +39,7 @@ def case(index: int) -> tuple:
     """`(transform maker, arguments, output bytes)` of case `index`: a Hessian, a
     Jacobian, a chunked map or a microbatched loss of a few kB to a few hundred kB."""
     rng = np.random.default_rng(index)
-    n, rows = int(rng.integers(8, 120)), int(rng.integers(2, 40))
+    n, rows = int(rng.integers(8, 64)), int(rng.integers(2, 24))
     w = jnp.asarray(rng.normal(size=n), jnp.float32)
     data = jnp.asarray(rng.normal(size=(rows, n)), jnp.float32)
     makers = [

