@@ -14,7 +14,7 @@ from helpers import close
 from jax import lax
 
 import zodmem as zm
-from zodmem._layout import canonical_body, holds_convolution
+from zodmem._layout import canonical_body, holds, holds_convolution
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -154,3 +154,20 @@ def test_auto_mode_takes_forward_over_reverse_where_fn_holds_a_convolution():
     hessian = zm.BatchedHessian(net_loss, nbatches=3)(net, images, labels)
     close(hessian, expected, rtol=1e-10)
     assert hessian.dtype == expected.dtype
+
+
+def test_auto_mode_takes_forward_over_reverse_where_fn_holds_a_loop():
+    def rollout(w, x0):
+        def step(x, _):
+            x = jnp.tanh(w[:3] * x + w[3:])
+            return x, x
+
+        _, xs = lax.scan(step, x0, None, length=5)
+        return jnp.sum(xs**2)
+
+    w, x0 = jnp.linspace(-0.5, 0.7, 6), jnp.asarray([0.3, -0.2, 0.9])
+    assert holds(lambda w: rollout(w, x0), w, primitives=(lax.scan_p, lax.while_p))
+    expected = jax.hessian(rollout)(w, x0)
+    close(zm.BatchedHessian(rollout, nbatches=2)(w, x0), expected, rtol=1e-12)
+    operator = zm.BatchedHessian(rollout).operator(w, x0)
+    close(operator.mv(jnp.eye(6)[2]), expected[:, 2], rtol=1e-12)

@@ -15,7 +15,7 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from ._blocks import OutputSink, map_blocks, plan_blocks
 from ._budget import Work
-from ._layout import holds_convolution
+from ._layout import holds
 from ._leafwise import by_leaf
 from ._operator import BlockedOperator, make_operator
 from ._progress import label
@@ -67,12 +67,13 @@ class BatchedHessian(AbstractDerivative):
       written as blocks of rows (H is symmetric); a block whose rows lie in one leaf
       that holds many blocks is the VJP of that leaf's part of the gradient alone, so
       the other leaves' zero pieces cost nothing. `"auto"` (the default) picks
-      `"rev"` when all variables share one real dtype and `fn` holds no convolution,
-      and `"fwd"` otherwise: reverse-over-reverse products of a convolution are
-      convolutions of the transposed convolutions its gradient makes, which run
-      several times slower than forward-over-reverse ones; and where precisions are
-      mixed, rounding makes H not exactly symmetric (the benchmarks of real models
-      on the Benchmarks page compare the two).
+      `"rev"` when all variables share one real dtype and `fn` holds no convolution
+      and no loop (`lax.scan`, `lax.while_loop`, as in recurrent models and ODE
+      solvers), and `"fwd"` otherwise: reverse-over-reverse products of those are
+      transposes of transposed convolutions and loops, which run several times slower
+      than forward-over-reverse ones; and where precisions are mixed, rounding makes H
+      not exactly symmetric (the benchmarks of real models on the Benchmarks page
+      compare the two).
     - `holomorphic`: the variables are complex and `fn` (complex-valued) is
       holomorphic in them, as `jax.hessian(holomorphic=True)`. Without it, complex
       variables are refused.
@@ -271,14 +272,23 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     return flat, variables, hvp
 
 
+# What makes reverse-over-reverse products slow: a convolution (its products are
+# convolutions of the transposed convolutions its gradient makes) and a loop (a `scan`,
+# an ODE solver's `while`: its gradient is a loop over saved or recomputed steps, whose
+# transpose is another).
+_FORWARD_OVER_REVERSE = (jax.lax.conv_general_dilated_p, jax.lax.while_p, jax.lax.scan_p)
+
+
 def _mode_of(mode: str, variables: Variables, fn_of_flat: Any, flat: Any) -> str:
     """`mode`, with `"auto"` resolved: reverse over reverse for variables of one real
-    dtype where `fn`'s program holds no convolution, forward over reverse otherwise."""
+    dtype where `fn`'s program holds no convolution and no loop, forward over reverse
+    otherwise."""
     if mode != "auto":
         return mode
     if not variables.real_and_alike:
         return "fwd"
-    return "fwd" if holds_convolution(fn_of_flat, flat) else "rev"
+    slow = holds(fn_of_flat, flat, primitives=_FORWARD_OVER_REVERSE)
+    return "fwd" if slow else "rev"
 
 
 def _leaf_gradient(

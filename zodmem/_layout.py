@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-__all__ = ["canonical_body", "canonical_spec", "holds_convolution"]
+__all__ = ["canonical_body", "canonical_spec", "holds", "holds_convolution"]
 
 _CONV = lax.conv_general_dilated_p
 
@@ -71,18 +71,24 @@ def _needs_rewrite(jaxpr: Jaxpr) -> bool:
 
 def holds_convolution(fn: Callable[..., Any], *args: Any) -> bool:
     """Whether the program of `fn(*args)` (its array outputs), or one nested in it, holds
-    a convolution. `args` may be tracers; a `jit` of `fn` already traced at these shapes
-    is not traced again."""
+    a convolution (`holds`)."""
+    return holds(fn, *args, primitives=(_CONV,))
+
+
+def holds(fn: Callable[..., Any], *args: Any, primitives: tuple[Any, ...]) -> bool:
+    """Whether the program of `fn(*args)` (its array outputs), or one nested in it, holds
+    any of `primitives`. `args` may be tracers; a `jit` of `fn` already traced at these
+    shapes is not traced again."""
 
     def arrays(*args: Any) -> Any:
         return [leaf for leaf in jax.tree_util.tree_leaves(fn(*args)) if eqx.is_array(leaf)]
 
-    return _holds_convolution(jax.make_jaxpr(arrays)(*args).jaxpr)
+    return _holds(jax.make_jaxpr(arrays)(*args).jaxpr, primitives)
 
 
-def _holds_convolution(jaxpr: Jaxpr) -> bool:
+def _holds(jaxpr: Jaxpr, primitives: tuple[Any, ...]) -> bool:
     return any(
-        eqn.primitive is _CONV or any(_holds_convolution(sub) for sub in _nested(eqn.params))
+        eqn.primitive in primitives or any(_holds(sub, primitives) for sub in _nested(eqn.params))
         for eqn in jaxpr.eqns
     )
 

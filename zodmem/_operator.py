@@ -289,11 +289,17 @@ def _jit(transform: Any) -> bool:
 
 
 def _unblocked(transform: Any) -> Any:
-    """`transform` with none of the options that only say how its call is cut into blocks."""
+    """`transform` with none of the options that only say how its call is cut into
+    blocks, for one product. With `strategy="auto"` the product evaluates `fn` in place:
+    a linearisation kept pays only where blocks share it, and JAX's partial evaluation
+    of a loop in `fn` (a `scan`, an ODE solver's `while`) keeps the whole loop on the
+    linear side, which then costs more than the product evaluated afresh."""
     options = {"nbatches": None, "batch_size": None, "max_memory": None, "progress": False}
     options = {name: value for name, value in options.items() if hasattr(transform, name)}
     if hasattr(transform, "sharding"):
         options["sharding"] = None
+    if getattr(transform, "strategy", None) == "auto":
+        options["strategy"] = "recompute"
     return dataclasses.replace(transform, **options) if options else transform
 
 
