@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from ._checks import check_int, check_key, described
 from ._diagonal import _mean_and_error
 from ._lanczos import _view_of
-from ._probes import run_probes
 from ._solve import _check_real, _is_traced
-from ._spectral import Quadrature
+from ._spectral import quadrature_rules
 from ._traceback import public
 
 __all__ = ["logdet", "trace_function"]
@@ -121,14 +120,9 @@ def _trace_function(
         )
     key = check_key(key, owner=owner)
     damping = _check_real(damping, "damping", owner=owner, minimum=None)
-    nodes, weights = run_probes(
-        view,
-        Quadrature(key, num_probes, num_steps),
-        owner=owner,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
+    options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
+    nodes, weights = quadrature_rules(
+        view, key, num_probes, num_steps, owner=owner, progress=progress, **options
     )
     shift = damping if _is_traced(damping) else jnp.asarray(damping, view.dtype)
     mean, spread, lowest = _samples(nodes, weights, shift, apply, view.size, owner)

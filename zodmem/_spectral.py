@@ -100,6 +100,14 @@ class Quadrature(ProbeJob):
 
 
 @eqx.filter_jit
+def quadrature_rules(
+    view: FlatView, key: Any, num_probes: int, num_steps: int, *, owner: str, **options: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The Gauss rules `(nodes, weights)` of `num_probes` sign probes of `key`, each
+    `(num_probes, num_steps)`, in blocks that `options` plan (`run_probes`'s)."""
+    return run_probes(view, Quadrature(key, num_probes, num_steps), owner=owner, **options)
+
+
 def _density(
     nodes: jax.Array, weights: jax.Array, grid: Any, sigma: Any
 ) -> tuple[jax.Array, jax.Array]:
@@ -220,13 +228,8 @@ def spectral_density(
     sigma = _check_positive(sigma, "sigma", owner, optional=True)
     if sigma is not None:
         sigma = jnp.asarray(sigma, view.dtype)
-    nodes, weights = run_probes(
-        view,
-        Quadrature(key, num_probes, num_steps),
-        owner=owner,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
+    options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
+    nodes, weights = quadrature_rules(
+        view, key, num_probes, num_steps, owner=owner, progress=progress, **options
     )
     return _density(nodes, weights, grid, sigma)
