@@ -12,11 +12,11 @@ import equinox as eqx
 import jax
 from jax.sharding import NamedSharding
 
-from zodmem._blocks import map_blocks, plan_blocks
-from zodmem._budget import Work
-from zodmem._progress import label
-from zodmem._sharding import share_of
-from zodmem._transform import AbstractSharded
+from zodmem._engine._blocks import map_blocks, plan_blocks
+from zodmem._engine._progress import label
+from zodmem._engine._sharding import share_of
+from zodmem._plan._budget import Work
+from zodmem._plan._transform import AbstractSharded
 
 
 class BlockedGram(AbstractSharded):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from zodmem._blocks import BlockPlan, map_blocks, plan_blocks
+from zodmem._engine._blocks import BlockPlan, map_blocks, plan_blocks
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -182,7 +182,7 @@ def test_map_blocks_sweep(total, option, fraction, big):
 
 @pytest.mark.parametrize("total, block_size", [(7, 3), (8, 4), (5, 5), (9, 2)])
 def test_read_ahead_equals_slicing_inside_the_block(total, block_size):
-    from zodmem._blocks import reduce_blocks
+    from zodmem._engine._blocks import reduce_blocks
 
     data = jnp.arange(total * 2.0).reshape(total, 2) ** 1.5
     plan = plan_blocks(total, batch_size=block_size)

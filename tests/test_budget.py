@@ -14,9 +14,9 @@ import pytest
 from helpers import close
 
 import zodmem as zm
-from zodmem._budget import abstract
-from zodmem._compiled import compiled_memory
-from zodmem._memory import AUTO_MARGIN, budget_bytes, free_memory
+from zodmem._plan._budget import abstract
+from zodmem._plan._compiled import compiled_memory
+from zodmem._plan._memory import AUTO_MARGIN, budget_bytes, free_memory
 
 # The search on calls of a few kB: the process's own compile heap is tested apart
 # (test_budget_reserve.py).

@@ -12,9 +12,10 @@ import pytest
 from helpers import close
 
 import zodmem as zm
-from zodmem import _budget, _memo
-from zodmem._budget import compiled_plan
-from zodmem._operator import ProductBlocks
+from zodmem import _memo
+from zodmem._curvature._operator import ProductBlocks
+from zodmem._plan import _budget
+from zodmem._plan._budget import compiled_plan
 
 pytestmark = pytest.mark.usefixtures("float64")
 

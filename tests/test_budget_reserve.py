@@ -20,7 +20,7 @@ from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
-from zodmem._budget import (
+from zodmem._plan._budget import (
     RESERVE_SHARE,
     MemoryBudgetError,
     least_budget,
@@ -28,7 +28,7 @@ from zodmem._budget import (
     refusal,
     usable_bytes,
 )
-from zodmem._memory import budget_bytes, format_bytes_up
+from zodmem._plan._memory import budget_bytes, format_bytes_up
 
 MB = 10**6
 SWEEP = Path(__file__).resolve().parent / "plan_sweep.py"

@@ -6,7 +6,7 @@ call, refusal before anything runs) is tested in test_budget.py."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zodmem._search import search, size_for as _size_for
+from zodmem._plan._search import search, size_for as _size_for
 
 
 class Refused(Exception):

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from jax.flatten_util import ravel_pytree
 
 import zodmem as zm
-from zodmem._ggn import ggn_products
+from zodmem._transforms._ggn import ggn_products
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -484,9 +484,9 @@ def test_sweep_against_the_exact_hessian(case):
 
 
 def test_leaves_holding_many_blocks_whole_get_their_own():
-    from zodmem._blocks import BlockPlan
-    from zodmem._leafwise import leaves_of_their_own as _leaves_of_their_own
+    from zodmem._engine._blocks import BlockPlan
     from zodmem._pytree import split_variables
+    from zodmem._transforms._leafwise import leaves_of_their_own as _leaves_of_their_own
 
     x = {"a": jnp.zeros(40), "b": jnp.zeros(3), "c": jnp.zeros((6, 5))}
     _, variables = split_variables(x, owner="test")

@@ -14,7 +14,7 @@ from helpers import close
 from jax import lax
 
 import zodmem as zm
-from zodmem._layout import canonical_body, holds, holds_convolution
+from zodmem._engine._layout import canonical_body, holds, holds_convolution
 
 pytestmark = pytest.mark.usefixtures("float64")
 

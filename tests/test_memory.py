@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import zodmem as zm
-from zodmem._memory import budget_bytes, check_memory
+from zodmem._plan._memory import budget_bytes, check_memory
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_a_budget_of_another_type_is_named_in_full():
 def test_decimal_budgets_are_read_exactly_and_written_up():
     """A figure a refusal writes reads back as at least the bytes it stands for: decimal
     fractions are not cut by binary rounding, and nothing is written rounded down."""
-    from zodmem._memory import format_bytes_up
+    from zodmem._plan._memory import format_bytes_up
 
     assert budget_bytes("4.06 kB") == 4060 and budget_bytes("19.3MB") == 19_300_000
     for size in (4060, 1_500_000_001, 999_999, 19_310_000, 123_456_789):
@@ -61,7 +61,7 @@ def test_decimal_budgets_are_read_exactly_and_written_up():
 def fake_machine(tmp_path, monkeypatch, cgroup_lines, files, available=20 * 2**30):
     """A machine with `available` bytes in MemAvailable, this process in the cgroups
     that `cgroup_lines` name, and the cgroup files `files` (path under the mount: text)."""
-    from zodmem import _memory
+    from zodmem._plan import _memory
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available // 1024} kB\n")
@@ -78,7 +78,7 @@ def fake_machine(tmp_path, monkeypatch, cgroup_lines, files, available=20 * 2**3
 
 
 def test_auto_reads_a_cgroup_v2_limit_below_memavailable(tmp_path, monkeypatch):
-    from zodmem._memory import AUTO_MARGIN, budget_of, free_memory_of
+    from zodmem._plan._memory import AUTO_MARGIN, budget_of, free_memory_of
 
     fake_machine(
         tmp_path,
@@ -104,7 +104,7 @@ def test_auto_reads_a_cgroup_v2_limit_below_memavailable(tmp_path, monkeypatch):
 
 
 def test_auto_takes_the_least_limit_of_the_cgroup_and_its_parents(tmp_path, monkeypatch):
-    from zodmem._memory import free_memory_of
+    from zodmem._plan._memory import free_memory_of
 
     fake_machine(
         tmp_path,
@@ -122,7 +122,7 @@ def test_auto_takes_the_least_limit_of_the_cgroup_and_its_parents(tmp_path, monk
 
 
 def test_auto_reads_a_cgroup_v1_limit(tmp_path, monkeypatch):
-    from zodmem._memory import free_memory_of
+    from zodmem._plan._memory import free_memory_of
 
     fake_machine(
         tmp_path,
@@ -143,7 +143,7 @@ def test_auto_reads_a_cgroup_v1_limit(tmp_path, monkeypatch):
 def test_a_container_that_sees_its_cgroup_at_the_root(tmp_path, monkeypatch):
     # Inside a container the cgroup's path names the host's hierarchy; the container's own
     # group is mounted at the root.
-    from zodmem._memory import free_memory_of
+    from zodmem._plan._memory import free_memory_of
 
     fake_machine(
         tmp_path,
@@ -155,7 +155,7 @@ def test_a_container_that_sees_its_cgroup_at_the_root(tmp_path, monkeypatch):
 
 
 def test_auto_keeps_memavailable_where_the_limit_leaves_more(tmp_path, monkeypatch):
-    from zodmem._memory import budget_of, free_memory_of
+    from zodmem._plan._memory import budget_of, free_memory_of
 
     fake_machine(
         tmp_path,
@@ -170,7 +170,7 @@ def test_auto_keeps_memavailable_where_the_limit_leaves_more(tmp_path, monkeypat
 
 
 def test_auto_without_any_limit_is_memavailable(tmp_path, monkeypatch):
-    from zodmem._memory import free_memory_of
+    from zodmem._plan._memory import free_memory_of
 
     fake_machine(tmp_path, monkeypatch, ["0::/"], {"memory.max": "max\n"}, available=7 * 2**30)
     assert free_memory_of() == (7 * 2**30, "MemAvailable of " + str(tmp_path / "meminfo"))

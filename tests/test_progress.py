@@ -12,7 +12,7 @@ import pytest
 from helpers import check_init, close
 
 import zodmem as zm
-from zodmem import _progress
+from zodmem._engine import _progress
 
 
 def loss(w, data):

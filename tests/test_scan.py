@@ -17,8 +17,8 @@ from hypothesis import given
 from jax.ad_checkpoint import print_saved_residuals
 
 import zodmem as zm
-from zodmem._blocks import plan_blocks, scan_blocks, write_once
-from zodmem._scan import default_chunk_size
+from zodmem._engine._blocks import plan_blocks, scan_blocks, write_once
+from zodmem._transforms._scan import default_chunk_size
 
 
 # A step with an int and a float carry and pytree outputs. Its arithmetic is exact

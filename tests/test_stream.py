@@ -18,6 +18,7 @@ import pytest
 from helpers import close
 
 import zodmem as zm
+from zodmem._stream import _npy
 
 
 def loss(w, data):
@@ -308,7 +309,7 @@ READ_SIZES = pytest.mark.parametrize("read_size", [None, 24], ids=["runs", "part
 @READ_SIZES
 def test_a_damaged_block_is_refused(read_size, tmp_path, monkeypatch):
     if read_size:
-        monkeypatch.setattr(zm._npy, "_READ_SIZE", read_size)
+        monkeypatch.setattr(_npy, "_READ_SIZE", read_size)
     path = tmp_path / "h.npy"
     transform = zm.BatchedHessian(loss, nbatches=3)
     zm.to_file(path, transform, W, DATA)
@@ -321,7 +322,7 @@ def test_a_damaged_block_is_refused(read_size, tmp_path, monkeypatch):
 @READ_SIZES
 def test_a_damaged_block_of_a_file_cut_short_is_refused(read_size, tmp_path, monkeypatch):
     if read_size:
-        monkeypatch.setattr(zm._npy, "_READ_SIZE", read_size)
+        monkeypatch.setattr(_npy, "_READ_SIZE", read_size)
     path = tmp_path / "v.npy"
     vmap = zm.ChunkedVmap(lambda x: jnp.outer(x, x), chunk_size=3, out_axes=1)
     journal = tmp_path / "v.npy.journal"

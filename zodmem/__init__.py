@@ -4,36 +4,36 @@ from . import (
     _traceback,  # noqa: F401  (registers zodmem's files for traceback filtering)
     losses as losses,
 )
-from ._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
-from ._covariance import covariance as covariance
-from ._diagonal import diagonal as diagonal, trace as trace
-from ._ggn import BatchedGGN as BatchedGGN
-from ._hessian import BatchedHessian as BatchedHessian
-from ._jacobian import BatchedJacobian as BatchedJacobian
-from ._lanczos import eigsh as eigsh
-from ._logdet import logdet as logdet, trace_function as trace_function
-from ._low_rank import LowRankDiagonal as LowRankDiagonal, low_rank as low_rank
-from ._microbatch import (
-    AccumulationType as AccumulationType,
-    Accumulator as Accumulator,
-    Microbatcher as Microbatcher,
-)
+from ._curvature._covariance import covariance as covariance
+from ._curvature._diagonal import diagonal as diagonal, trace as trace
+from ._curvature._lanczos import eigsh as eigsh
+from ._curvature._logdet import logdet as logdet, trace_function as trace_function
+from ._curvature._low_rank import LowRankDiagonal as LowRankDiagonal, low_rank as low_rank
+from ._curvature._solve import marginal_variances as marginal_variances, solve as solve
+from ._curvature._spectral import spectral_density as spectral_density
+from ._plan._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
+from ._plan._transform import AbstractTransform as AbstractTransform
 from ._pytree import (
     hessian_to_pytree as hessian_to_pytree,
     jacobian_to_pytree as jacobian_to_pytree,
 )
-from ._scan import CheckpointedScan as CheckpointedScan, SlicedScan as SlicedScan
 from ._serialise import (
     SerialisationError as SerialisationError,
     load as load,
     save as save,
 )
-from ._solve import marginal_variances as marginal_variances, solve as solve
-from ._spectral import spectral_density as spectral_density
 from ._static import Static as Static
-from ._stream import to_file as to_file, to_host as to_host
-from ._transform import AbstractTransform as AbstractTransform
-from ._vmap import ChunkedVmap as ChunkedVmap
+from ._stream._api import to_file as to_file, to_host as to_host
+from ._transforms._ggn import BatchedGGN as BatchedGGN
+from ._transforms._hessian import BatchedHessian as BatchedHessian
+from ._transforms._jacobian import BatchedJacobian as BatchedJacobian
+from ._transforms._microbatch import (
+    AccumulationType as AccumulationType,
+    Accumulator as Accumulator,
+    Microbatcher as Microbatcher,
+)
+from ._transforms._scan import CheckpointedScan as CheckpointedScan, SlicedScan as SlicedScan
+from ._transforms._vmap import ChunkedVmap as ChunkedVmap
 
 __all__ = [
     "AbstractTransform",

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zodmem as zm  # noqa: E402
-from zodmem import _npy  # noqa: E402
+from zodmem._stream import _npy  # noqa: E402
 
 NUM_PROCESSES = 2
 NUM_VARIABLES = 16  # 4 rows per device, one block a row

@@ -21,8 +21,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zodmem as zm
 from tests.helpers import close
-from zodmem import _npy
-from zodmem._journal import _record
+from zodmem._stream import _npy
+from zodmem._stream._journal import _record
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -145,8 +145,8 @@ import sys, time
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import zodmem as zm
-from zodmem import _npy
-from zodmem._journal import _record
+from zodmem._stream import _npy
+from zodmem._stream._journal import _record
 
 jax.config.update("jax_enable_x64", True)
 calls, write_rows = [], _npy.ResultFiles.write_rows

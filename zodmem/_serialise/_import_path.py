@@ -22,7 +22,7 @@ def import_path(obj: Any) -> tuple[str | None, str]:
 
     1. `obj.__module__` and `obj.__qualname__`, when looking them up gives `obj` back,
        with the shortest package prefix that does (`zodmem:BatchedHessian` rather than
-       `zodmem._hessian:BatchedHessian`, which survives moves between private files);
+       `zodmem._transforms._hessian:BatchedHessian`, which survives moves between private files);
     2. a top-level name bound to this very object, in the module `obj.__module__`
        names, else in any other loaded module: the shortest module name first (fewest
        dots, then alphabetically), `__main__` last, and in a module its first such name.

@@ -43,9 +43,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._accumulate import aggregate_stacked
 from .._checks import as_index
-from .._microbatch import AccumulationType, Accumulator, Microbatcher
+from .._transforms._accumulate import aggregate_stacked
+from .._transforms._microbatch import AccumulationType, Accumulator, Microbatcher
 
 __all__ = [
     "microbatch",

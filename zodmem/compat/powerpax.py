@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from .._checks import check_callable, check_int, common_size
-from .._scan import CheckpointedScan, SlicedScan, scan_length
 from .._static import Static
-from .._vmap import ChunkedVmap
+from .._transforms._scan import CheckpointedScan, SlicedScan, scan_length
+from .._transforms._vmap import ChunkedVmap
 
 __all__ = ["chunked_vmap", "sliced_scan", "checkpoint_chunked_scan", "Static"]
 

@@ -1,0 +1,411 @@
+"""The diagonal and the trace of an operator: exactly, from unit vectors in planned blocks,
+or estimated from random probes (Hutchinson's estimator and its variance-reduced forms,
+Hutch++ for the trace and Diag++ for the diagonal)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+
+from .._checks import check_choice, check_int, check_key
+from .._engine._sharding import _sharding_of, replicate
+from ._flat import FlatView, flat_view
+from ._operator import BlockedOperator
+from ._probes import ProbeJob, run_probes
+from ._random import sign_probes
+
+__all__ = ["diagonal", "trace"]
+
+_DIAGONAL_METHODS = ("exact", "hutchinson", "diag++")
+_TRACE_METHODS = ("exact", "hutchinson", "hutch++")
+
+
+# -- what the blocks of probes compute ---------------------------------------------------
+
+
+class UnitDiagonal(ProbeJob):
+    """The diagonal entries `e_i^T A e_i`, one unit vector a probe."""
+
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "unit vectors"
+
+    def count(self, view: FlatView) -> int:
+        return view.size
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        def entry(index):
+            return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
+
+        return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
+
+
+class Columns(ProbeJob):
+    """The products with the columns of a matrix, assembled as columns."""
+
+    matrix: jax.Array
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "vectors"
+    axis: ClassVar[int] = 1
+
+    def count(self, view: FlatView) -> int:
+        return self.matrix.shape[1]
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        # Each column read at its own index, clamped: a block that runs past the last
+        # column (on the last of devices that do not divide the columns) keeps its
+        # other columns in place.
+        last = self.matrix.shape[1] - 1
+        indices = jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), last)
+        columns = jnp.take(self.matrix, indices, axis=1)
+        return jax.vmap(product, in_axes=1, out_axes=1)(columns)
+
+
+class Hutchinson(ProbeJob):
+    """The number, mean and summed squared deviations from the mean of Hutchinson's
+    samples over random sign probes `g` (probe `i` is `sign_probes(key, first + i)`,
+    whatever the blocks): `g^T A g` for a trace, `g * (A g)` for a diagonal. With `basis`
+    (orthonormal columns `Q`, `P = Q Q^T`), the samples of what `P` leaves: `g' ^T A g'`
+    with `g' = (I - P) g` (Hutch++), or `g * (I - P) A g` (Diag++).
+
+    Deviations, not the sums of the samples and of their squares: a trace far larger than
+    the samples' spread would lose the spread to rounding in `sum(x^2) - p mean^2`."""
+
+    key: jax.Array
+    basis: jax.Array | None
+    num: int = eqx.field(static=True)
+    for_trace: bool = eqx.field(static=True)
+    first: int = eqx.field(static=True, default=0)
+    reduce: ClassVar[bool] = True
+    what: ClassVar[str] = "probes"
+
+    def count(self, view: FlatView) -> int:
+        return self.num
+
+    def sums_like(self, view: FlatView) -> Any:
+        shape = () if self.for_trace else (view.size,)
+        moment = jax.ShapeDtypeStruct(shape, view.dtype)
+        return jax.ShapeDtypeStruct((), jnp.int32), moment, moment
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        basis = self.basis
+
+        def deflated(vector):
+            return vector - basis @ (basis.T @ vector)
+
+        def sample(index, probe):
+            if self.for_trace:
+                if basis is not None:
+                    probe = deflated(probe)
+                value = jnp.dot(probe, product(probe))
+            else:
+                applied = product(probe)
+                value = probe * (applied if basis is None else deflated(applied))
+            return value
+
+        indices = start + jnp.arange(size, dtype=jnp.int32)
+        probes = sign_probes(self.key, self.first + indices, view.size, view.dtype)
+        values = jax.vmap(sample)(indices, probes)
+        # Past the last probe (the last device's share, when the devices do not divide
+        # the probes): no sample.
+        real = jnp.expand_dims(indices < self.num, tuple(range(1, values.ndim)))
+        count = jnp.sum(indices < self.num, dtype=jnp.int32)
+        mean = jnp.sum(jnp.where(real, values, 0), axis=0) / jnp.maximum(count, 1).astype(
+            values.dtype
+        )
+        deviations = jnp.where(real, values - mean, 0)
+        return count, mean, jnp.sum(deviations * deviations, axis=0)
+
+    def combine(self, total: Any, part: Any) -> Any:
+        """Two sets of samples' statistics merged (Chan, Golub and LeVeque's pairwise
+        update), never subtracting two large sums; an empty set leaves the other as is."""
+        count_a, mean_a, spread_a = total
+        count_b, mean_b, spread_b = part
+        count = count_a + count_b
+        a, b = count_a.astype(mean_a.dtype), count_b.astype(mean_a.dtype)
+        share = b / jnp.maximum(a + b, 1)  # of the merged samples that are `part`'s
+        delta = mean_b - mean_a
+        mean = mean_a + delta * share
+        return count, mean, spread_a + spread_b + delta * delta * a * share
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+def _check_key(key: Any, owner: str, method: str) -> jax.Array:
+    if key is None:
+        raise TypeError(
+            f"{owner}: method={method!r} draws random probes and needs a key, e.g. "
+            f"key=jax.random.key(0); got key=None."
+        )
+    return check_key(key, owner=owner)
+
+
+def _check_probes(num_probes: Any, owner: str, method: str, least: int) -> int:
+    if num_probes is None:
+        raise TypeError(
+            f"{owner}: method={method!r} needs `num_probes`, the number of random probes "
+            f"(products with the operator), at least {least}; got num_probes=None."
+        )
+    return check_int(
+        num_probes, "num_probes", owner=owner, minimum=least, allowed=f"an int >= {least}"
+    )
+
+
+def _stochastic_view(operator: Any, owner: str, method: str) -> FlatView:
+    view = flat_view(operator, owner)
+    if jnp.issubdtype(view.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{owner}: method={method!r} estimates from real random probes and takes a "
+            f"real operator, but this one is {view.dtype}; use method='exact'."
+        )
+    return view
+
+
+def _mean_and_error(statistics: tuple, count: int) -> tuple:
+    """The mean of `count` samples and its standard error, from `Hutchinson`'s
+    statistics (their number, mean and summed squared deviations). Statistics held whole
+    in this process are finished in NumPy, in double precision, which compiles nothing (a
+    program would cost a one-shot call more than the estimate's products do)."""
+    _, mean, spread = statistics
+    concrete = all(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+        for x in (mean, spread)
+    )
+    if not concrete:
+        return mean, _standard_error_traced(spread, count)
+    error = _standard_error(np, np.asarray(spread, np.float64), count)
+    # Put on the device in the mean's dtype (`jnp.asarray` with a dtype would compile a
+    # cast).
+    return mean, jax.device_put(np.asarray(error, mean.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _standard_error_traced(spread: jax.Array, count: int) -> jax.Array:
+    return _standard_error(jnp, spread, count)
+
+
+def _standard_error(xp: Any, spread: Any, count: int) -> Any:
+    """The standard error of the mean of `count` samples whose squared deviations from
+    it sum to `spread`, in the array module `xp` (NumPy or `jax.numpy`); `count`, a
+    Python int, keeps the spread's dtype in either."""
+    return xp.sqrt(spread / ((count - 1) * count))
+
+
+def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:
+    """`(Q, A Q)`: an orthonormal basis of the range of `A S` for `width` random sign
+    probes `S` (probes `0, ..., width - 1` of `key`; it holds the directions of `A`'s
+    largest eigenvalues), and its products."""
+    signs = _sign_columns(key, width, view.size, view.dtype)
+    sketch = _whole(run_probes(view, Columns(signs), **options))
+    basis, _ = jnp.linalg.qr(sketch)
+    return basis, _whole(run_probes(view, Columns(basis), **options))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _sign_columns(key: jax.Array, width: int, n: int, dtype: Any) -> jax.Array:
+    """Probes `0, ..., width - 1` of `key` as the columns of an `(n, width)` matrix."""
+    return sign_probes(key, jnp.arange(width, dtype=jnp.int32), n, dtype).T
+
+
+def _whole(array: jax.Array) -> jax.Array:
+    """`array` whole on every device, where its columns came back spread over explicit
+    mesh axes (a QR factorisation takes no split columns)."""
+    sharding = _sharding_of(array)
+    return array if sharding is None else replicate(array, sharding.mesh)
+
+
+def _options(owner: str, max_memory: Any, batch_size: Any, sharding: Any, progress: Any) -> dict:
+    """The options of the probes' blocks, as `run_probes` takes them."""
+    return dict(
+        owner=owner,
+        max_memory=max_memory,
+        batch_size=batch_size,
+        sharding=sharding,
+        progress=progress,
+    )
+
+
+def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
+    return view.unflatten(vector) if pytree else vector
+
+
+# -- the public functions ------------------------------------------------------------------
+
+
+def diagonal(
+    operator: Any,
+    *,
+    method: str = "exact",
+    num_probes: Any = None,
+    key: Any = None,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: bool | None = None,
+    pytree: bool = False,
+) -> Any:
+    """The diagonal of a square operator: exactly, or estimated from random probes.
+
+    - `method="exact"`: `A[i, i] = e_i^T A e_i` for every unit vector `e_i`, in blocks of
+      unit vectors of which only the diagonal entries are kept. It takes `n` products,
+      the work of the dense matrix, but holds one block of products, never `n x n`.
+    - `method="hutchinson"`: the mean of `g * (A g)` over `num_probes` random sign
+      vectors `g` (unbiased: `E[g g^T] = I`), and its standard error, entry by entry.
+    - `method="diag++"`: a third of the probes sketch the range of `A` (`Q`, from the
+      products `A S`), whose part `diag(Q Q^T A)` is exact (another third), and the
+      last third estimate what is left, `diag((I - Q Q^T) A)`, by Hutchinson's
+      samples. Far more accurate than `"hutchinson"` with the same products when a few
+      eigenvalues dominate, as in a network's Hessian or Gauss-Newton matrix; it needs
+      a symmetric operator. The standard error is that of the last third's estimate.
+
+    **Arguments:**
+
+    - `operator`: a square linear operator: `transform.operator(x, *args)` of
+      `zm.BatchedHessian`, `zm.BatchedGGN` (or either wrapped in `zm.Microbatcher`, for
+      a dataset's curvature), or any `lineax` operator.
+    - `method`: `"exact"`, `"hutchinson"` or `"diag++"`.
+    - `num_probes`: the number of random probes (products) of a stochastic method: at
+      least 2 for `"hutchinson"`, 4 for `"diag++"`.
+    - `key`: a `jax.random.key` for the probes of a stochastic method. Probe `i` is a
+      hash of `i` and the key's words, so the estimate does not depend on the blocks.
+    - `max_memory`, `batch_size`: at most one: the probes per block, given, or as many
+      as fit the budget (planned as any transform's blocks). By default the options of
+      the operator's transform (its budget, `nbatches` or `batch_size`).
+    - `sharding`: a `NamedSharding` whose first entry names the mesh axes that split the
+      probes over devices (their number must divide the probes); by default the
+      operator's transform's.
+    - `progress`: a progress bar of the blocks done; by default the transform's.
+    - `pytree`: return the diagonal shaped like the operator's input (for a curvature,
+      like the variables of `x`) instead of flat.
+
+    **Returns:**
+
+    The diagonal (flat `(n,)`, or a pytree), in the operator's dtype; for a stochastic
+    method, `(estimate, standard_error)`, both in that form.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w, x):
+            return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+        w, x = jnp.ones(50) / 10, jnp.ones((20, 50))
+        op = zm.BatchedHessian(loss, max_memory="100MB").operator(w, x)
+        exact = zm.diagonal(op)
+        estimate, error = zm.diagonal(op, method="hutchinson", num_probes=100,
+                                      key=jax.random.key(0))
+        ```
+    """
+    owner = "zm.diagonal"
+    check_choice(method, "method", _DIAGONAL_METHODS, owner=owner)
+    options = _options(owner, max_memory, batch_size, sharding, progress)
+    if method == "exact":
+        view = flat_view(operator, owner)
+        return _shaped(view, run_probes(view, UnitDiagonal(), **options), pytree)
+    view = _stochastic_view(operator, owner, method)
+    if method == "diag++" and not lx.is_symmetric(view.operator):
+        raise ValueError(
+            f"{owner}: method='diag++' needs a symmetric operator (its exact part is "
+            "diag(Q Q^T A) = sum(Q * (A Q), 1) only then); tag a symmetric one with "
+            "lineax.TaggedLinearOperator(op, lineax.symmetric_tag), or use "
+            "method='hutchinson'."
+        )
+    estimate, error = _estimate(view, method, num_probes, key, options, for_trace=False)
+    return _shaped(view, estimate, pytree), _shaped(view, error, pytree)
+
+
+def trace(
+    operator: Any,
+    *,
+    method: str = "exact",
+    num_probes: Any = None,
+    key: Any = None,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: bool | None = None,
+) -> Any:
+    """The trace of a square operator: exactly, or estimated from random probes.
+
+    - `method="exact"`: the sum of the exact diagonal (`zm.diagonal`): `n` products in
+      blocks of unit vectors, one block held at a time.
+    - `method="hutchinson"`: the mean of `g^T A g` over `num_probes` random sign vectors
+      `g`, and its standard error. Its variance is `2 (||A||_F^2 - sum_i A_ii^2)` per
+      probe.
+    - `method="hutch++"` (Meyer, Musco, Musco and Woodruff, 2021): a third of the
+      probes sketch the range of `A` (`Q`), whose part `trace(Q^T A Q)` is exact
+      (another third), and the last third estimate the trace of what is left,
+      `(I - Q Q^T) A (I - Q Q^T)`. With the same products its error is far smaller when
+      a few eigenvalues dominate. The standard error is that of the last third's part.
+
+    **Arguments:** as for `zm.diagonal` (without `pytree`); `num_probes` at least 2 for
+    `"hutchinson"` and 4 for `"hutch++"`.
+
+    **Returns:**
+
+    The trace, a scalar in the operator's dtype; for a stochastic method,
+    `(estimate, standard_error)`.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w, x):
+            return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+        w, x = jnp.ones(50) / 10, jnp.ones((20, 50))
+        op = zm.BatchedHessian(loss).operator(w, x)
+        estimate, error = zm.trace(op, method="hutch++", num_probes=30,
+                                   key=jax.random.key(0))
+        ```
+    """
+    owner = "zm.trace"
+    check_choice(method, "method", _TRACE_METHODS, owner=owner)
+    options = _options(owner, max_memory, batch_size, sharding, progress)
+    if method == "exact":
+        view = flat_view(operator, owner)
+        return jnp.sum(run_probes(view, UnitDiagonal(), **options))
+    view = _stochastic_view(operator, owner, method)
+    return _estimate(view, method, num_probes, key, options, for_trace=True)
+
+
+def _estimate(
+    view: FlatView, method: str, num_probes: Any, key: Any, options: dict, for_trace: bool
+) -> tuple:
+    """A stochastic estimate of the trace or the diagonal, and its standard error:
+    Hutchinson's, or with a third of the probes sketching the range of `A` and another
+    third taking its exact part (Hutch++, Diag++)."""
+    owner = options["owner"]
+    key = _check_key(key, owner, method)
+    if method == "hutchinson":
+        num = _check_probes(num_probes, owner, method, 2)
+        statistics = run_probes(view, Hutchinson(key, None, num, for_trace), **options)
+        return _mean_and_error(statistics, num)
+    num = _check_probes(num_probes, owner, method, 4)
+    width = num // 3
+    # The key's probes 0 to width - 1 sketch; those after them estimate the rest.
+    basis, products = _sketch(view, key, width, options)
+    known = jnp.sum(basis * products) if for_trace else jnp.sum(basis * products, axis=1)
+    rest = num - 2 * width
+    job = Hutchinson(key, basis, rest, for_trace, first=width)
+    mean, error = _mean_and_error(run_probes(view, job, **options), rest)
+    return known + mean, error
+
+
+@lx.diagonal.register(BlockedOperator)
+def _(operator):
+    # lineax's diagonal of a zodmem operator: exact, in the blocks of its transform,
+    # without the dense matrix.
+    return diagonal(operator)

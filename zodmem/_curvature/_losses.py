@@ -1,0 +1,538 @@
+"""Losses whose Hessian on the outputs `zm.BatchedGGN` applies in closed form.
+
+Each is the negative log-likelihood of a common likelihood, summed over its elements,
+and its `hessian_product` is the Fisher information of that likelihood with respect to
+the outputs, applied to a tangent of the outputs: `BatchedGGN` with one of them gives
+the Fisher information matrix of the parameters, `J^T F J`. With `reduction="mean"`
+each is divided by the number of examples, the length of the outputs' leading axis.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import gammaln
+
+from .._checks import check_choice, described
+from .._plan._compiled import is_traced
+
+__all__ = [
+    "AbstractLoss",
+    "GaussianNLL",
+    "PoissonNLL",
+    "SoftmaxCrossEntropy",
+    "SquaredError",
+]
+
+
+class AbstractLoss(eqx.Module):
+    """A loss of a model's outputs with the product of its Hessian (or Fisher
+    information) on the outputs in closed form.
+
+    `zm.BatchedGGN` calls `loss(outputs, *args, **kwargs)` for the value and, when the
+    loss is an `AbstractLoss`, `loss.hessian_product(outputs, tangents, *args,
+    **kwargs)` instead of differentiating the loss twice. Subclass it for a loss of your
+    own whose curvature has a cheap closed form.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        class Quartic(zm.losses.AbstractLoss):
+            def __call__(self, outputs, *args, **kwargs):
+                return jnp.sum(outputs**4) / 12
+
+            def hessian_product(self, outputs, tangents, *args, **kwargs):
+                return outputs**2 * tangents
+
+        ggn = zm.BatchedGGN(lambda w: 2 * w, Quartic())
+        G = ggn(jnp.arange(3.0))  # 4 * diag(4 w**2)
+        ```
+    """
+
+    @abc.abstractmethod
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """The loss, a real scalar, of `outputs` and the call's data arguments."""
+
+    @abc.abstractmethod
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Hessian (or Fisher information) of the loss on the outputs, at `outputs`,
+        applied to `tangents` (shaped like `outputs`); returned shaped and typed like
+        `tangents`."""
+
+
+_REDUCTIONS = ("sum", "mean")
+
+
+def _reduced(value: Any, outputs: Any, reduction: str, owner: str, *, classes: bool = False) -> Any:
+    """`value` (the loss, or a product with its Hessian) as `reduction` says: as it is for
+    `"sum"`; for `"mean"`, divided by the number of examples, the length of the outputs'
+    leading axis (which, with `classes`, must come before the classes' axis)."""
+    if reduction == "sum":
+        return value
+    shape = jnp.shape(outputs)
+    if len(shape) < (2 if classes else 1):
+        held = f"of shape {shape}, one example's classes" if classes else "a scalar"
+        raise TypeError(
+            f"{owner}: reduction='mean' divides by the number of examples, the length of "
+            f"the outputs' leading axis, but the outputs are {held}, with no examples "
+            "axis. Give them one, or use reduction='sum'."
+        )
+    if shape[0] == 0:
+        raise TypeError(
+            f"{owner}: reduction='mean' divides by the number of examples, but the outputs, "
+            f"of shape {shape}, have none: the mean over no examples is undefined."
+        )
+    return jax.tree_util.tree_map(lambda leaf: leaf / shape[0], value)
+
+
+def _check_targets(targets: Any, owner: str) -> None:
+    if targets is None or isinstance(targets, str):
+        return
+    if isinstance(targets, bool) or not isinstance(targets, int):
+        raise TypeError(
+            f"{owner}: `targets` must be an int (the position of the targets among the "
+            "call's data arguments, -1 for the last), a str (the name of a keyword "
+            f"argument) or None, got {described(targets)}."
+        )
+
+
+def _targets_of(targets: Any, args: tuple, kwargs: dict, owner: str) -> Any:
+    """The data argument that `targets` names (`None`: none)."""
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        if targets not in kwargs:
+            raise TypeError(
+                f"{owner}: targets={targets!r} names a keyword argument, but the call has "
+                f"the keyword arguments {sorted(kwargs)}."
+            )
+        return kwargs[targets]
+    if not -len(args) <= targets < len(args):
+        raise TypeError(
+            f"{owner}: targets={targets} is the position of the targets among the call's "
+            f"data arguments (those after `x`), but the call has {len(args)} of them. Pass "
+            "the targets, or say where they are with `targets=`."
+        )
+    return args[targets]
+
+
+def _one_array(outputs: Any, owner: str, what: str) -> jax.Array:
+    if not (eqx.is_array(outputs) or isinstance(outputs, jax.ShapeDtypeStruct)):
+        raise TypeError(
+            f"{owner}: the outputs of `fn` must be one array ({what}), but they are "
+            f"{_shapes(outputs)}."
+        )
+    return outputs
+
+
+def _check_shapes(outputs: Any, targets: Any, owner: str, what: str) -> None:
+    if jnp.shape(targets) != jnp.shape(outputs):
+        raise TypeError(
+            f"{owner}: the targets have shape {jnp.shape(targets)} and the {what} (the "
+            f"outputs of `fn`) shape {jnp.shape(outputs)}; they must be the same."
+        )
+
+
+class SquaredError(AbstractLoss):
+    """Half the weighted squared error, summed over every entry of the outputs, or that
+    sum averaged over the examples.
+
+    With `reduction="sum"` (the default) the loss is
+    `0.5 * sum(weights * (outputs - targets)**2)`, or with a covariance
+    `0.5 * sum(r @ inv(covariance) * r)`, `r = outputs - targets`, over the last axis.
+    With `reduction="mean"` it is that sum divided by `N = outputs.shape[0]`, the
+    number of examples. It is the negative log-likelihood (up to a constant) of Gaussian
+    outputs with precisions `weights` or covariance `covariance`, so `zm.BatchedGGN`
+    with it gives the Fisher information `J^T Σ^{-1} J` (divided by `N` for the mean);
+    its Hessian is `diag(weights)` or `inv(covariance)` (per example), applied in
+    closed form.
+
+    **Arguments:**
+
+    - `weights`: an array that broadcasts against the outputs (a precision per output,
+      or per column), or `None` (all ones).
+    - `covariance`: instead of `weights`, a `(k, k)` covariance of the `k` entries of
+      the outputs' last axis, shared by every example (symmetric positive definite).
+    - `targets`: where the targets are among the call's data arguments (those after
+      `x`): an int position (`-1`, the default: the last), a str keyword name, or `None`
+      when `fn` returns the residuals themselves.
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the outputs' leading axis (outputs of shape `(N,)` are
+      `N` examples of one entry; scalar outputs, with no examples axis, are refused).
+
+    !!! tip "Other libraries' conventions"
+
+        For outputs of shape `(N, C)` (`C = 1` for outputs of shape `(N,)`):
+
+        - `torch.nn.MSELoss()` is `mean((outputs - targets)**2)` over all `N * C`
+          entries, without the half: `SquaredError(weights=2 / C, reduction="mean")`,
+          or `SquaredError(weights=2 / (N * C))`. Only the first holds over
+          microbatches (`zm.Microbatcher(..., accumulator="mean")`), since it does not
+          depend on the batch's size.
+        - `torch.nn.MSELoss(reduction="sum")` is `SquaredError(weights=2.0)`.
+        - laplax's `loss_fn="mse"` gives the GGN `sum_i J_i^T (2 I) J_i` over the
+          examples: `SquaredError(weights=2.0)` (times laplax's
+          `num_total_samples / num_curv_samples` where those are given).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def predict(w, inputs, targets):
+            return inputs @ w
+
+        inputs, targets = jnp.ones((5, 3)), jnp.zeros(5)
+        loss = zm.losses.SquaredError(weights=jnp.full(5, 2.0))
+        G = zm.BatchedGGN(predict, loss)(jnp.ones(3), inputs, targets)  # 2 * X^T X
+        mean = zm.losses.SquaredError(weights=2.0, reduction="mean")
+        G_mean = zm.BatchedGGN(predict, mean)(jnp.ones(3), inputs, targets)  # G / 5
+        ```
+    """
+
+    weights: Any = None
+    covariance: Any = None
+    targets: int | str | None = eqx.field(default=-1, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
+
+    def __check_init__(self):
+        _check_targets(self.targets, "SquaredError")
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="SquaredError")
+        if self.weights is not None and self.covariance is not None:
+            raise ValueError(
+                "SquaredError: give at most one of `weights` and `covariance`: weights "
+                "are the diagonal of the precision, the inverse of a covariance."
+            )
+        if self.covariance is not None:
+            shape = jnp.shape(self.covariance)
+            if len(shape) != 2 or shape[0] != shape[1]:
+                raise ValueError(
+                    "SquaredError: `covariance` must be a square (k, k) matrix over the last "
+                    f"axis of the outputs, got shape {shape}."
+                )
+
+    def _residuals(self, outputs: Any, args: tuple, kwargs: dict) -> Any:
+        outputs = _one_array(outputs, "SquaredError", "the predictions")
+        targets = _targets_of(self.targets, args, kwargs, "SquaredError")
+        if targets is None:
+            return outputs
+        _check_shapes(outputs, targets, "SquaredError", "predictions")
+        return outputs - targets
+
+    def _precision(self, vector: Any) -> Any:
+        """The Hessian, `diag(weights)` or `inv(covariance)` per example, times `vector`."""
+        if self.covariance is not None:
+            k = self.covariance.shape[0]
+            if vector.ndim == 0 or vector.shape[-1] != k:
+                raise TypeError(
+                    f"SquaredError: `covariance` is ({k}, {k}), for outputs whose last axis "
+                    f"has {k} entries, but the outputs have shape {vector.shape}."
+                )
+            factor = jax.scipy.linalg.cho_factor(self.covariance)
+            columns = vector.reshape(-1, k).T
+            return jax.scipy.linalg.cho_solve(factor, columns).T.reshape(vector.shape)
+        if self.weights is None:
+            return vector
+        return self.weights * vector
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        r = self._residuals(outputs, args, kwargs)
+        total = 0.5 * jnp.sum(r * self._precision(r))
+        return _reduced(total, r, self.reduction, "SquaredError")
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        self._residuals(outputs, args, kwargs)
+        product = _reduced(self._precision(tangents), outputs, self.reduction, "SquaredError")
+        return product.astype(tangents.dtype)
+
+
+class GaussianNLL(AbstractLoss):
+    """The negative log-likelihood of targets under Gaussians whose means and log-variances
+    are the outputs: `0.5 * sum(log_var + (targets - mean)**2 * exp(-log_var) + log(2π))`
+    over every entry, or with `reduction="mean"` that sum divided by the number of
+    examples, `mean.shape[0]`.
+
+    `fn` returns the pair `(mean, log_variance)`, two arrays of the targets' shape. The
+    product is the Fisher information, `exp(-log_var)` on the means and `1/2` on the
+    log-variances (no cross terms; divided by the number of examples for the mean): the
+    expectation over the targets of the loss's Hessian, which itself depends on the
+    targets and need not be positive. For targets of shape `(N,)`,
+    `torch.nn.GaussianNLLLoss(full=True)` with `var = exp(log_var)` is this loss with
+    `reduction="mean"` (torch clamps the variances at its `eps`).
+
+    **Arguments:**
+
+    - `targets`: where the targets are among the call's data arguments: an int position
+      (`-1`, the default: the last) or a str keyword name.
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the outputs' leading axis (scalar outputs are refused).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def predict(w, inputs, targets):
+            return inputs @ w[:2], inputs @ w[2:]   # mean, log-variance
+
+        inputs, targets = jnp.ones((4, 2)), jnp.zeros(4)
+        F = zm.BatchedGGN(predict, zm.losses.GaussianNLL())(jnp.zeros(4), inputs, targets)
+        ```
+    """
+
+    targets: int | str = eqx.field(default=-1, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
+
+    def __check_init__(self):
+        if self.targets is None:
+            raise TypeError("GaussianNLL: `targets` must be an int or a str, got None.")
+        _check_targets(self.targets, "GaussianNLL")
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="GaussianNLL")
+
+    def _pair(self, outputs: Any) -> tuple[Any, Any]:
+        if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2):
+            raise TypeError(
+                "GaussianNLL: the outputs of `fn` must be a pair (mean, log_variance) of "
+                f"arrays of the targets' shape, but they are {_shapes(outputs)}."
+            )
+        mean, log_variance = outputs
+        if jnp.shape(mean) != jnp.shape(log_variance):
+            raise TypeError(
+                f"GaussianNLL: the mean has shape {jnp.shape(mean)} and the log-variance "
+                f"{jnp.shape(log_variance)}; they must be the same."
+            )
+        return mean, log_variance
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        mean, log_variance = self._pair(outputs)
+        targets = _targets_of(self.targets, args, kwargs, "GaussianNLL")
+        _check_shapes(mean, targets, "GaussianNLL", "means")
+        squared = (targets - mean) ** 2 * jnp.exp(-log_variance)
+        total = 0.5 * jnp.sum(log_variance + squared + math.log(2 * math.pi))
+        return _reduced(total, mean, self.reduction, "GaussianNLL")
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        mean, log_variance = self._pair(outputs)
+        d_mean, d_log_variance = tangents
+        on_mean = jnp.exp(-log_variance) * d_mean
+        on_mean, on_log_variance = _reduced(
+            (on_mean, 0.5 * d_log_variance), mean, self.reduction, "GaussianNLL"
+        )
+        return type(tangents)(
+            (on_mean.astype(d_mean.dtype), on_log_variance.astype(d_log_variance.dtype))
+        )
+
+
+class PoissonNLL(AbstractLoss):
+    """The negative log-likelihood of counts under Poisson distributions whose log-rates
+    (or rates) are the outputs: `sum(rate - targets * log(rate) + gammaln(targets + 1))`
+    over every entry, or with `reduction="mean"` that sum divided by the number of
+    examples, `outputs.shape[0]`.
+
+    The product is the Fisher information (divided by the number of examples for the
+    mean): `rate` on log-rates (there it is the loss's Hessian too), `1 / rate` on rates
+    (the expectation of the Hessian, `targets / rate**2`, over the counts).
+    `torch.nn.PoissonNLLLoss()` leaves out `gammaln(targets + 1)`, which changes no
+    curvature, and averages over all `N * C` entries of `(N, C)` outputs: its GGN is
+    this loss's with `reduction="mean"` divided by `C`.
+
+    **Arguments:**
+
+    - `targets`: where the counts are among the call's data arguments: an int position
+      (`-1`, the default: the last) or a str keyword name.
+    - `log_rate`: the outputs are log-rates (`True`, the default) or rates (`False`).
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the outputs' leading axis (scalar outputs are refused).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def log_rates(w, inputs, counts):
+            return inputs @ w
+
+        inputs, counts = jnp.ones((6, 2)), jnp.arange(6.0)
+        F = zm.BatchedGGN(log_rates, zm.losses.PoissonNLL())(jnp.zeros(2), inputs, counts)
+        ```
+    """
+
+    targets: int | str = eqx.field(default=-1, static=True)
+    log_rate: bool = eqx.field(default=True, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
+
+    def __check_init__(self):
+        if self.targets is None:
+            raise TypeError("PoissonNLL: `targets` must be an int or a str, got None.")
+        _check_targets(self.targets, "PoissonNLL")
+        if not isinstance(self.log_rate, bool):
+            raise TypeError(
+                f"PoissonNLL: `log_rate` must be True or False, got {described(self.log_rate)}."
+            )
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="PoissonNLL")
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        counts = _targets_of(self.targets, args, kwargs, "PoissonNLL")
+        _check_shapes(outputs, counts, "PoissonNLL", "rates")
+        if self.log_rate:
+            rate, log_rate = jnp.exp(outputs), outputs
+        else:
+            rate, log_rate = outputs, jnp.log(outputs)
+        total = jnp.sum(rate - counts * log_rate + gammaln(counts + 1.0))
+        return _reduced(total, outputs, self.reduction, "PoissonNLL")
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        fisher = jnp.exp(outputs) if self.log_rate else 1 / outputs
+        product = _reduced(fisher * tangents, outputs, self.reduction, "PoissonNLL")
+        return product.astype(tangents.dtype)
+
+
+class SoftmaxCrossEntropy(AbstractLoss):
+    """The cross-entropy of labels under the softmax of logits, summed over examples:
+    `-sum(labels * log_softmax(logits))` over every entry, the classes on the last axis;
+    or with `reduction="mean"` that sum divided by the number of examples,
+    `logits.shape[0]`.
+
+    The labels are class indices (an integer array of the logits' shape without its last
+    axis) or probabilities (the logits' shape, each example's summing to one). The
+    product is `(diag(p) - p p^T) u` per example, `p = softmax(logits)` (divided by the
+    number of examples for the mean): the Hessian of the loss and the Fisher information
+    of the categorical likelihood. For logits of shape `(N, C)`,
+    `torch.nn.CrossEntropyLoss()` is this loss with `reduction="mean"`.
+
+    **Arguments:**
+
+    - `targets`: where the labels are among the call's data arguments: an int position
+      (`-1`, the default: the last) or a str keyword name.
+    - `reduction`: `"sum"` (the default), or `"mean"`: the sum divided by the number of
+      examples, the length of the logits' leading axis. The examples axis comes before
+      the classes, so logits of shape `(C,)` (one example) are refused for the mean.
+
+    !!! warning
+
+        The product takes probabilities as labels to sum to one per example: the loss's
+        Hessian is `diag(p) - p p^T` times that sum. Labels whose sums are further from 1
+        than the rounding of their dtype allows (`max(sqrt(eps), 2 * C * eps)` for `C`
+        classes) are refused: with a ValueError where they are concrete, and through
+        `eqx.error_if` (an `EquinoxRuntimeError` when the compiled call runs) where they
+        are traced, as inside `BatchedGGN`'s compiled call or a `Microbatcher`. For labels
+        that are not probabilities, pass the loss as a plain function.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def logits(w, inputs, labels):
+            return inputs @ w.reshape(2, 3)
+
+        inputs, labels = jnp.ones((4, 2)), jnp.asarray([0, 2, 1, 1])
+        F = zm.BatchedGGN(logits, zm.losses.SoftmaxCrossEntropy())(jnp.zeros(6), inputs, labels)
+        ```
+    """
+
+    targets: int | str = eqx.field(default=-1, static=True)
+    reduction: str = eqx.field(default="sum", static=True)
+
+    def __check_init__(self):
+        if self.targets is None:
+            raise TypeError("SoftmaxCrossEntropy: `targets` must be an int or a str, got None.")
+        _check_targets(self.targets, "SoftmaxCrossEntropy")
+        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="SoftmaxCrossEntropy")
+
+    def _logits(self, outputs: Any) -> Any:
+        outputs = _one_array(outputs, "SoftmaxCrossEntropy", "the logits, classes last")
+        if outputs.ndim == 0:
+            raise TypeError(
+                "SoftmaxCrossEntropy: the logits must have the classes on their last axis, "
+                "but `fn` returns a scalar."
+            )
+        return outputs
+
+    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = self._logits(outputs)
+        labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
+        log_p = jax.nn.log_softmax(logits, axis=-1)
+        if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+            if jnp.shape(labels) != logits.shape[:-1]:
+                raise TypeError(
+                    f"SoftmaxCrossEntropy: integer labels (class indices) must have the "
+                    f"logits' shape without its last axis, {logits.shape[:-1]}, but have "
+                    f"shape {jnp.shape(labels)}."
+                )
+            picked = jnp.take_along_axis(log_p, jnp.asarray(labels)[..., None], axis=-1)
+            total = -jnp.sum(picked)
+        else:
+            _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+            total = -jnp.sum(labels * log_p)
+        return _reduced(total, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
+
+    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+        logits = self._logits(outputs)
+        p = jax.nn.softmax(logits, axis=-1)
+        product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
+        product = _reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
+        labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
+        return self._summing_to_one(labels, logits, product.astype(tangents.dtype))
+
+    def _summing_to_one(self, labels: Any, logits: Any, product: Any) -> Any:
+        """`product`, refused where probabilities as labels do not sum to one per example:
+        the Hessian of the loss is `diag(p) - p p^T` times each example's sum of labels,
+        and the closed form takes that sum to be one. Eagerly a ValueError; traced, the
+        same through `eqx.error_if` when the compiled call runs."""
+        if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+            return product
+        _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+        dtype = jnp.result_type(labels)
+        eps = float(jnp.finfo(dtype).eps)
+        classes = jnp.shape(labels)[-1]
+        # Rounding each label, and the sum itself, may move a sum by about classes * eps.
+        tolerance = max(math.sqrt(eps), 2 * classes * eps)
+        head = (
+            f"SoftmaxCrossEntropy: the labels (targets={self.targets!r} among the call's data "
+            "arguments) are probabilities, so each example's must sum to 1 over the classes "
+            f"(the last axis), within {tolerance:.1e} in {jnp.dtype(dtype).name}"
+        )
+        tail = (
+            ". The closed-form Fisher information assumes it: normalise them "
+            "(labels / labels.sum(-1, keepdims=True)), or pass the loss as a plain function "
+            "to have its Hessian taken as it is."
+        )
+        if is_traced(labels):
+            wide = jnp.promote_types(dtype, jnp.float32)
+            off = jnp.abs(jnp.sum(labels, axis=-1, dtype=wide) - 1)
+            wrong = jnp.max(off, initial=0) > tolerance
+            return eqx.error_if(product, wrong, f"{head}, but one does not{tail}")
+        sums = np.sum(np.asarray(labels, dtype=np.float64), axis=-1).ravel()
+        if sums.size:
+            worst = sums[np.argmax(np.abs(sums - 1))]
+            if abs(worst - 1) > tolerance:
+                raise ValueError(f"{head}, but one sums to {worst:.7g}{tail}")
+        return product
+
+
+def _shapes(tree: Any) -> Any:
+    """`tree` with its arrays as shapes and dtypes, for messages."""
+    return jax.tree_util.tree_map(
+        lambda leaf: (
+            jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+            if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf
+        ),
+        tree,
+    )

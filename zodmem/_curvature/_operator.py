@@ -1,0 +1,590 @@
+"""A transform's matrix at a point as a `lineax` linear operator: products with vectors,
+one at a time (`mv`) or a block of vectors at a time, planned like the transform's own
+blocks (`mm`).
+
+A transform that offers an operator supplies one function, its *products*:
+`products(transform, x, args, kwargs) -> (flat, variables, mv)`, with `flat` the raveled
+variables of `x`, `variables` the `Variables` that ravel and unravel them, and `mv(v)`
+one product with a flat vector `v` (a flat vector of the variables' space for a
+curvature, the output pytree of `fn` for a Jacobian). `BlockedOperator` does the rest:
+the shapes vectors may take, the checks, blocks of products (`mm`), their plan from a
+budget, their spread over devices, the dense matrix, the transpose and the tags lineax
+reads.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+from jax.sharding import NamedSharding
+
+from .._checks import described
+from .._engine._blocks import map_blocks, plan_blocks
+from .._engine._sharding import Split, check_divides, dispatch, split_of
+from .._memo import memo_of, signature_of
+from .._plan._budget import MemoryBudgetError, Work
+from .._plan._transform import AbstractBlocked
+
+__all__ = [
+    "AbstractVectorBlocks",
+    "BlockedOperator",
+    "check_leaves",
+    "flat_product",
+    "make_operator",
+    "variables_of",
+    "vector_options",
+]
+
+Products = Callable[[Any, Any, tuple, dict], tuple]
+
+
+def _has_aux(transform: Any) -> bool:
+    """Whether `transform`'s call returns `(result, aux)` (through wrappers too)."""
+    if hasattr(transform, "has_aux"):
+        return bool(transform.has_aux)
+    return _has_aux(transform.fn) if hasattr(transform, "fn") else False
+
+
+def _ravel_outputs(tree: Any) -> jax.Array:
+    """The leaves of an output pytree, raveled and concatenated in their common dtype."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    dtype = jnp.result_type(*leaves)
+    return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+
+
+def _forward(transform: Any, products: Products, x: Any, args: tuple, kwargs: dict) -> Callable:
+    """The product with a flat vector, as a function from flat vectors to flat vectors."""
+    _, _, mv = products(transform, x, args, kwargs)
+    return lambda v: _ravel_outputs(mv(v))
+
+
+def _shapes(transform: Any, products: Products, x: Any, args: tuple, kwargs: dict) -> Any:
+    """`(flat, out)`: the shapes of the raveled variables and of one product's outputs.
+    Tracing the product here refuses bad input (a Hessian's non-scalar `fn`) at once."""
+
+    def probe(transform, x, args, kwargs):
+        flat, _, mv = products(transform, x, args, kwargs)
+        return flat, mv(jnp.zeros_like(flat))
+
+    return eqx.filter_eval_shape(probe, transform, x, args, kwargs)
+
+
+class BlockedOperator(lx.AbstractLinearOperator):
+    """A transform's matrix at a point `(x, *args, **kwargs)`, as a lineax operator.
+
+    Made by `transform.operator(x, *args, **kwargs)`; not built directly.
+    """
+
+    transform: Any
+    x: Any
+    args: tuple
+    kwargs: dict
+    products: Products = eqx.field(static=True)
+    square: bool = eqx.field(static=True)
+    output: Any = eqx.field(static=True)  # (leaves, treedef) of one product's outputs
+    tags: frozenset = eqx.field(static=True)
+    transposed: bool = eqx.field(static=True, default=False)
+    recompute: bool = eqx.field(static=True, default=True)
+    linear: Any = None  # the product kept by `lx.linearise` (its residuals are leaves)
+
+    # -- shapes ------------------------------------------------------------------------
+
+    @property
+    def _owner(self) -> str:
+        return f"{type(self.transform).__name__}.operator"
+
+    def _variable_structure(self) -> Any:
+        """`x` with its variables as `jax.ShapeDtypeStruct`s and `None` elsewhere."""
+
+        def shape_of(leaf):
+            if eqx.is_inexact_array(leaf):
+                return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype)
+            return None
+
+        return jax.tree_util.tree_map(shape_of, self.x)
+
+    def _output_structure(self) -> Any:
+        if self.square:
+            return self._variable_structure()
+        leaves, treedef = self.output
+        return jax.tree_util.tree_unflatten(treedef, list(leaves))
+
+    def in_structure(self) -> Any:
+        return self._output_structure() if self.transposed else self._variable_structure()
+
+    def out_structure(self) -> Any:
+        return self._variable_structure() if self.transposed else self._output_structure()
+
+    # -- vectors in their two forms ------------------------------------------------------
+
+    def _read(self, vector: Any, name: str) -> tuple[Any, bool]:
+        """`(vector, is_flat)`: `vector`, checked, as a flat array of the input space or a
+        pytree shaped like `in_structure()` (from the whole of `x`, its variables)."""
+        structure = self.in_structure()
+        leaves, treedef = jax.tree_util.tree_flatten(structure)
+        size = sum(math.prod(leaf.shape) for leaf in leaves)
+        dtype = jnp.result_type(*leaves)
+        if eqx.is_array(vector) and jnp.shape(vector) == (size,):
+            if jnp.dtype(vector.dtype) != dtype:
+                raise TypeError(
+                    f"{self._owner}: `{name}` is a flat vector of dtype {vector.dtype}, but "
+                    f"the operator's input is {dtype}; cast it, e.g. {name}.astype({dtype})."
+                )
+            return vector, True
+        if not self.transposed:
+            vector = variables_of(vector, self.x, treedef)
+        given = jax.tree_util.tree_structure(vector)
+        if given != treedef:
+            shape = jnp.shape(vector) if eqx.is_array(vector) else None
+            got = f"an array of shape {shape}" if shape is not None else f"structure {given}"
+            raise ValueError(
+                f"{self._owner}: `{name}` must be a flat vector of shape ({size},) or a pytree "
+                f"shaped like {structure}, but got {got}."
+            )
+        check_leaves(vector, leaves, name, owner=self._owner)
+        return vector, False
+
+    def _ravel(self, vector: Any) -> jax.Array:
+        """A pytree shaped like `in_structure()` as a flat vector."""
+        dtype = _flat_structure(self.in_structure()).dtype
+        leaves = jax.tree_util.tree_leaves(vector)
+        return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+
+    def _write(self, flat: jax.Array) -> Any:
+        """A flat vector of the output space as a pytree shaped like `out_structure()`."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.out_structure())
+        pieces, start = [], 0
+        for leaf in leaves:
+            size = math.prod(leaf.shape)
+            pieces.append(flat[start : start + size].reshape(leaf.shape).astype(leaf.dtype))
+            start += size
+        return jax.tree_util.tree_unflatten(treedef, pieces)
+
+    # -- products ----------------------------------------------------------------------
+
+    def _map(self) -> Callable[[jax.Array], jax.Array]:
+        """The product as a function of flat vectors, in this operator's direction."""
+        forward = self.linear
+        if forward is None:
+            forward = _forward(self.transform, self.products, self.x, self.args, self.kwargs)
+        if not self.transposed:
+            return forward
+        transposed = jax.linear_transpose(forward, _flat_structure(self._variable_structure()))
+        return lambda v: transposed(v)[0]
+
+    def mv(self, vector: Any) -> Any:
+        """One product with `vector`: flat, or a pytree shaped like `in_structure()`
+        (for a curvature, like `x`'s variables); returned in the same form."""
+        vector, is_flat = self._read(vector, "vector")
+        # One product is the same whatever the blocks: one compiled product serves them all.
+        single = dataclasses.replace(self, transform=_unblocked(self.transform))
+        return (_product_jit if _jit(self.transform) else _product)(single, vector, is_flat)
+
+    def mm(self, matrix: Any) -> jax.Array:
+        """The products with the `k` columns of `matrix`, an `(n, k)` array (`n` the
+        input size), as an `(m, k)` array, in blocks of columns planned from the
+        transform's options."""
+        # Worked out on the first call and kept for the operator's life: the input's
+        # shape, and per matrix shape and placement, the planned program.
+        memo = memo_of(self)
+        if "in" not in memo:
+            memo["in"] = _flat_structure(self.in_structure())
+        (size,), dtype = memo["in"].shape, memo["in"].dtype
+        if not eqx.is_array(matrix) or jnp.ndim(matrix) != 2 or jnp.shape(matrix)[0] != size:
+            shown = f"shape {jnp.shape(matrix)}" if eqx.is_array(matrix) else described(matrix)
+            raise ValueError(
+                f"{self._owner}: `matrix` must be an ({size}, k) array, one vector per "
+                f"column, got {shown}."
+            )
+        if jnp.dtype(matrix.dtype) != dtype:
+            raise TypeError(
+                f"{self._owner}: `matrix` has dtype {matrix.dtype}, but the operator takes "
+                f"{dtype}; cast it, e.g. matrix.astype({dtype})."
+            )
+        signature = signature_of(matrix)
+        if signature is not None and signature in memo:
+            return memo[signature]((matrix,), {})
+        blocks = ProductBlocks.of(self)
+        try:
+            if signature is not None:
+                bound = blocks._planned_bound((matrix,), {})[1]
+                if bound is not None:
+                    memo[signature] = bound
+                    return bound((matrix,), {})
+            return blocks(matrix)
+        except MemoryBudgetError as error:
+            # The planner names the class it planned; the user called `mm`.
+            named = str(error).replace(f"{ProductBlocks.__name__}:", f"{self._owner}(...).mm:", 1)
+            raise MemoryBudgetError(named) from None
+
+    def as_matrix(self) -> jax.Array:
+        """The dense matrix, made by the transform's own blocked call."""
+        result = self.transform(self.x, *self.args, **self.kwargs)
+        if _has_aux(self.transform):
+            result = result[0]
+        if not self.square:
+            n = _flat_structure(self._variable_structure()).shape[0]
+            pieces = jax.tree_util.tree_leaves(result)
+            dtype = jnp.result_type(*pieces)
+            result = jnp.concatenate([p.reshape(-1, n).astype(dtype) for p in pieces], axis=0)
+        return result.T if self.transposed else result
+
+    def transpose(self) -> BlockedOperator:
+        if lx.is_symmetric(self):
+            return self
+        return dataclasses.replace(
+            self, transposed=not self.transposed, tags=lx.transpose_tags(self.tags)
+        )
+
+
+def variables_of(vector: Any, x: Any, treedef: Any) -> Any:
+    """`vector` given as the whole of `x` (its leaves that are not variables ignored), as a
+    pytree of `treedef`, the variables' structure; any other `vector` as it is."""
+    given = jax.tree_util.tree_structure(vector)
+    if given == treedef or given != jax.tree_util.tree_structure(x):
+        return vector
+    leaves = jax.tree_util.tree_leaves(vector)
+    of_x = jax.tree_util.tree_leaves(x)
+    picked = [leaf for leaf, o in zip(leaves, of_x, strict=True) if eqx.is_inexact_array(o)]
+    return jax.tree_util.tree_unflatten(treedef, picked)
+
+
+def check_leaves(vector: Any, expected: list, name: str, *, owner: str) -> None:
+    """Refuse a leaf of the pytree `vector` that is not an array of the shape and dtype of
+    its `expected` `jax.ShapeDtypeStruct`, naming it by its path in `name`."""
+    for (path, leaf), wanted in zip(
+        jax.tree_util.tree_flatten_with_path(vector)[0], expected, strict=True
+    ):
+        if not eqx.is_array(leaf) or jnp.shape(leaf) != wanted.shape:
+            shown = f"shape {jnp.shape(leaf)}" if eqx.is_array(leaf) else described(leaf)
+            raise ValueError(
+                f"{owner}: `{name}`{jax.tree_util.keystr(path)} must be an array of shape "
+                f"{wanted.shape}, got {shown}."
+            )
+        if jnp.dtype(leaf.dtype) != wanted.dtype:
+            raise TypeError(
+                f"{owner}: `{name}`{jax.tree_util.keystr(path)} has dtype {leaf.dtype}, but "
+                f"the operator takes {wanted.dtype} there; cast it."
+            )
+
+
+def _flat_structure(structure: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of the vector that raveling a pytree of this structure makes."""
+    leaves = jax.tree_util.tree_leaves(structure)
+    size = sum(math.prod(leaf.shape) for leaf in leaves)
+    return jax.ShapeDtypeStruct((size,), jnp.result_type(*leaves))
+
+
+def _jit(transform: Any) -> bool:
+    return bool(getattr(transform, "jit", True))
+
+
+def _unblocked(transform: Any) -> Any:
+    """`transform` with none of the options that only say how its call is cut into
+    blocks, for one product. With `strategy="auto"` the product evaluates `fn` in place:
+    a linearisation kept pays only where blocks share it, and JAX's partial evaluation
+    of a loop in `fn` (a `scan`, an ODE solver's `while`) keeps the whole loop on the
+    linear side, which then costs more than the product evaluated afresh."""
+    options = {"nbatches": None, "batch_size": None, "max_memory": None, "progress": False}
+    options = {name: value for name, value in options.items() if hasattr(transform, name)}
+    if hasattr(transform, "sharding"):
+        options["sharding"] = None
+    if getattr(transform, "strategy", None) == "auto":
+        options["strategy"] = "recompute"
+    return dataclasses.replace(transform, **options) if options else transform
+
+
+def _product(operator: BlockedOperator, vector: Any, is_flat: bool) -> Any:
+    """One product with `vector`, in the form it was given (`is_flat` or a pytree)."""
+    if is_flat:
+        return operator._map()(vector)
+    return operator._write(operator._map()(operator._ravel(vector)))
+
+
+_product_jit = eqx.filter_jit(_product)
+
+
+def make_operator(
+    transform: Any,
+    products: Products,
+    x: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    square: bool,
+    tags: Any = (),
+) -> BlockedOperator:
+    """The operator of `transform` at `(x, *args, **kwargs)`, whose one product with a
+    flat vector `products` gives. `square`: the products lie in the variables' space
+    (a curvature; its `tags` hold for it with real variables), else in the outputs'."""
+    flat, out = _shapes(transform, products, x, args, kwargs)
+    if square and jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        tags = ()  # a holomorphic curvature is complex symmetric, not Hermitian
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    return BlockedOperator(
+        transform,
+        x,
+        tuple(args),
+        dict(kwargs),
+        products,
+        square,
+        (tuple(leaves), treedef),
+        frozenset(tags if isinstance(tags, (tuple, list, set, frozenset)) else (tags,)),
+        recompute=getattr(transform, "strategy", "recompute") == "recompute",
+    )
+
+
+def flat_product(operator: BlockedOperator, vector: jax.Array) -> jax.Array:
+    """One product of `operator` with a flat vector, as a flat vector (unchecked)."""
+    return operator._map()(vector)
+
+
+# -- the blocks of `mm` ------------------------------------------------------------------
+
+
+class AbstractVectorBlocks(AbstractBlocked):
+    """Work on many vectors of an operator (products, probes) in blocks of vectors: a
+    blocked transform, so a budget is planned as for any other. The options are those
+    of the operator's transform; `sharding` spreads the vectors over the devices of the
+    mesh axes it splits (whichever axis of the transform's result it splits)."""
+
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
+    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    max_memory: int | str | None = eqx.field(default=None, static=True, kw_only=True)
+    strategy: Any = eqx.field(default=None, static=True, kw_only=True)
+    sharding: NamedSharding | None = eqx.field(default=None, static=True, kw_only=True)
+    jit: bool = eqx.field(default=True, static=True, kw_only=True)
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
+    # The axis of the result that holds the vectors, split over the devices.
+    _vector_axis: ClassVar[int]
+
+    @property
+    @abc.abstractmethod
+    def _owner(self) -> str:
+        """The name messages give the work."""
+
+    @property
+    def _strategies(self) -> tuple[Any, ...]:
+        if self.strategy in (None, "linearize", "recompute"):
+            return (self.strategy,)
+        # As the transform's own call: one linearisation kept, or `fn` again per block.
+        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
+
+    @property
+    def _split(self) -> Split | None:
+        """The vectors spread over the devices of the mesh axes that `sharding` splits;
+        `None` without a split."""
+        if self.sharding is None:
+            return None
+        whole = split_of(self.sharding, owner=self._owner)
+        if whole.dim is None:
+            return None
+        return Split(whole.mesh, self._vector_axis, whole.axes, whole.count)
+
+    def _block_size(self, k: int) -> int:
+        nbatches = None if self.nbatches is None else min(self.nbatches, k)
+        return plan_blocks(k, nbatches=nbatches, batch_size=self.batch_size).block_size
+
+    def _with_block_size(self, size: int, strategy: Any) -> AbstractVectorBlocks:
+        return dataclasses.replace(
+            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
+        )
+
+
+def vector_options(transform: Any) -> dict[str, Any]:
+    """The options of `AbstractVectorBlocks` that a transform's own give: its blocks
+    (for a transform whose options cut other work, a `Microbatcher`'s microbatches,
+    those of its `fn`), strategy, sharding, `jit` and bar; the defaults for `None`."""
+    sized = transform if hasattr(transform, "batch_size") else getattr(transform, "fn", None)
+    return dict(
+        nbatches=getattr(sized, "nbatches", None),
+        batch_size=getattr(sized, "batch_size", None),
+        max_memory=getattr(sized, "max_memory", None),
+        strategy=getattr(transform, "strategy", None),
+        sharding=getattr(transform, "sharding", None),
+        jit=_jit(transform),
+        progress=bool(getattr(transform, "progress", False)),
+    )
+
+
+class ProductBlocks(AbstractVectorBlocks):
+    """The products of an operator with the columns of a matrix, in blocks of columns."""
+
+    fn: BlockedOperator
+    _vector_axis: ClassVar[int] = 1
+
+    @classmethod
+    def of(cls, operator: BlockedOperator) -> ProductBlocks:
+        """The blocks that `operator`'s transform's options give (for a transform whose
+        options cut other work, a `Microbatcher`'s microbatches, those of its `fn`)."""
+        return cls(operator, **vector_options(operator.transform))
+
+    @property
+    def _owner(self) -> str:
+        return type(self.fn.transform).__name__
+
+    def _work(self, matrix: Any) -> Work:
+        k = matrix.shape[1]
+        return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
+
+    def _run(self, matrix: Any) -> Any:
+        return (_blocked_jit if self.jit else _blocked)(self, matrix)
+
+
+def _blocked(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
+    split = blocks._split
+    if split is not None:
+        check_divides(
+            matrix.shape[1], split, owner=blocks.fn._owner, what="vectors (columns of `matrix`)"
+        )
+
+    def compute(share, split, inputs):
+        blocks, matrix = inputs
+        if share is not None and split.dim is not None:
+            # Every device is handed the whole matrix and takes its own columns.
+            width = matrix.shape[1] // split.count
+            offset = share.offset(matrix.shape[1])
+            matrix = jax.lax.dynamic_slice_in_dim(matrix, offset, width, axis=1)
+        return _local_products(blocks, matrix)
+
+    if split is None:
+        return dispatch(compute, (blocks, matrix))
+    return dispatch(compute, (blocks, matrix), split, out_specs=split.spec(2, 1))
+
+
+_blocked_jit = eqx.filter_jit(_blocked)
+
+
+def _local_products(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
+    """The products with the columns of `matrix` (this device's), block by block."""
+    operator = blocks.fn
+    if blocks.strategy is not None and hasattr(operator.transform, "strategy"):
+        transform = dataclasses.replace(operator.transform, strategy=blocks.strategy)
+        operator = dataclasses.replace(operator, transform=transform)
+    k = matrix.shape[1]
+    out_size = operator.out_size()
+    dtype = jnp.result_type(*jax.tree_util.tree_leaves(operator.out_structure()))
+    if k == 0:
+        return jnp.zeros((out_size, 0), dtype)
+    plan = plan_blocks(k, batch_size=blocks._block_size(k))
+    # Built once: with one linearisation kept, its residuals serve every block; with
+    # `strategy="recompute"` each product evaluates `fn` again inside its block.
+    product = operator._map()
+
+    def block(start):
+        columns = jax.lax.dynamic_slice_in_dim(matrix, start, plan.block_size, axis=1)
+        return jax.vmap(product, in_axes=1, out_axes=1)(columns).astype(dtype)
+
+    label = f"{operator._owner} products" if blocks.progress else None
+    return map_blocks(block, plan, axis=1, progress=label)
+
+
+# -- what lineax asks of an operator, by type ----------------------------------------------
+
+
+@lx.linearise.register(BlockedOperator)
+def _(operator):
+    if operator.recompute or operator.linear is not None:
+        return operator
+    linear = (_linearised_jit if _jit(operator.transform) else _linearised)(operator)
+    return dataclasses.replace(operator, linear=linear)
+
+
+def _linearised(operator: BlockedOperator) -> Any:
+    """The forward product, `fn` linearised: a module whose leaves are its residuals."""
+    forward = _forward(
+        operator.transform, operator.products, operator.x, operator.args, operator.kwargs
+    )
+    return eqx.filter_closure_convert(forward, _flat_structure(operator._variable_structure()))
+
+
+_linearised_jit = eqx.filter_jit(_linearised)
+
+
+@lx.materialise.register(BlockedOperator)
+def _(operator):
+    blocks = (_blocks_jit if _jit(operator.transform) else _blocks_of)(operator)
+    return lx.PyTreeLinearOperator(blocks, operator.out_structure(), operator.tags)
+
+
+def _blocks_of(operator: BlockedOperator) -> Any:
+    """The dense matrix as lineax's pytree of blocks: the output structure, each leaf
+    the input structure with blocks of shape `out_leaf.shape + in_leaf.shape`."""
+    dense = operator.as_matrix()
+    out_leaves, out_def = jax.tree_util.tree_flatten(operator.out_structure())
+    in_leaves, in_def = jax.tree_util.tree_flatten(operator.in_structure())
+    rows, row = [], 0
+    for out_leaf in out_leaves:
+        height = math.prod(out_leaf.shape)
+        pieces, column = [], 0
+        for in_leaf in in_leaves:
+            width = math.prod(in_leaf.shape)
+            piece = dense[row : row + height, column : column + width]
+            pieces.append(piece.reshape(out_leaf.shape + in_leaf.shape).astype(out_leaf.dtype))
+            column += width
+        rows.append(jax.tree_util.tree_unflatten(in_def, pieces))
+        row += height
+    return jax.tree_util.tree_unflatten(out_def, rows)
+
+
+_blocks_jit = eqx.filter_jit(_blocks_of)
+
+
+@lx.tridiagonal.register(BlockedOperator)
+def _(operator):
+    dense = operator.as_matrix()
+    return jnp.diagonal(dense), jnp.diagonal(dense, -1), jnp.diagonal(dense, 1)
+
+
+def _real(operator: BlockedOperator) -> bool:
+    leaves = jax.tree_util.tree_leaves((operator.in_structure(), operator.out_structure()))
+    return not jnp.issubdtype(jnp.result_type(*leaves), jnp.complexfloating)
+
+
+@lx.is_symmetric.register(BlockedOperator)
+def _(operator):
+    if lx.symmetric_tag in operator.tags:
+        return True
+    definite = {lx.positive_semidefinite_tag, lx.negative_semidefinite_tag}
+    return bool(definite & operator.tags) and _real(operator)
+
+
+@lx.is_positive_semidefinite.register(BlockedOperator)
+def _(operator):
+    return lx.positive_semidefinite_tag in operator.tags
+
+
+@lx.is_negative_semidefinite.register(BlockedOperator)
+def _(operator):
+    return lx.negative_semidefinite_tag in operator.tags
+
+
+for _check in (
+    lx.is_diagonal,
+    lx.is_tridiagonal,
+    lx.has_unit_diagonal,
+    lx.is_lower_triangular,
+    lx.is_upper_triangular,
+):
+    _check.register(BlockedOperator)(lambda operator: False)
+
+
+@lx.conj.register(BlockedOperator)
+def _(operator):
+    if _real(operator):
+        return operator
+
+    def conjugated(vector):
+        conjugate = functools.partial(jax.tree_util.tree_map, jnp.conj)
+        return conjugate(operator.mv(conjugate(vector)))
+
+    return lx.FunctionLinearOperator(conjugated, operator.in_structure(), operator.tags)

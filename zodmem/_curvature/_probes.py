@@ -1,0 +1,219 @@
+"""Products of an operator with many probe vectors, in planned blocks: the engine of the
+estimators.
+
+An estimator says what one block of probes does (`ProbeJob.block`): it makes its probe
+vectors (unit vectors, random signs from a key, the columns of a given matrix), takes
+their products with the operator and keeps what it needs of them, the entries on the
+diagonal, say, or the probes' quadratic forms. `Probes` runs the blocks: as a blocked
+transform, its block size is planned from `max_memory` like any other's, the blocks run
+in one compiled loop with an optional progress bar, and a `sharding` spreads the probes
+over devices. A job's results are either one per probe (`reduce = False`, assembled along
+`axis`) or merged over the probes (`reduce = True`): each block's, then each device's,
+by the job's `combine`, a sum unless the job says otherwise.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from .._checks import check_int, described
+from .._engine._blocks import map_blocks, plan_blocks, reduce_blocks
+from .._engine._sharding import dispatch, replicate
+from .._plan._budget import MemoryBudgetError, Work
+from .._plan._memory import check_memory
+from ._flat import FlatView
+from ._operator import AbstractVectorBlocks, BlockedOperator, vector_options
+
+__all__ = ["ProbeJob", "Probes", "run_probes"]
+
+
+class ProbeJob(eqx.Module):
+    """What a block of probes computes. Its array fields (a key, a matrix) are leaves."""
+
+    reduce: eqx.AbstractClassVar[bool]
+    what: eqx.AbstractClassVar[str]  # the probes, for plans and messages
+    axis: ClassVar[int] = 0  # where a mapped job's results hold their probes
+
+    @abc.abstractmethod
+    def count(self, view: FlatView) -> int:
+        """How many probes the job has."""
+
+    def sums_like(self, view: FlatView) -> Any:
+        """A reduced job's results as `jax.ShapeDtypeStruct`s, where the job knows them
+        (`None`: they are found by tracing a block, once more per program)."""
+        return None
+
+    @abc.abstractmethod
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        """The results of probes `start, ..., start + size - 1` (`start` traced), with
+        `product` one product with a flat vector: `size` results along `axis` for a
+        mapped job, what `combine` merges for a reduced one. Spread over devices that do
+        not divide the probes, a block may run past the last probe: a mapped job's
+        results there are cut, and a reduced job must count them as zero."""
+
+    def combine(self, total: Any, part: Any) -> Any:
+        """A reduced job's results of two sets of probes merged into those of both: the
+        blocks done so far and the next one, or two devices' shares. By default their
+        sum, whose zero (as `sums_like` shapes it) starts the merge."""
+        return jax.tree_util.tree_map(jnp.add, total, part)
+
+
+class Probes(AbstractVectorBlocks):
+    """The probes of a job, in blocks: spread over the devices of the mesh axes that
+    `sharding` splits (any axis of a transform's result, or the first of the probes')."""
+
+    fn: FlatView
+    job: ProbeJob = eqx.field(kw_only=True)
+    owner: str = eqx.field(static=True, kw_only=True)
+    _vector_axis: ClassVar[int] = 0
+
+    @property
+    def _owner(self) -> str:
+        return self.owner
+
+    def _work(self) -> Work:
+        total = self.job.count(self.fn)
+        return Work(total, self.job.what, "result", self._block_size(total)).per_device(self._split)
+
+    def _run(self) -> Any:
+        return (_probes_jit if self.jit else _probes)(self)
+
+
+def _probes(engine: Probes) -> Any:
+    total = engine.job.count(engine.fn)
+    split = engine._split
+    padded = total
+    if split is not None:
+        # Probes that the devices do not divide: the last device's share runs past the
+        # end; a mapped job's extra results are cut, a reduced job's count for nothing.
+        padded = -(-total // split.count) * split.count
+
+    def compute(share, split, engine):
+        if share is None or split.dim is None:
+            return _local(engine, 0, total)
+        count = padded // split.count
+        result = _local(engine, share.index * count, count)
+        if engine.job.reduce:  # each device's results, stacked, then merged
+            result = jax.tree_util.tree_map(lambda leaf: leaf[None], result)
+        return result
+
+    if split is None:
+        return dispatch(compute, engine)
+
+    def specs(shapes):
+        dim = 0 if engine.job.reduce else engine.job.axis
+        return jax.tree_util.tree_map(lambda leaf: split.spec(leaf.ndim, dim % leaf.ndim), shapes)
+
+    result = dispatch(compute, engine, split, out_specs=specs)
+    if engine.job.reduce:
+        # Whole on every device first: a share is read by its index along the split axis.
+        result = replicate(result, split.mesh)
+        shares = [
+            jax.tree_util.tree_map(lambda leaf, index=index: leaf[index], result)
+            for index in range(split.count)
+        ]
+        return functools.reduce(engine.job.combine, shares)
+    if padded != total:
+        result = replicate(result, split.mesh)
+        axis = engine.job.axis
+        result = jax.tree_util.tree_map(
+            lambda leaf: jax.lax.slice_in_dim(leaf, 0, total, axis=axis % leaf.ndim), result
+        )
+    return result
+
+
+_probes_jit = eqx.filter_jit(_probes)
+
+
+def _local(engine: Probes, offset: Any, count: int) -> Any:
+    """This device's probes, `offset` to `offset + count - 1`, block by block."""
+    view, job = engine.fn, engine.job
+    plan = plan_blocks(count, batch_size=engine._block_size(count))
+    product = view.linear(engine.strategy)  # built once: a linearisation serves every block
+    label = f"{engine.owner} {job.what}" if engine.progress else None
+    if not job.reduce:
+
+        def mapped(start):
+            return job.block(view, product, offset + start, plan.block_size)
+
+        return map_blocks(mapped, plan, axis=job.axis, progress=label)
+
+    def block(start, size):
+        return job.block(view, product, offset + start, size)
+
+    shapes = job.sums_like(view)
+    if shapes is None:
+        shapes = jax.eval_shape(
+            lambda start: block(start, plan.block_size), jnp.asarray(0, jnp.int32)
+        )
+    init = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
+
+    def update(acc, result, index, size):
+        return job.combine(acc, result)
+
+    return reduce_blocks(block, plan, init, update, progress=label)
+
+
+def _transform_of(view: FlatView) -> Any:
+    operator = view.operator
+    return operator.transform if isinstance(operator, BlockedOperator) else None
+
+
+def run_probes(
+    view: FlatView,
+    job: ProbeJob,
+    *,
+    owner: str,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: Any = None,
+    spread: bool = True,
+) -> Any:
+    """Run `job`'s probes of `view` in blocks: `batch_size` probes a block, or as many as
+    `max_memory` allows (at most one of the two), spread over the devices that
+    `sharding` splits its first axis over (never, with `spread=False`). Options left
+    `None` are those of a zodmem operator's transform (its budget, block count or size,
+    sharding and bar; for a `Microbatcher`, those of the transform it wraps)."""
+    transform = _transform_of(view)
+    options = vector_options(transform)
+    if max_memory is not None or batch_size is not None:
+        check_memory(max_memory, owner=owner)
+        check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
+        if max_memory is not None and batch_size is not None:
+            raise ValueError(
+                f"{owner}: give at most one of `batch_size` (probes per block) and "
+                f"`max_memory` (a budget the blocks are planned to fit), got "
+                f"batch_size={batch_size!r} and max_memory={max_memory!r}."
+            )
+        options.update(nbatches=None, batch_size=batch_size, max_memory=max_memory)
+    if not spread:
+        options["sharding"] = None
+    elif sharding is not None:
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(
+                f"{owner}: `sharding` must be a jax.sharding.NamedSharding whose first "
+                "entry names the mesh axes that split the probes, e.g. NamedSharding(mesh, "
+                f"PartitionSpec('d')), or None; got {described(sharding)}."
+            )
+        options["sharding"] = sharding
+    if progress is not None:
+        if not isinstance(progress, bool):
+            raise TypeError(
+                f"{owner}: `progress` must be a bool or None, got {described(progress)}."
+            )
+        options["progress"] = progress
+    engine = Probes(view, job=job, owner=owner, **options)
+    try:
+        return engine()
+    except MemoryBudgetError as error:
+        named = str(error).replace(f"{Probes.__name__}:", f"{owner}:", 1)
+        raise MemoryBudgetError(named) from None

@@ -1,0 +1,235 @@
+"""The spectral density of a symmetric operator by stochastic Lanczos quadrature: a Gauss
+quadrature rule from each random probe's Lanczos steps (`lanczos_quadrature`), the probes
+run in blocks by the probe engine, and the rules' mean smoothed on a grid
+(`spectral_density`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._checks import check_int, described
+from .._engine._layout import canonical_body
+from .._traceback import public
+from ._flat import FlatView
+from ._lanczos import _check_key, _check_positive, _normalised, _step, _tridiagonal, _view_of
+from ._probes import ProbeJob, run_probes
+from ._random import sign_probes
+
+__all__ = ["lanczos_quadrature", "spectral_density"]
+
+# The default kernel width, as a fraction of the nodes' spread, and grid size.
+_SIGMA_FRACTION = 0.01
+_GRID_POINTS = 512
+
+
+def lanczos_quadrature(
+    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The Gauss quadrature rule of a symmetric operator's spectral measure seen from
+    one probe vector: `num_steps` Lanczos steps (with full reorthogonalisation) from
+    `probe / |probe|`.
+
+    It is exact for polynomials of degree below `2 * num_steps`:
+    `sum(weights * p(nodes)) == u^T p(A) u` with `u = probe / |probe|`. Traceable and
+    vmappable over `probe` (one basis of `num_steps * n` numbers per probe).
+
+    **Arguments:**
+
+    - `product`: `v -> A v` for flat vectors of `A`'s size and dtype.
+    - `probe`: a flat vector (any nonzero norm), of the dtype of the products.
+    - `num_steps`: the number of steps and of nodes, `1 <= num_steps <= n`.
+
+    **Returns:**
+
+    `(nodes, weights)`, each of shape `(num_steps,)`: the eigenvalues of the Lanczos
+    tridiagonal matrix, and the squared first entries of its eigenvectors (summing
+    to 1). After a breakdown (the Krylov space of `probe` is invariant), the steps go on
+    in a new direction and its nodes get weight 0.
+    """
+    n = probe.shape[-1]
+    num_steps = check_int(num_steps, "num_steps", owner="lanczos_quadrature", minimum=1)
+    if num_steps > n:
+        raise ValueError(
+            f"lanczos_quadrature: `num_steps` must be at most the probe's size {n}, got "
+            f"num_steps={num_steps}."
+        )
+    dtype = probe.dtype
+
+    def body(j, carry):
+        basis, alphas, betas, vector, fresh, norm = carry
+        basis, alpha, beta, vector, fresh, norm = _step(product, basis, j, vector, fresh, norm)
+        return basis, alphas.at[j].set(alpha), betas.at[j].set(beta), vector, fresh, norm
+
+    init = (
+        jnp.zeros((num_steps, n), dtype),
+        jnp.zeros(num_steps, dtype),
+        jnp.zeros(num_steps, dtype),
+        _normalised(probe),
+        jnp.asarray(False),
+        jnp.zeros((), dtype),
+    )
+    _, alphas, betas, _, _, _ = jax.lax.fori_loop(0, num_steps, canonical_body(body), init)
+    nodes, vectors = jnp.linalg.eigh(_tridiagonal(alphas, betas[:-1]))
+    return nodes, vectors[0] ** 2
+
+
+class Quadrature(ProbeJob):
+    """The Gauss quadrature rules of random sign probes (probe `i` drawn from
+    `sign_probes(key, i)`): `num_steps` nodes and weights each."""
+
+    key: jax.Array
+    num: int = eqx.field(static=True)
+    num_steps: int = eqx.field(static=True)
+    reduce: ClassVar[bool] = False
+    what: ClassVar[str] = "probes"
+
+    def count(self, view: FlatView) -> int:
+        return self.num
+
+    def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        indices = start + jnp.arange(size, dtype=jnp.int32)
+        probes = sign_probes(self.key, indices, view.size, view.dtype)
+        return jax.vmap(lambda probe: lanczos_quadrature(product, probe, self.num_steps))(probes)
+
+
+@eqx.filter_jit
+def quadrature_rules(
+    view: FlatView, key: Any, num_probes: int, num_steps: int, *, owner: str, **options: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The Gauss rules `(nodes, weights)` of `num_probes` sign probes of `key`, each
+    `(num_probes, num_steps)`, in blocks that `options` plan (`run_probes`'s)."""
+    return run_probes(view, Quadrature(key, num_probes, num_steps), owner=owner, **options)
+
+
+def _density(
+    nodes: jax.Array, weights: jax.Array, grid: Any, sigma: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The rules' mean, each node a Gaussian of width `sigma`, on the grid."""
+    dtype = nodes.dtype
+    lower, upper = jnp.min(nodes), jnp.max(nodes)
+    if sigma is None:
+        # Nodes a few roundings apart (an operator whose eigenvalues are all equal)
+        # would narrow the kernel, and the grid, to a few representable numbers: the
+        # width is at least the precision's square root times the nodes' magnitude.
+        scale = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
+        sigma = jnp.maximum(
+            _SIGMA_FRACTION * (upper - lower), math.sqrt(jnp.finfo(dtype).eps) * scale
+        )
+        # Every node zero: no scale to go by, so that of a spread of 1.
+        sigma = jnp.where(sigma > 0, sigma, _SIGMA_FRACTION)
+    if isinstance(grid, int):
+        grid = jnp.linspace(lower - 3 * sigma, upper + 3 * sigma, grid, dtype=dtype)
+    # The mean over probes of each rule's weights on Gaussians at its nodes.
+    offsets = (grid[:, None] - nodes.reshape(-1)[None, :]) / sigma
+    kernel = jnp.exp(-0.5 * offsets**2) / (sigma * math.sqrt(2 * math.pi))
+    density = kernel @ weights.reshape(-1) / nodes.shape[0]
+    return grid, density.astype(dtype)
+
+
+@public
+def spectral_density(
+    operator: Any,
+    *,
+    num_probes: Any = 10,
+    num_steps: Any = 40,
+    key: Any = None,
+    grid: Any = None,
+    sigma: Any = None,
+    batch_size: Any = None,
+    max_memory: Any = None,
+    sharding: Any = None,
+    progress: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The eigenvalue density of a symmetric operator, estimated by stochastic Lanczos
+    quadrature (Ubaru, Chen and Saad, 2017) from products with vectors only.
+
+    Use it to see the whole spectrum of a Hessian or Gauss-Newton matrix too large to
+    diagonalise: its bulk, its outliers, its negative part. Each of `num_probes`
+    Rademacher probes gives a Gauss quadrature rule of `num_steps` nodes (see
+    `lanczos_quadrature`); the density is the mean of the rules, each node a Gaussian
+    of width `sigma` weighted by its weight. It is the density of eigenvalues per unit
+    of the operator's size: it integrates to about 1, and `n * density` counts the
+    eigenvalues per unit length.
+
+    **Arguments:**
+
+    - `operator`: a symmetric real operator, as for `zm.eigsh`.
+    - `num_probes`: how many random sign probes; probe `i` is a hash of `i` and the
+      key's words, whatever the batches.
+    - `num_steps`: the Lanczos steps (products, and nodes) per probe; more than the
+      operator's size `n` is cut to `n` (then the rules are exact).
+    - `key`: the `jax.random` key of the probes (default `jax.random.key(0)`).
+    - `grid`: the points to evaluate the density at: a 1-D array, or a number of points
+      spread evenly over `[min node - 3 sigma, max node + 3 sigma]` (default 512).
+    - `sigma`: the Gaussian kernel's width; by default 1% of the distance between the
+      smallest and the largest node, and at least the square root of the dtype's
+      precision (`jnp.finfo(dtype).eps`) times the largest node's magnitude (0.01 when
+      every node is 0): the nodes of an operator whose eigenvalues are all equal differ
+      only by rounding, and the density is then one Gaussian at their value.
+    - `batch_size`, `max_memory`: at most one: the probes per block (vmapped together),
+      given, or as many as fit the budget, planned as any transform's blocks. By default
+      the options of the operator's transform, or for any other operator all probes in
+      one block.
+    - `sharding`: a `NamedSharding` whose first entry names the mesh axes that split the
+      probes over devices; by default the operator's transform's.
+    - `progress`: a progress bar of the blocks of probes done; by default the
+      transform's.
+
+    **Returns:**
+
+    `(grid, density)`, two 1-D arrays of the operator's dtype.
+
+    **Cost:** `num_probes * num_steps` products; memory for one block's bases, `num_steps
+    * n` numbers a probe, beside the products' own.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import lineax as lx
+        import zodmem as zm
+
+        spectrum = jnp.concatenate([jnp.zeros(50), jnp.full(50, 10.0)])
+        op = lx.DiagonalLinearOperator(spectrum)
+        grid, density = zm.spectral_density(op, num_steps=10)
+        # half of the eigenvalues lie near 10
+        near_ten = (grid > 5) * density
+        assert abs(jnp.sum(near_ten) * (grid[1] - grid[0]) - 0.5) < 0.05
+        ```
+    """
+    owner = "zm.spectral_density"
+    view = _view_of(operator, owner)
+    num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=1)
+    num_steps = min(check_int(num_steps, "num_steps", owner=owner, minimum=1), view.size)
+    key = _check_key(key, owner)
+    if grid is None:
+        grid = _GRID_POINTS
+    elif isinstance(grid, (int, np.integer)) and not isinstance(grid, (bool, np.bool_)):
+        grid = check_int(grid, "grid", owner=owner, minimum=2)
+    elif eqx.is_array_like(grid) and not isinstance(grid, (bool, np.bool_, float, complex)):
+        grid = jnp.asarray(grid, view.dtype)
+        if grid.ndim != 1:
+            raise ValueError(
+                f"{owner}: `grid` must be a 1-D array of points or a number of points, "
+                f"got an array of shape {grid.shape}."
+            )
+    else:
+        raise TypeError(
+            f"{owner}: `grid` must be None, a number of points (an int >= 2) or a 1-D "
+            f"array of points, got {described(grid)}."
+        )
+    sigma = _check_positive(sigma, "sigma", owner, optional=True)
+    if sigma is not None:
+        sigma = jnp.asarray(sigma, view.dtype)
+    options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
+    nodes, weights = quadrature_rules(
+        view, key, num_probes, num_steps, owner=owner, progress=progress, **options
+    )
+    return _density(nodes, weights, grid, sigma)

@@ -1,0 +1,558 @@
+"""Planning blocks from a memory budget: the block size whose compiled call fits.
+
+A transform with `max_memory` cuts its work (`total` items: variables, output elements,
+batch elements) into blocks, like one given a count or a size; the planner here chooses
+the size. It compiles the transform's whole call at candidate block sizes and reads
+XLA's own account of the call's buffers (`memory_analysis()`): the output plus the
+temporaries, on the device the call runs on. That is what the budget bounds, less a
+small share kept for the allocator's slack (`Policy`), eagerly, under an outer `jit` and
+in the estimators alike. Nothing runs to plan.
+
+A plan is a function of the traced program, the budget and the devices only: it reads
+nothing of the process's history, so every process of a job plans the same blocks and a
+script plans the same in every run. The host memory the compiler takes while compiling
+does not depend on the blocks chosen, so no plan could make it smaller; it is measured
+and reported beside the plan (`Plan.compile_bytes`), never counted against the budget.
+
+The planner (`Planner`) reads top to bottom:
+
+1. candidates: the transform's call compiled at a block size (and, for derivatives, a
+   strategy). The two ends of the search (one item per block, everything in one block)
+   are probes, compiled without the backend's code optimisations, which come after XLA
+   has assigned the buffers: they report the same memory at a fraction of the compile.
+   Sizes between them are compiled for the call, since the first that fits is usually
+   the plan; a chosen probe is compiled again for the call (and, should its memory then
+   not fit, the search is made again from programs compiled for the call). The chosen
+   candidate's executable is the one the call runs.
+2. search (`_search.search`): the largest size that fits, in few compiles. Where the
+   platform caps a block's temporaries (a CPU's caches) and the transform can read from
+   its function that one item alone makes a value past that cap, one item per block is
+   compiled first, for the call, and is the plan when it fits.
+3. reserve: the platform's policy (`policy_of`), in one place.
+4. refusal: where no block size fits, `MemoryBudgetError` names the least budget that
+   plans, found by planning it.
+
+Plans are cached per transform, argument shapes, dtypes and placements, budget and
+planned call, so their cost is paid by the first call only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .._engine._sharding import placement
+from ._compiled import (
+    CPU_PROBE_OPTIONS,
+    PROBE_OPTIONS,
+    Compiled,
+    abstract,
+    collector_paused,
+    compile_call,
+)
+from ._memory import budget_of, format_bytes, format_bytes_up
+from ._search import CPU_BLOCK_BYTES, largest_made_from, search
+
+__all__ = [
+    "CPU_BLOCK_BYTES",
+    "MemoryBudgetError",
+    "Plan",
+    "Policy",
+    "Work",
+    "abstract",
+    "compiled_plan",
+    "largest_made_from",
+    "least_budget",
+    "make_plan",
+    "policy_of",
+    "search",
+    "usable_bytes",
+]
+
+
+# -- the platform's policy -------------------------------------------------------------
+
+
+class Policy(NamedTuple):
+    """How plans are made on a platform: the share of a budget kept for the allocator's
+    slack, the most temporaries a block is given (`None`: no cap), and the compiler
+    options of a probe."""
+
+    reserve_share: float
+    block_bytes: int | None
+    probe_options: dict[str, Any]
+
+    def usable(self, budget: int) -> int:
+        """The part of `budget` that the compiled call's peak may take."""
+        return int(budget * (1 - self.reserve_share))
+
+    def least(self, peak: int) -> int:
+        """The smallest budget whose usable part holds a call of `peak` bytes."""
+        budget = math.ceil(peak / (1 - self.reserve_share))
+        while self.usable(budget) < peak:  # float rounding
+            budget += 1
+        return budget
+
+
+# The allocator's slack: a share of the budget on every platform. Nothing else is kept:
+# the budget bounds the call's buffers, and on a CPU the compiler's heap is the host's,
+# reported apart.
+RESERVE_SHARE = 0.02
+_POLICIES = {
+    # A CPU block runs fastest while its temporaries stay in the caches; its probes are
+    # compiled with the older fusion emitters too, which assign the same buffers.
+    "cpu": Policy(RESERVE_SHARE, CPU_BLOCK_BYTES, CPU_PROBE_OPTIONS),
+}
+# An accelerator keeps more of itself busy with wider blocks: no cap.
+_ACCELERATOR = Policy(RESERVE_SHARE, None, PROBE_OPTIONS)
+
+
+def policy_of(platform: str) -> Policy:
+    """The policy of plans on `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...)."""
+    return _POLICIES.get(platform, _ACCELERATOR)
+
+
+def usable_bytes(budget: int, platform: str) -> int:
+    """The part of `budget` that a compiled call's peak may take on `platform`."""
+    return policy_of(platform).usable(budget)
+
+
+def least_budget(peak: int, platform: str) -> int:
+    """The smallest budget whose usable part (`usable_bytes`) holds a call of `peak`."""
+    return policy_of(platform).least(peak)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux), or `None`. Read around compiles for
+    `Plan.compile_bytes` only, never for a plan's choice."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class Work(NamedTuple):
+    """What a transform's call cuts into blocks: `total` items (`what` they are), the
+    result's name for messages, and the block size its count options give."""
+
+    total: int
+    what: str
+    output_what: str
+    block_size: int
+
+    def per_device(self, split: Any) -> Work:
+        """The work of one device when `split` (a `Split`, or `None`) spreads the items
+        over devices: its share of the items, in blocks of the same size at most."""
+        if split is None or split.dim is None or self.total % split.count:
+            return self  # not split (or refused when the call is traced)
+        total = self.total // split.count
+        what = f"{self.what} on each of {split.count} devices"
+        return self._replace(total=total, what=what, block_size=min(self.block_size, total))
+
+
+class MemoryBudgetError(ValueError):
+    """A `max_memory` budget that cannot hold even one item per block.
+
+    A `ValueError`, raised before any computation, that names the budget, the least
+    that would do (and how much of it the result alone takes) and the way out.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        try:  # the 40 kB Hessian alone is more than the budget
+            zm.BatchedHessian(lambda w: jnp.sum(w**3), max_memory="1kB")(jnp.ones(100))
+        except zm.MemoryBudgetError as error:
+            print(error)
+        ```
+    """
+
+
+class Plan(eqx.Module):
+    """How a transform will cut its work, and the memory its call is predicted to take.
+
+    `transform.plan(*args, **kwargs)` returns one without running anything.
+
+    - `block_size`, `num_blocks`: the items per block and the number of blocks.
+    - `total`: the items (`what`: variables, output elements, elements, examples).
+    - `peak_bytes`: the predicted peak of the call's own buffers (output and XLA's
+      temporaries, from `memory_analysis()` of the compiled call).
+    - `output_bytes`: the bytes of the result.
+    - `budget_bytes`: the budget the plan was made for (`None` without one).
+    - `budget_source`: where that figure came from: `"given"` for a budget written as
+      bytes, and for `"auto"` the memory it read (the device's allocator, the machine's
+      `MemAvailable`, or the container's cgroup limit where that leaves less).
+    - `compiles`: how many candidate calls were compiled to make the plan (a plan taken
+      from the cache of plans already made says how many it took then).
+    - `compile_bytes`: an estimate of the host memory compiling took: the most that
+      compiling one candidate grew this process's resident memory (`None` where that
+      cannot be read). It is measured, so it varies from process to process; it is
+      reported beside the plan and never counted against the budget, and it is no part
+      of the choice (`decision`), which is the same in every process.
+    - `strategy`: for derivatives, `"linearize"` (one linearisation of `fn` kept for every
+      block) or `"recompute"` (`fn` evaluated again inside each block); `None` otherwise.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        plan = zm.BatchedHessian(jnp.sum, nbatches=4).plan(jnp.ones(8))
+        assert (plan.block_size, plan.num_blocks, plan.total) == (2, 4, 8)
+        ```
+    """
+
+    owner: str = eqx.field(static=True)
+    what: str = eqx.field(static=True)
+    total: int = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+    peak_bytes: int = eqx.field(static=True)
+    output_bytes: int = eqx.field(static=True)
+    budget_bytes: int | None = eqx.field(static=True, default=None)
+    strategy: str | None = eqx.field(static=True, default=None)
+    budget_source: str | None = eqx.field(static=True, default=None)
+    compiles: int = eqx.field(static=True, default=0)
+    compile_bytes: int | None = eqx.field(static=True, default=None)
+
+    @property
+    def decision(self) -> tuple:
+        """What the plan chose and predicts, the same in every process that plans the
+        same program, budget and devices: `(block_size, num_blocks, strategy,
+        peak_bytes, output_bytes, budget_bytes)`."""
+        return (
+            self.block_size,
+            self.num_blocks,
+            self.strategy,
+            self.peak_bytes,
+            self.output_bytes,
+            self.budget_bytes,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.total // self.block_size) if self.total else 0
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget (always, without one)."""
+        return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+    def __repr__(self) -> str:
+        budget = (
+            "no budget"
+            if self.budget_bytes is None
+            else f"budget {format_bytes(self.budget_bytes)}"
+            + ("" if self.budget_source in (None, "given") else f" ({self.budget_source})")
+            + (": fits" if self.fits else ": does NOT fit")
+        )
+        how = f", strategy={self.strategy!r}" if self.strategy else ""
+        return (
+            f"Plan({self.owner}: {self.num_blocks} block(s) of {self.block_size} of "
+            f"{self.total} {self.what}{how}; peak {format_bytes(self.peak_bytes)}, output "
+            f"{format_bytes(self.output_bytes)}; {budget})"
+        )
+
+
+def refusal(
+    owner: str, budget: int, least: int, *, output_bytes: int, output_what: str, suggested: int
+) -> MemoryBudgetError:
+    """The error for a budget that cannot hold one item per block: `least` is the least
+    peak of the call's buffers, `suggested` the least budget that plans."""
+    way = f"a budget of at least {format_bytes_up(suggested)}"
+    if output_bytes >= 0.5 * suggested:
+        way += (
+            f", or less work per call (the {output_what} itself takes most of it: fewer "
+            "variables or outputs per call, each call's result moved off the device)"
+        )
+    return MemoryBudgetError(
+        f"{owner}: max_memory={format_bytes(budget)} cannot hold even one item per block: "
+        f"the call's buffers need at least {format_bytes(least)}, of which the "
+        f"{output_what} alone is {format_bytes(output_bytes)}. More blocks are not enough; "
+        f"the way out is {way}."
+    )
+
+
+# Plans made, by transform, argument shapes and dtypes, constants and budget, each with
+# the executable compiled for its candidate (`None` where the plan compiled nothing).
+_PLANS: dict[Any, tuple[Plan, Any]] = {}
+_MAX_PLANS = 64
+
+
+def _cache_key(tree: Any, budget: Any) -> Any:
+    # An array's placement is part of it: a batch split over explicit mesh axes is
+    # planned per device, the same batch on one device as a whole.
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    signature = tuple(
+        (np.shape(leaf), str(leaf.dtype), placement(leaf))
+        if eqx.is_array(leaf)
+        else ("constant", leaf)
+        for leaf in leaves
+    )
+    key = (treedef, signature, budget)
+    try:
+        hash(key)
+    except TypeError:
+        return None  # an unhashable constant: plan every call
+    return key
+
+
+def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
+    return transform._run(*args, **kwargs)
+
+
+def make_plan(
+    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
+) -> Plan:
+    """The plan of `transform(*args, **kwargs)` (`compiled_plan`, without the executable)."""
+    return compiled_plan(transform, args, kwargs, run)[0]
+
+
+def compiled_plan(
+    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
+) -> tuple[Plan, Any]:
+    """The plan of `transform(*args, **kwargs)`: with a budget, the block size (and, for
+    derivatives, the strategy) whose compiled call fits it, fastest first; without one,
+    the blocks its options give, with the memory they take. Nothing runs: candidates are
+    compiled, not called. The arguments may be arrays or tracers. `run(candidate,
+    args, kwargs)` is the call whose memory is planned (the streamed call of `zm.to_file`
+    holds no output on the device); by default, the transform's own call.
+
+    Returns the plan and the executable compiled for it: `run_compiled(executable,
+    candidate, args, kwargs)` runs the planned call without compiling it again, on
+    arguments placed as these were (`runs_compiled`)."""
+    run = _run if run is None else run
+    key = _cache_key((transform, args, kwargs, run), transform.max_memory)
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    with collector_paused():
+        made = Planner(transform, args, kwargs, run).plan()
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = made
+    return made
+
+
+class _NoFit(Exception):
+    """No block size of any strategy fits: the least peak seen, and of which strategy."""
+
+    def __init__(self, least: int, strategy: Any):
+        super().__init__(least, strategy)
+        self.least, self.strategy = least, strategy
+
+
+class Planner:
+    """The plan of one call: its candidates, the search among them, the reserve of the
+    platform's policy, and the refusal. Every figure it decides on is XLA's count of a
+    compiled program, so the plan is the same in every process."""
+
+    def __init__(self, transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]):
+        self.transform, self.args, self.kwargs, self.run = transform, args, kwargs, run
+        self.owner = type(transform).__name__
+        self.work = transform._work(*args, **kwargs)  # traces fn for a derivative
+        self.shapes = abstract((transform, args, kwargs))  # arrays and tracers as shapes
+        self.policy = policy_of(jax.default_backend())
+        self.budget, self.source = budget_of(transform.max_memory)
+        self.measured: dict[tuple[Any, int | None], Compiled] = {}
+        self.probes: set[tuple[Any, int | None]] = set()  # measured as probes
+        self.for_call: set[tuple[Any, int | None]] = set()  # never to be probes
+        self.probing = self.budget is not None and self.work.total > 0
+        self.compiles = 0
+        self.compile_bytes: int | None = None
+
+    def plan(self) -> tuple[Plan, Any]:
+        """The plan and the executable of its chosen candidate."""
+        if self.budget is None or self.work.total == 0:
+            chosen = (self.transform._strategies[0], None)
+            final = self.candidate(*chosen)
+        else:
+            try:
+                chosen, final = self.choose(self.policy.usable(self.budget))
+            except _NoFit as nofit:
+                raise self.refusal(nofit) from None
+        plan = Plan(
+            owner=self.owner,
+            what=self.work.what,
+            total=self.work.total,
+            block_size=self.work.block_size if chosen[1] is None else chosen[1],
+            peak_bytes=final.peak_bytes,
+            output_bytes=final.output_bytes,
+            budget_bytes=self.budget,
+            strategy=chosen[0],
+            budget_source=self.source,
+            compiles=self.compiles,
+            compile_bytes=self.compile_bytes,
+        )
+        return plan, final.executable
+
+    # -- 1. candidates ------------------------------------------------------------------
+
+    def compile(self, strategy: Any, size: int | None, probe: bool) -> Compiled:
+        """The call compiled at `size` items per block (`None`: the transform's own
+        options) with `strategy`; a probe only for its memory."""
+        transform = self.transform
+        if size is not None:
+            transform = transform._with_block_size(size, strategy)
+        before = resident_bytes()
+        compiled = compile_call(
+            self.run,
+            abstract(transform),
+            self.shapes[1],
+            self.shapes[2],
+            options=self.policy.probe_options if probe else None,
+        )
+        after = resident_bytes()
+        if before is not None and after is not None:
+            self.compile_bytes = max(self.compile_bytes or 0, after - before)
+        self.compiles += 1
+        return compiled
+
+    def candidate(self, strategy: Any, size: int | None) -> Compiled:
+        """The call at `size` and `strategy`, compiled once: the two ends of the search
+        (one item per block, all in one) as probes, since they give the slope and are
+        seldom the plan; the sizes between them for the call."""
+        key = (strategy, size)
+        if key not in self.measured:
+            total = self.work.total
+            probe = self.probing and size in (1, total) and total > 1 and key not in self.for_call
+            if probe and size == 1 and self.policy.block_bytes is not None:
+                # Where even the whole work's peak shared out over its items passes the
+                # temporaries a block is given, one item per block is the largest size
+                # considered and the usual plan: compiled for the call.
+                whole = self.measured.get((strategy, total))
+                if whole is not None:
+                    probe = whole.peak_bytes / (total - 1) < self.policy.block_bytes
+            self.measured[key] = self.compile(strategy, size, probe)
+            if probe:
+                self.probes.add(key)
+        return self.measured[key]
+
+    def output_bytes(self, strategy: Any) -> int:
+        """The output's bytes, the same at every block size: from either end compiled."""
+        for size in (self.work.total, 1):
+            if (strategy, size) in self.measured:
+                return self.measured[strategy, size].output_bytes
+        return self.candidate(strategy, 1).output_bytes
+
+    # -- 2. search ------------------------------------------------------------------------
+
+    def choose(self, usable: int) -> tuple[tuple[Any, int], Compiled]:
+        """The strategy and block size whose call's peak fits `usable` bytes, and the
+        call compiled for it. A chosen probe is compiled again for the call; should its
+        memory then not fit, the search is made again without probes."""
+        chosen = self.search(usable)
+        if chosen in self.probes:
+            final = self.compile(*chosen, probe=False)
+            self.measured[chosen] = final
+            self.probes.discard(chosen)
+        else:
+            final = self.measured[chosen]
+        if final.peak_bytes > usable:
+            self.probing = False
+            self.measured = {key: c for key, c in self.measured.items() if key not in self.probes}
+            self.probes.clear()
+            chosen = self.search(usable)
+            final = self.candidate(*chosen)
+        return chosen, final
+
+    def search(self, usable: int) -> tuple[Any, int]:
+        """The first strategy with a block size that fits, and that size; `_NoFit` with
+        the least peak seen where none does."""
+        leasts = []
+        for strategy in self.transform._strategies:
+            one = self.one_item_first(strategy, usable)
+            if one is not None:
+                return strategy, one
+            try:
+                return strategy, self.search_strategy(strategy, usable)
+            except _NoFit as nofit:
+                leasts.append(nofit)
+        raise min(leasts, key=lambda nofit: nofit.least)
+
+    def one_item_first(self, strategy: Any, usable: int) -> int | None:
+        """One item per block, where the platform caps a block's temporaries and one
+        item alone makes a value past the cap (`AbstractBlocked._item_bytes`): compiled
+        for the call, it is the plan when it fits, in one compile."""
+        cap = self.policy.block_bytes
+        if cap is None or self.work.total < 2 or (strategy, 1) in self.measured:
+            return None
+        item = self.transform._item_bytes(*self.args, **self.kwargs)
+        if item is None or item < cap:
+            return None
+        self.for_call.add((strategy, 1))
+        return 1 if self.candidate(strategy, 1).peak_bytes <= usable else None
+
+    def search_strategy(self, strategy: Any, usable: int) -> int:
+        """The largest block size of `strategy` that fits (`_search.search`)."""
+        total, cap = self.work.total, self.policy.block_bytes
+        least = None
+        if cap is not None:
+            # The whole work is compiled anyway where blocks are capped; where the output
+            # alone does not fit, no block size helps, and the ladder is not searched.
+            self.candidate(strategy, total)
+            if (strategy, 1) not in self.measured:
+                # The slope that caps a block is taken down to the output, which every
+                # block size holds: one compile fewer where the cap fits.
+                least = self.output_bytes(strategy)
+        if self.output_bytes(strategy) > usable:
+            # No block size fits; the least peak, which the refusal's budget is planned
+            # from, is one item per block's (the whole work's where that is less).
+            ends = [self.candidate(strategy, 1).peak_bytes]
+            if (strategy, total) in self.measured:
+                ends.append(self.measured[strategy, total].peak_bytes)
+            raise _NoFit(min(ends), strategy)
+
+        def refuse(peak: int) -> _NoFit:
+            return _NoFit(peak, strategy)
+
+        return search(
+            lambda size: self.candidate(strategy, size).peak_bytes,
+            total,
+            usable,
+            refuse=refuse,
+            block_bytes=cap,
+            least=least,
+        )
+
+    # -- 3 and 4. reserve and refusal -----------------------------------------------------
+
+    def least_budget(self, nofit: _NoFit) -> int:
+        """The least budget that plans: the policy's for the least peak seen, checked by
+        planning it (planning at a larger budget compiles the same sizes up to the first
+        that fits, so this seldom takes a second round)."""
+        least = self.policy.least(nofit.least)
+        for _ in range(8):
+            try:
+                self.choose(self.policy.usable(least))
+                return least
+            except _NoFit as larger:
+                least = max(least + 1, self.policy.least(larger.least))
+        return least
+
+    def refusal(self, nofit: _NoFit) -> MemoryBudgetError:
+        strategies = self.transform._strategies
+        error = refusal(
+            self.owner,
+            self.budget,
+            nofit.least,
+            output_bytes=self.output_bytes(nofit.strategy),
+            output_what=self.work.output_what,
+            suggested=self.least_budget(nofit),
+        )
+        if len(strategies) > 1:
+            # The message of the strategy that needs less, noting that the other was tried.
+            error = MemoryBudgetError(
+                f"{error} (Both strategies were tried: keeping one linearisation of `fn` "
+                "for every block, and evaluating `fn` again inside each block.)"
+            )
+        return error

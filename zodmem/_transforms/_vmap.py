@@ -1,0 +1,531 @@
+"""`ChunkedVmap`: `eqx.filter_vmap`, computed at most `chunk_size` elements at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jax.sharding import PartitionSpec
+from jaxtyping import PyTree, jaxtyped
+
+from .._checks import as_index, check_bool, check_callable, check_int, common_size
+from .._engine._blocks import OutputSink, map_blocks, plan_blocks
+from .._engine._progress import label, progress_bar
+from .._engine._sharding import (
+    Split,
+    batch_split,
+    check_divides,
+    dispatch,
+    replicate,
+    to_mesh,
+)
+from .._plan._budget import Work, largest_made_from
+from .._plan._memory import check_size_or_memory
+from .._plan._transform import AbstractStreamable
+from .._traceback import public
+
+__all__ = ["ChunkedVmap"]
+
+_OWNER = "ChunkedVmap"
+
+
+def _axis_spec(spec: Any) -> Any:
+    """An axis spec as `jax.vmap` reads it: a list at the top is a tuple of per-argument
+    specs, and integer axes (NumPy's too) are Python ints, so that the spec hashes."""
+    if isinstance(spec, list):
+        spec = tuple(spec)
+    return jax.tree_util.tree_map(as_index, spec, is_leaf=_is_none)
+
+
+class ChunkedVmap(AbstractStreamable):
+    """Vectorise `fn` like `eqx.filter_vmap`, but at most `chunk_size` elements at a time.
+
+    Use it where `jax.vmap` / `eqx.filter_vmap` of a function with large
+    intermediates runs out of memory: the batch is cut into blocks of `chunk_size`
+    consecutive elements, each block is vectorised, and its results are written
+    straight into the preallocated outputs. Peak memory is the outputs plus one
+    block's working set, instead of the whole batch's. The results -- values and
+    dtypes -- are those of `eqx.filter_vmap(fn, in_axes=in_axes, out_axes=out_axes)`.
+
+    When `chunk_size` does not divide the batch, the last block is moved back to end
+    at the last element, so that it overlaps the block before it; no padding is
+    added and no partial block is compiled.
+
+    **Arguments:**
+
+    - `fn`: the function to vectorise, called as `fn(*args, **kwargs)`. It may be an
+      Equinox module (a model, or another zodmem transform); its arrays are then
+      leaves of this transform and are not mapped.
+    - `chunk_size`: the most elements vectorised at once, a positive int.
+    - `max_memory`: instead of `chunk_size`, a budget for the call's memory: an int
+      (bytes), a string with a unit (`"500MB"`, `"2GiB"`) or `"auto"`. The chunk size is
+      then planned, before anything runs, as the fastest whose compiled call fits (see
+      the "Memory budgets" page). Give exactly one of `chunk_size` and `max_memory`.
+    - `in_axes`: which axis of each input is mapped, as in `eqx.filter_vmap`: a
+      pytree prefix of the positional arguments (a tuple, or a list as `jax.vmap`
+      takes it) whose leaves are an int (that axis),
+      `None` (not mapped: passed whole to every call) or a callable `leaf -> int |
+      None` such as `eqx.if_array(0)`; or a dict from argument names to such specs,
+      every argument not named taking `eqx.if_array(0)`. Keyword arguments are
+      mapped with `eqx.if_array(0)` unless a dict `in_axes` names them (as
+      `jax.vmap` maps every keyword argument over its leading axis).
+    - `out_axes`: where the mapped axis goes in each output, as in
+      `eqx.filter_vmap`: a pytree prefix of the output of ints, `None` and callables.
+      An output given `None` (by default, every non-array output) must not depend
+      on the mapped inputs, and is returned once.
+    - `progress`: show a progress bar on stderr (chunks done of the total, rate, time
+      left), updated from inside the compiled loop after each chunk. Off by default,
+      and then nothing is added to the compiled program.
+
+    **Returns:**
+
+    Calling `ChunkedVmap(fn, chunk_size=...)(*args, **kwargs)` returns what
+    `eqx.filter_vmap(fn, in_axes=in_axes, out_axes=out_axes)` would return for the
+    same arguments.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def distance(x, y):
+            return jnp.sqrt(jnp.sum((x - y) ** 2))
+
+        xs = jnp.ones((1000, 3))
+        y = jnp.zeros(3)
+        batched = zm.ChunkedVmap(distance, chunk_size=128, in_axes=(0, None))
+        batched(xs, y)  # shape (1000,), 128 distances at a time
+
+        # Map the second axis of `xs`, and put the mapped axis last in the output.
+        outer = zm.ChunkedVmap(jnp.outer, chunk_size=2, in_axes=(1, None), out_axes=-1)
+        outer(jnp.ones((4, 5)), jnp.arange(3.0))  # shape (4, 3, 5)
+        ```
+
+    !!! note "Sharded batches"
+
+        A batch sharded along its mapped axis (`jax.device_put(xs, NamedSharding(mesh,
+        PartitionSpec("d")))`) is mapped where it lies, as `jax.jit` would: each device
+        maps its own part, `chunk_size` elements at a time, and the output comes back
+        sharded along `out_axes` over the same mesh axes. With `max_memory`, the budget is
+        per device (planned per device for meshes with explicit axes, the default of
+        `jax.make_mesh`). Inside `jax.jit`, the sharding is seen for explicit axes only.
+
+    !!! tip
+
+        Give `in_axes` and `out_axes` as ints, `None`, callables and tuples to keep
+        the transform hashable, which `jax.jit` needs when the transform is passed as
+        an argument. A dict works as well when the transform is closed over.
+    """
+
+    fn: Callable[..., Any]
+    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    max_memory: int | str | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
+    in_axes: Any = eqx.field(
+        default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
+    )
+    out_axes: Any = eqx.field(
+        default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
+    )
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
+
+    @public
+    def __check_init__(self):
+        check_callable(self.fn, "fn", owner=_OWNER)
+        check_int(self.chunk_size, "chunk_size", owner=_OWNER, minimum=1, optional=True)
+        check_size_or_memory(
+            self.chunk_size,
+            "chunk_size",
+            self.max_memory,
+            owner=_OWNER,
+            meaning="the elements mapped at once",
+            blocks="chunks",
+        )
+        if isinstance(self.in_axes, dict):
+            for name in self.in_axes:
+                if not isinstance(name, str):
+                    raise TypeError(
+                        f"{_OWNER}: a dict `in_axes` maps argument names to axes, but it has "
+                        f"the key {name!r} of type {type(name).__name__}; got "
+                        f"in_axes={self.in_axes!r}."
+                    )
+        _check_axis_spec(self.in_axes, "in_axes")
+        _check_axis_spec(self.out_axes, "out_axes")
+        check_bool(self.progress, "progress", owner=_OWNER)
+
+    @jaxtyped(typechecker=beartype)
+    @public
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        return self._call(args, kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        # Read here, where the arrays are concrete: traced, an array shows its sharding
+        # only over explicit mesh axes.
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        split = batch_split(mapped.leaves, mapped.axes) if mapped.total else None
+        if split is not None:  # under jax.distributed: the other inputs as global arrays
+            args, kwargs = to_mesh((args, kwargs), split.mesh)
+        return _chunked_vmap_jit(self, args, kwargs, split=split)
+
+    def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
+        return _chunked_vmap(self, args, kwargs, sink=sink)
+
+    def _work(self, *args: Any, **kwargs: Any) -> Work:
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        total = mapped.total or 0
+        size = total if self.chunk_size is None else min(self.chunk_size, total)
+        split = batch_split(mapped.leaves, mapped.axes, planned=True)
+        return Work(total, "elements", "output", size).per_device(split)
+
+    def _item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        if not mapped.total:
+            return None
+
+        element = _element_leaves(mapped)
+        is_array = [
+            eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in element
+        ]
+        arrays = [leaf for leaf, a in zip(element, is_array, strict=True) if a]
+        made_from = [axis is not None for axis, a in zip(mapped.axes, is_array, strict=True) if a]
+
+        def one_element(arrays):
+            it = iter(arrays)
+            leaves = [next(it) if a else leaf for leaf, a in zip(element, is_array, strict=True)]
+            element_args, element_kwargs = jax.tree_util.tree_unflatten(mapped.input_def, leaves)
+            return self.fn(*element_args, **element_kwargs)
+
+        try:
+            traced = jax.make_jaxpr(one_element)(arrays)
+        except Exception:  # noqa: BLE001  (the call itself reports the error, if any)
+            return None
+        return largest_made_from(traced.jaxpr, made_from)
+
+    def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
+        return dataclasses.replace(self, chunk_size=size, max_memory=None)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _is_axis(x: Any) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _check_axis_spec(spec: Any, name: str) -> None:
+    for leaf in jax.tree_util.tree_leaves(spec, is_leaf=_is_none):
+        if not (_is_axis(leaf) or callable(leaf)):
+            raise TypeError(
+                f"{_OWNER}: `{name}` must be a pytree of ints, None and callables "
+                f"(such as eqx.if_array(0)), but it holds {leaf!r} of type "
+                f"{type(leaf).__name__}; got {name}={spec!r}."
+            )
+
+
+_WHAT = {
+    "in_axes": "the positional arguments (a tuple)",
+    "out_axes": "the output of `fn`",
+}
+
+
+def _axes_per_leaf(spec: Any, tree: Any, name: str) -> Any:
+    """One axis (an int or None) per leaf of `tree`, from the prefix `spec`."""
+
+    def resolve_subtree(leaf_spec, subtree):
+        if _is_axis(leaf_spec):
+            return jax.tree_util.tree_map(lambda _: leaf_spec, subtree)
+        return jax.tree_util.tree_map(leaf_spec, subtree)
+
+    try:
+        resolved = jax.tree_util.tree_map(resolve_subtree, spec, tree, is_leaf=_is_none)
+    except ValueError as error:
+        raise ValueError(
+            f"{_OWNER}: `{name}` must be a pytree prefix of {_WHAT[name]}, but "
+            f"{name}={spec!r} does not match its structure "
+            f"{jax.tree_util.tree_structure(tree)}: {error}"
+        ) from None
+    for axis in jax.tree_util.tree_leaves(resolved, is_leaf=_is_none):
+        if not _is_axis(axis):
+            raise TypeError(
+                f"{_OWNER}: a callable in `{name}` must return an int or None, "
+                f"but it returned {axis!r} of type {type(axis).__name__}; got {name}={spec!r}."
+            )
+    return resolved
+
+
+def _split_in_axes(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
+    """The axis specs of the positional and of the keyword arguments."""
+    default = eqx.if_array(0)
+    if not isinstance(in_axes, dict):
+        return in_axes, {name: default for name in kwargs}
+    named = dict(in_axes)
+    arg_axes = []
+    if args:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{_OWNER}: a dict `in_axes` names arguments, but the signature of "
+                f"`fn`={fn!r} cannot be read to match names to positional arguments. "
+                "Give `in_axes` as a tuple instead."
+            ) from None
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [p.name for p in params if p.kind in positional]
+        for index in range(len(args)):
+            name = names[index] if index < len(names) else None
+            arg_axes.append(named.pop(name, default) if name is not None else default)
+    kwarg_axes = {name: named.pop(name, default) for name in kwargs}
+    if named:
+        raise ValueError(
+            f"{_OWNER}: `in_axes` names {sorted(named)}, which match no argument passed "
+            f"(positional arguments: {len(args)}, keyword arguments: {sorted(kwargs)}); "
+            f"got in_axes={in_axes!r}."
+        )
+    return tuple(arg_axes), kwarg_axes
+
+
+def _input_name(path: tuple) -> str:
+    """`args[1]['w']` or `kwargs['y']`, from a path into `(args, kwargs)`."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(path[1:]))
+
+
+def _batch_size(paths: list, leaves: list, axes: list) -> int | None:
+    """The size of the mapped axis, checked to be the same for every mapped input."""
+    sizes = {}
+    for path, leaf, axis in zip(paths, leaves, axes, strict=True):
+        if axis is None:
+            continue
+        name = _input_name(path)
+        ndim = jnp.ndim(leaf)
+        if ndim == 0:
+            raise ValueError(
+                f"{_OWNER}: input {name} is mapped over axis {axis} by `in_axes`, but it is "
+                f"zero-dimensional: {leaf!r}. Only arrays with at least one dimension can "
+                "be mapped; give it the axis None to pass it whole to every call."
+            )
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"{_OWNER}: input {name} has shape {jnp.shape(leaf)}, so `in_axes` cannot map "
+                f"its axis {axis}; choose an axis in [{-ndim}, {ndim - 1}]."
+            )
+        sizes[f"{name} (axis {axis})"] = jnp.shape(leaf)[axis]
+    return common_size(sizes, owner=_OWNER, what="mapped axes")
+
+
+def _check_out_axes(out: Any, resolved: Any) -> None:
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(out)
+    for (path, leaf), axis in zip(paths_leaves, treedef.flatten_up_to(resolved), strict=True):
+        if axis is None:
+            continue
+        ndim = jnp.ndim(leaf)
+        if not -ndim - 1 <= axis <= ndim:
+            raise ValueError(
+                f"{_OWNER}: output{jax.tree_util.keystr(path)} of `fn` has shape "
+                f"{jnp.shape(leaf)}, so `out_axes` cannot put the mapped axis at {axis}; "
+                f"choose an axis in [{-ndim - 1}, {ndim}]."
+            )
+
+
+class _Mapped(NamedTuple):
+    input_axes: Any  # one axis (or None) per leaf of (args, kwargs), as a pytree
+    input_def: Any
+    leaves: list
+    axes: list  # the same, flat, normalised to non-negative
+    total: int | None  # the size of the mapped axes (None: nothing is mapped)
+
+
+def _mapped_inputs(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> _Mapped:
+    """Which axis of each input leaf is mapped, and the size they share."""
+    arg_spec, kwarg_spec = _split_in_axes(fn, in_axes, args, kwargs)
+    input_axes = (
+        _axes_per_leaf(arg_spec, args, "in_axes"),
+        _axes_per_leaf(kwarg_spec, kwargs, "in_axes"),
+    )
+    paths_leaves, input_def = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    paths = [path for path, _ in paths_leaves]
+    leaves = [leaf for _, leaf in paths_leaves]
+    axes = input_def.flatten_up_to(input_axes)
+    total = _batch_size(paths, leaves, axes)
+    axes = [None if a is None else a % jnp.ndim(leaf) for leaf, a in zip(leaves, axes, strict=True)]
+    return _Mapped(input_axes, input_def, leaves, axes, total)
+
+
+def _element_leaves(mapped: _Mapped) -> list:
+    """The input leaves of one element: each mapped array as a `jax.ShapeDtypeStruct`
+    without its mapped axis, every other leaf as it is."""
+
+    def element_of(leaf, axis):
+        if axis is None or not eqx.is_array(leaf):
+            return leaf
+        shape = tuple(d for i, d in enumerate(jnp.shape(leaf)) if i != axis)
+        return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+    return [element_of(leaf, axis) for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)]
+
+
+def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
+    """The output axis of each leaf of `fn`'s output (`None`: unmapped), resolved on one
+    element's output as `eqx.filter_vmap` does, and made non-negative for the mapped
+    output (which has one more axis); as a pytree like the output."""
+
+    element = mapped.input_def.unflatten(_element_leaves(mapped))
+
+    def resolve(inputs):
+        element_args, element_kwargs = inputs
+        out = fn(*element_args, **element_kwargs)
+        resolved = _axes_per_leaf(out_axes, out, "out_axes")
+        _check_out_axes(out, resolved)
+        # Axes are ints and Nones: returned as they are, not as shapes.
+        return jax.tree_util.tree_map(
+            lambda leaf, a: None if a is None else a % (jnp.ndim(leaf) + 1),
+            out,
+            resolved,
+            is_leaf=_is_none,
+        )
+
+    return eqx.filter_eval_shape(resolve, element)
+
+
+def _chunked_vmap(
+    transform: ChunkedVmap,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+    split: Split | None = None,
+) -> Any:
+    fn, out_axes = transform.fn, transform.out_axes
+    mapped = _mapped_inputs(fn, transform.in_axes, args, kwargs)
+    if split is None and mapped.total:
+        split = batch_split(mapped.leaves, mapped.axes)
+    if split is not None and sink is not None:
+        # Streamed to the host in order: the batch is made whole on every device first.
+        args, kwargs = replicate((args, kwargs), split.mesh)
+        split = None
+    if split is None:
+
+        def whole(share, split, inputs):
+            # The inputs as they are here, or whole on each device: the layout holds.
+            return _chunked_vmap_local(transform, *inputs, sink, mapped if share is None else None)
+
+        return dispatch(whole, (args, kwargs), here=sink is not None)
+    # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
+    check_divides(mapped.total, split, owner=_OWNER, what="elements of the batch")
+    leaf_specs = [
+        PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
+        for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
+    ]
+    axes_of_output = _output_axes(fn, out_axes, mapped)
+
+    def compute(share, split, inputs):
+        return _chunked_vmap_local(transform, *inputs)
+
+    def in_specs(arrays):
+        specs = [
+            None if leaf is None else spec
+            for leaf, spec in zip(mapped.input_def.flatten_up_to(arrays), leaf_specs, strict=True)
+        ]
+        return mapped.input_def.unflatten(specs)
+
+    def out_specs(shapes):
+        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_none)
+        specs = [
+            PartitionSpec() if leaf is None or axis is None else split.spec(leaf.ndim, axis)
+            for leaf, axis in zip(leaves, treedef.flatten_up_to(axes_of_output), strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, specs)
+
+    return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
+
+
+def _chunked_vmap_local(
+    transform: ChunkedVmap,
+    args: tuple,
+    kwargs: dict,
+    sink: OutputSink | None = None,
+    mapped: _Mapped | None = None,
+) -> Any:
+    """The chunked map of the batch on this device; `mapped`, the inputs' layout when the
+    caller has it."""
+    fn, out_axes, progress = transform.fn, transform.out_axes, label(transform)
+    inputs = (args, kwargs)
+    if mapped is None:
+        mapped = _mapped_inputs(fn, transform.in_axes, args, kwargs)
+    input_axes, input_def, leaves, axes, total = mapped
+    axes_of_output = _output_axes(fn, out_axes, mapped)  # checked before any map is traced
+
+    def one_element(inputs):
+        element_args, element_kwargs = inputs
+        return fn(*element_args, **element_kwargs)
+
+    vectorised = eqx.filter_vmap(one_element, in_axes=(input_axes,), out_axes=out_axes)
+    if total is None or total == 0:
+        return vectorised(inputs)
+    # No chunk size (a budget whose plan found nothing to cut): every element at once.
+    plan = plan_blocks(total, batch_size=transform.chunk_size, what="elements")
+    if plan.num_blocks == 1 and sink is None:
+        bar = progress_bar(progress, 1)  # one chunk, no loop: still a bar that shows 1/1
+        bar.start()
+        result = vectorised(inputs)
+        bar.done(1, result)
+        return result
+
+    mapped_inputs = [i for i, a in enumerate(axes) if a is not None]
+
+    def read(start):
+        """The block's slices of the mapped inputs."""
+        return [
+            jax.lax.dynamic_slice_in_dim(leaves[i], start, plan.block_size, axes[i])
+            for i in mapped_inputs
+        ]
+
+    def block(pieces):
+        block_inputs = list(leaves)
+        for i, piece in zip(mapped_inputs, pieces, strict=True):
+            block_inputs[i] = piece
+        return vectorised(jax.tree_util.tree_unflatten(input_def, block_inputs))
+
+    first = jnp.asarray(0, jnp.int32)
+    shapes = eqx.filter_eval_shape(lambda start: block(read(start)), first)
+    out_leaves, out_def = jax.tree_util.tree_flatten(shapes)
+    out_axes_per_leaf = out_def.flatten_up_to(axes_of_output)
+    mapped = [i for i, a in enumerate(out_axes_per_leaf) if a is not None]
+    unmapped_arrays = [
+        i
+        for i, (leaf, a) in enumerate(zip(out_leaves, out_axes_per_leaf, strict=True))
+        if a is None and isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+
+    def mapped_block(start, pieces):
+        block_leaves = jax.tree_util.tree_leaves(block(pieces))
+        return [block_leaves[i] for i in mapped]
+
+    results = list(out_leaves)  # non-array outputs are kept as `fn` returned them
+    if mapped:
+        mapped_axes = [out_axes_per_leaf[i] for i in mapped]
+        part = None if sink is None else sink.part(mapped, plan)
+        blocks = map_blocks(
+            mapped_block, plan, axis=mapped_axes, read=read, sink=part, progress=progress
+        )
+        for i, value in zip(mapped, blocks or [None] * len(mapped), strict=True):
+            results[i] = value
+    if unmapped_arrays:
+        # Unmapped outputs are the same for every block: read them from one more call,
+        # whose mapped part is unused and so dropped by the compiler.
+        block_leaves = jax.tree_util.tree_leaves(block(read(first)))
+        for i in unmapped_arrays:
+            results[i] = block_leaves[i]
+    return jax.tree_util.tree_unflatten(out_def, results)
+
+
+_chunked_vmap_jit = eqx.filter_jit(_chunked_vmap)
