@@ -1,6 +1,6 @@
-"""A blocked transform written against zodmem's declared protocol, for the tests: it
-fills in `AbstractSharded`'s abstract methods and nothing else, and gets budgets,
-sharding, progress bars and streaming from the base."""
+"""A blocked transform written against zodmem's declared contract (`zodmem.contract`),
+for the tests: it fills in `AbstractSharded`'s abstract methods and nothing else, and
+gets budgets, sharding, progress bars and streaming from the base."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import equinox as eqx
 import jax
 from jax.sharding import NamedSharding
 
-from zodmem._engine._blocks import map_blocks, plan_blocks
-from zodmem._engine._progress import label
-from zodmem._engine._sharding import share_of
-from zodmem._plan._budget import Work
-from zodmem._plan._transform import AbstractSharded
+from zodmem.contract import (
+    AbstractSharded,
+    Work,
+    map_blocks,
+    plan_blocks,
+    progress_label,
+    share_of,
+)
 
 
 class BlockedGram(AbstractSharded):
@@ -29,15 +32,15 @@ class BlockedGram(AbstractSharded):
     jit: bool = eqx.field(default=True, static=True, kw_only=True)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
-    def _work(self, x: Any) -> Work:
+    def work(self, x: Any) -> Work:
         rows = jax.eval_shape(self.fn, x).shape[0]
         size = rows if self.batch_size is None else min(self.batch_size, rows)
         return Work(rows, "rows", "Gram matrix", size).per_device(self._split)
 
-    def _with_block_size(self, size: int, strategy: Any) -> BlockedGram:
+    def with_block_size(self, size: int, strategy: Any) -> BlockedGram:
         return dataclasses.replace(self, batch_size=size, max_memory=None)
 
-    def _share(self, sink: Any, share: Any, split: Any, x: Any) -> Any:
+    def compute_share(self, sink: Any, share: Any, split: Any, x: Any) -> Any:
         a = self.fn(x)
         plan = plan_blocks(a.shape[0], batch_size=self.batch_size)
         plan, offset = share_of(a.shape[0], plan, share, split, owner="BlockedGram", what="rows")
@@ -46,4 +49,4 @@ class BlockedGram(AbstractSharded):
             return jax.lax.dynamic_slice_in_dim(a, start + offset, plan.block_size) @ a.T
 
         part = None if sink is None else sink.part([0], plan)
-        return map_blocks(rows, plan, axis=0, sink=part, progress=label(self))
+        return map_blocks(rows, plan, axis=0, sink=part, progress=progress_label(self))

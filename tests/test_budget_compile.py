@@ -309,9 +309,9 @@ def test_chunked_vmap_reads_one_elements_largest_value():
 
     xs = jnp.ones((5, 30))
     transform = zm.ChunkedVmap(fn, in_axes=(0, None), max_memory="1GB")
-    assert transform._item_bytes(xs, 2.0) == 30 * 30 * xs.dtype.itemsize
+    assert transform.item_bytes(xs, 2.0) == 30 * 30 * xs.dtype.itemsize
     # The mapped axis need not lead: one element is a column here.
     columns = zm.ChunkedVmap(fn, in_axes=(1, None), max_memory="1GB")
-    assert columns._item_bytes(jnp.ones((30, 5)), 2.0) == 30 * 30 * xs.dtype.itemsize
+    assert columns.item_bytes(jnp.ones((30, 5)), 2.0) == 30 * 30 * xs.dtype.itemsize
     # Nothing mapped: nothing to read.
-    assert zm.ChunkedVmap(fn, in_axes=None, max_memory="1GB")._item_bytes(xs, 2.0) is None
+    assert zm.ChunkedVmap(fn, in_axes=None, max_memory="1GB").item_bytes(xs, 2.0) is None

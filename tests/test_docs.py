@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import zodmem
+import zodmem.contract
 
 ROOT = Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^(?P<indent> *)```python\n(?P<code>.*?)^(?P=indent)```", re.S | re.M)
@@ -78,20 +79,46 @@ DOCSTRING_EXAMPLES = {
 }
 
 
+def _public_methods(klass):
+    """`(name, function)` of the public methods zodmem defines on `klass` or its bases."""
+    for attr, member in inspect.getmembers(klass, inspect.isfunction):
+        if not attr.startswith("_") and member.__module__.startswith("zodmem"):
+            yield attr, member
+
+
+# The methods a transform fills in: documented once, on the bases of `zodmem.contract`.
+CONTRACT_METHODS = {
+    attr
+    for name in zodmem.contract.__all__
+    if inspect.isclass(getattr(zodmem.contract, name))
+    for attr, _ in _public_methods(getattr(zodmem.contract, name))
+}
+
+
 def _public_api():
     """`(name, object)` of every name in `zodmem.__all__` and of every public method of
-    its classes (properties are described in their class's docstring). A method that
-    several classes inherit is named once, by the first of them."""
+    its classes (properties are described in their class's docstring) but those of the
+    contract. A method that several classes inherit is named once, by the first of them."""
     seen = set()
     for name in zodmem.__all__:
         obj = getattr(zodmem, name)
         yield name, obj
         if inspect.isclass(obj):
-            for attr, member in inspect.getmembers(obj, inspect.isfunction):
-                public = not attr.startswith("_") and member.__module__.startswith("zodmem")
-                if public and id(member) not in seen:
+            for attr, member in _public_methods(obj):
+                if attr not in CONTRACT_METHODS and id(member) not in seen:
                     seen.add(id(member))
                     yield f"{name}.{attr}", member
+
+
+def _contract():
+    """`(name, object)` of `zodmem.contract`'s names and of its classes' public methods."""
+    for name in zodmem.contract.__all__:
+        obj = getattr(zodmem.contract, name)
+        yield f"contract.{name}", obj
+        if inspect.isclass(obj):
+            for attr, member in _public_methods(obj):
+                if member.__qualname__.split(".")[0] == name:
+                    yield f"contract.{name}.{attr}", member
 
 
 PUBLIC_API = dict(_public_api())
@@ -162,6 +189,19 @@ API_REFERENCE = _api_reference()
 @pytest.mark.parametrize("name", sorted(PUBLIC_API))
 def test_public_name_is_in_the_api_reference(name):
     assert id(PUBLIC_API[name]) in API_REFERENCE, (
+        f"no page under docs/ renders zodmem.{name} (a `::: zodmem.{name}` line)"
+    )
+
+
+CONTRACT = dict(_contract())
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_contract_is_documented(name):
+    """The contract's example is its module's (a whole transform); each of its names and
+    methods needs a docstring and a place in the API reference."""
+    assert CONTRACT[name].__doc__, f"zodmem.{name} has no docstring"
+    assert id(CONTRACT[name]) in API_REFERENCE, (
         f"no page under docs/ renders zodmem.{name} (a `::: zodmem.{name}` line)"
     )
 

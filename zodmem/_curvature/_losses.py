@@ -68,6 +68,58 @@ class AbstractLoss(eqx.Module):
         applied to `tangents` (shaped like `outputs`); returned shaped and typed like
         `tangents`."""
 
+    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """Columns `s_1, ..., s_K` of a square root of the loss's Hessian on the outputs,
+        for each loss term at once: a pytree like `outputs` whose leaves have a leading
+        axis of `K`, with `sum_k s_k s_k^T` the Hessian on each term's outputs.
+        `zm.KFAC(..., fisher="type-2")` back-propagates them.
+
+        The terms are the indices of every axis of the outputs but the last, and the
+        Hessian is taken to couple no two of them. This default (for one output array)
+        takes each term's block from `K` products `hessian_product` with one-hot tangents
+        along the last axis, and its symmetric square root; the built-in losses have
+        closed forms (for `SquaredError`, `GaussianNLL` and `PoissonNLL`, whose Hessians
+        are diagonal, outputs of one axis are that many terms of one entry).
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp
+            import zodmem as zm
+
+            loss = zm.losses.SoftmaxCrossEntropy()
+            logits, labels = jnp.array([[1.0, 0.0, -1.0]]), jnp.array([0])
+            S = loss.hessian_sqrt(logits, labels)  # (3, 1, 3): 3 columns
+            H = jax.vmap(lambda u: loss.hessian_product(logits, u, labels))(jnp.eye(3)[:, None])
+            assert jnp.allclose(jnp.einsum("kni,knj->ij", S, S), H[:, 0], atol=1e-6)
+            ```
+        """
+        outputs = _one_array(outputs, type(self).__name__, "for the default `hessian_sqrt`")
+        if outputs.ndim == 0:
+            value = self.hessian_product(outputs, jnp.ones_like(outputs), *args, **kwargs)
+            return jnp.sqrt(jnp.maximum(value, 0))[None]
+
+        def column(unit: Any) -> Any:
+            tangents = jnp.broadcast_to(unit, outputs.shape)
+            return self.hessian_product(outputs, tangents, *args, **kwargs)
+
+        # One product gives a column of every term's block, the terms being uncoupled.
+        units = jnp.eye(outputs.shape[-1], dtype=outputs.dtype)
+        blocks = jnp.moveaxis(jax.vmap(column)(units), 0, -1)
+        values, vectors = jnp.linalg.eigh((blocks + jnp.swapaxes(blocks, -1, -2)) / 2)
+        root = vectors * jnp.sqrt(jnp.maximum(values, 0))[..., None, :]
+        return jnp.moveaxis(root, -1, 0)
+
+    def sample(self, outputs: Any, key: Any) -> Any:
+        """Targets drawn from the likelihood whose negative logarithm the loss is, at
+        `outputs`, shaped as the loss takes its targets: for `zm.KFAC(...,
+        fisher="mc")`. The built-in losses define one; this default refuses.
+        """
+        raise TypeError(
+            f"{type(self).__name__} defines no distribution to draw targets from: give it "
+            "a `sample(outputs, key)` method, or use fisher='type-2' or 'empirical'."
+        )
+
 
 _REDUCTIONS = ("sum", "mean")
 
@@ -92,6 +144,31 @@ def _reduced(value: Any, outputs: Any, reduction: str, owner: str, *, classes: b
             f"of shape {shape}, have none: the mean over no examples is undefined."
         )
     return jax.tree_util.tree_map(lambda leaf: leaf / shape[0], value)
+
+
+def _diagonal_sqrt(diagonal: Any) -> Any:
+    """`hessian_sqrt`'s columns for a diagonal Hessian, `diagonal` a pytree like the
+    outputs: one column per entry of each leaf's last axis (a leaf of one axis holds that
+    many terms of one entry: one column), zero on the other leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(diagonal)
+    parts = []
+    for leaf in leaves:
+        root = jnp.sqrt(jnp.maximum(leaf, 0))
+        if root.ndim <= 1:
+            parts.append(root[None])
+        else:
+            size = root.shape[-1]
+            units = jnp.eye(size, dtype=root.dtype).reshape(
+                (size,) + (1,) * (root.ndim - 1) + (size,)
+            )
+            parts.append(units * root)
+    total, columns, start = sum(len(part) for part in parts), [], 0
+    for part in parts:
+        before = jnp.zeros((start,) + part.shape[1:], part.dtype)
+        after = jnp.zeros((total - start - len(part),) + part.shape[1:], part.dtype)
+        columns.append(jnp.concatenate([before, part, after]))
+        start += len(part)
+    return jax.tree_util.tree_unflatten(treedef, columns)
 
 
 def _check_targets(targets: Any, owner: str) -> None:
@@ -255,6 +332,31 @@ class SquaredError(AbstractLoss):
         product = _reduced(self._precision(tangents), outputs, self.reduction, "SquaredError")
         return product.astype(tangents.dtype)
 
+    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.covariance is not None:
+            return super().hessian_sqrt(outputs, *args, **kwargs)
+        ones = jnp.ones_like(_one_array(outputs, "SquaredError", "the predictions"))
+        diagonal = self.hessian_product(outputs, ones, *args, **kwargs)
+        return _diagonal_sqrt(jnp.broadcast_to(diagonal, outputs.shape))
+
+    def sample(self, outputs: Any, key: Any) -> Any:
+        """Targets `outputs + noise`, the noise Gaussian with precisions `weights` (none
+        where a weight is zero) or covariance `covariance`."""
+        if self.targets is None:
+            raise TypeError(
+                "SquaredError: targets=None says `fn` returns residuals, so there are no "
+                "targets to draw; return predictions and pass the targets instead."
+            )
+        outputs = _one_array(outputs, "SquaredError", "the predictions")
+        noise = jax.random.normal(key, outputs.shape, outputs.dtype)
+        if self.covariance is not None:
+            return outputs + noise @ jnp.linalg.cholesky(self.covariance).T.astype(outputs.dtype)
+        if self.weights is None:
+            return outputs + noise
+        weights = jnp.broadcast_to(self.weights, outputs.shape)
+        scale = jnp.where(weights > 0, jax.lax.rsqrt(jnp.where(weights > 0, weights, 1)), 0)
+        return outputs + (noise * scale).astype(outputs.dtype)
+
 
 class GaussianNLL(AbstractLoss):
     """The negative log-likelihood of targets under Gaussians whose means and log-variances
@@ -333,6 +435,17 @@ class GaussianNLL(AbstractLoss):
             (on_mean.astype(d_mean.dtype), on_log_variance.astype(d_log_variance.dtype))
         )
 
+    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        mean, log_variance = self._pair(outputs)
+        ones = type(outputs)((jnp.ones_like(mean), jnp.ones_like(log_variance)))
+        return _diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
+
+    def sample(self, outputs: Any, key: Any) -> Any:
+        """Targets `mean + exp(log_variance / 2) * noise`, the noise standard normal."""
+        mean, log_variance = self._pair(outputs)
+        noise = jax.random.normal(key, jnp.shape(mean), jnp.result_type(mean))
+        return mean + jnp.exp(log_variance / 2) * noise
+
 
 class PoissonNLL(AbstractLoss):
     """The negative log-likelihood of counts under Poisson distributions whose log-rates
@@ -399,6 +512,16 @@ class PoissonNLL(AbstractLoss):
         fisher = jnp.exp(outputs) if self.log_rate else 1 / outputs
         product = _reduced(fisher * tangents, outputs, self.reduction, "PoissonNLL")
         return product.astype(tangents.dtype)
+
+    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        ones = jnp.ones_like(_one_array(outputs, "PoissonNLL", "log-rates or rates"))
+        return _diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
+
+    def sample(self, outputs: Any, key: Any) -> Any:
+        """Counts drawn from the Poisson distributions, in the outputs' dtype."""
+        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        rate = jnp.exp(outputs) if self.log_rate else outputs
+        return jax.random.poisson(key, rate, outputs.shape).astype(outputs.dtype)
 
 
 class SoftmaxCrossEntropy(AbstractLoss):
@@ -489,6 +612,21 @@ class SoftmaxCrossEntropy(AbstractLoss):
         product = _reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
         labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
         return self._summing_to_one(labels, logits, product.astype(tangents.dtype))
+
+    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # Column c is sqrt(p_c) (e_c - p): their outer products sum to diag(p) - p p^T.
+        logits = self._logits(outputs)
+        p = jax.nn.softmax(logits, axis=-1)
+        units = jnp.eye(logits.shape[-1], dtype=p.dtype)
+        columns = jnp.sqrt(p)[..., None] * (units - p[..., None, :])
+        scale = _reduced(
+            jnp.ones((), p.dtype), logits, self.reduction, "SoftmaxCrossEntropy", classes=True
+        )
+        return jnp.moveaxis(columns, -2, 0) * jnp.sqrt(scale)
+
+    def sample(self, outputs: Any, key: Any) -> Any:
+        """Class indices drawn from the softmax of the logits (integer labels)."""
+        return jax.random.categorical(key, self._logits(outputs), axis=-1)
 
     def _summing_to_one(self, labels: Any, logits: Any, product: Any) -> Any:
         """`product`, refused where probabilities as labels do not sum to one per example:

@@ -373,7 +373,7 @@ class AbstractVectorBlocks(AbstractBlocked):
         """The name messages give the work."""
 
     @property
-    def _strategies(self) -> tuple[Any, ...]:
+    def strategies(self) -> tuple[Any, ...]:
         if self.strategy in (None, "linearize", "recompute"):
             return (self.strategy,)
         # As the transform's own call: one linearisation kept, or `fn` again per block.
@@ -394,7 +394,7 @@ class AbstractVectorBlocks(AbstractBlocked):
         nbatches = None if self.nbatches is None else min(self.nbatches, k)
         return plan_blocks(k, nbatches=nbatches, batch_size=self.batch_size).block_size
 
-    def _with_block_size(self, size: int, strategy: Any) -> AbstractVectorBlocks:
+    def with_block_size(self, size: int, strategy: Any) -> AbstractVectorBlocks:
         return dataclasses.replace(
             self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
         )
@@ -432,7 +432,7 @@ class ProductBlocks(AbstractVectorBlocks):
     def _owner(self) -> str:
         return type(self.fn.transform).__name__
 
-    def _work(self, matrix: Any) -> Work:
+    def work(self, matrix: Any) -> Work:
         k = matrix.shape[1]
         return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
 

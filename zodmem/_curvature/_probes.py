@@ -79,7 +79,7 @@ class Probes(AbstractVectorBlocks):
     def _owner(self) -> str:
         return self.owner
 
-    def _work(self) -> Work:
+    def work(self) -> Work:
         total = self.job.count(self.fn)
         return Work(total, self.job.what, "result", self._block_size(total)).per_device(self._split)
 

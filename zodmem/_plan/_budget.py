@@ -359,7 +359,7 @@ class Planner:
     def __init__(self, transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]):
         self.transform, self.args, self.kwargs, self.run = transform, args, kwargs, run
         self.owner = type(transform).__name__
-        self.work = transform._work(*args, **kwargs)  # traces fn for a derivative
+        self.work = transform.work(*args, **kwargs)  # traces fn for a derivative
         self.shapes = abstract((transform, args, kwargs))  # arrays and tracers as shapes
         self.policy = policy_of(jax.default_backend())
         self.budget, self.source = budget_of(transform.max_memory)
@@ -373,7 +373,7 @@ class Planner:
     def plan(self) -> tuple[Plan, Any]:
         """The plan and the executable of its chosen candidate."""
         if self.budget is None or self.work.total == 0:
-            chosen = (self.transform._strategies[0], None)
+            chosen = (self.transform.strategies[0], None)
             final = self.candidate(*chosen)
         else:
             try:
@@ -402,7 +402,7 @@ class Planner:
         options) with `strategy`; a probe only for its memory."""
         transform = self.transform
         if size is not None:
-            transform = transform._with_block_size(size, strategy)
+            transform = transform.with_block_size(size, strategy)
         before = resident_bytes()
         compiled = compile_call(
             self.run,
@@ -469,7 +469,7 @@ class Planner:
         """The first strategy with a block size that fits, and that size; `_NoFit` with
         the least peak seen where none does."""
         leasts = []
-        for strategy in self.transform._strategies:
+        for strategy in self.transform.strategies:
             one = self.one_item_first(strategy, usable)
             if one is not None:
                 return strategy, one
@@ -481,12 +481,12 @@ class Planner:
 
     def one_item_first(self, strategy: Any, usable: int) -> int | None:
         """One item per block, where the platform caps a block's temporaries and one
-        item alone makes a value past the cap (`AbstractBlocked._item_bytes`): compiled
+        item alone makes a value past the cap (`AbstractBlocked.item_bytes`): compiled
         for the call, it is the plan when it fits, in one compile."""
         cap = self.policy.block_bytes
         if cap is None or self.work.total < 2 or (strategy, 1) in self.measured:
             return None
-        item = self.transform._item_bytes(*self.args, **self.kwargs)
+        item = self.transform.item_bytes(*self.args, **self.kwargs)
         if item is None or item < cap:
             return None
         self.for_call.add((strategy, 1))
@@ -540,7 +540,7 @@ class Planner:
         return least
 
     def refusal(self, nofit: _NoFit) -> MemoryBudgetError:
-        strategies = self.transform._strategies
+        strategies = self.transform.strategies
         error = refusal(
             self.owner,
             self.budget,

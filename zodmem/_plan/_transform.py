@@ -71,18 +71,30 @@ class AbstractBlocked(AbstractTransform):
     memory budget, `max_memory`.
 
     Calling it plans the blocks when it has a budget (`plan`), then runs the transform
-    with that block size (`_run`). A concrete transform says what its work is (`_work`)
-    and how to fix its block size (`_with_block_size`).
+    with that block size. A concrete transform declares `max_memory` and `progress`
+    fields and fills two methods:
+
+    - `work(*args, **kwargs)`: what the call with these arguments cuts into blocks (a
+      `zodmem.contract.Work`: how many items, named how, and the block size its own count
+      option gives);
+    - `with_block_size(size, strategy)`: itself with `size` items per block and no
+      budget, which is how a plan is applied;
+
+    and may restate `strategies` (ways to compute a block, for the planner to choose
+    between) and `item_bytes` (what one item makes on its own). Transforms whose result
+    can also be streamed or sharded derive from `AbstractSharded` instead, which runs
+    the call for them.
     """
 
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
 
-    def _item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+    def item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
         """The bytes of the largest value that one item of the work makes on its own, as
-        far as the transform can read it from its function without compiling (`None`:
-        not known). On a CPU a planner takes one item per block straight away where this
-        passes the temporaries a block is given (`_budget.CPU_BLOCK_BYTES`)."""
+        far as the transform can read it from its function without compiling (`None`, the
+        default: not known). On a CPU the planner takes one item per block straight away
+        where this passes the temporaries a block is given, rather than compiling
+        candidates that cannot be faster."""
         return None
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -167,20 +179,29 @@ class AbstractBlocked(AbstractTransform):
         plan, executable = compiled_plan(self._quiet, args, kwargs, run=run)
         if plan.total == 0:
             return self, executable
-        return self._with_block_size(plan.block_size, plan.strategy), executable
+        return self.with_block_size(plan.block_size, plan.strategy), executable
 
     @property
-    def _strategies(self) -> tuple[Any, ...]:
-        """The ways to compute a block that the planner may choose, the first preferred."""
+    def strategies(self) -> tuple[Any, ...]:
+        """The ways to compute a block that the planner may choose, the first preferred
+        (the default, `(None,)`: one way). The planner tries them in order and takes the
+        first whose compiled call fits the budget; `with_block_size` receives it."""
         return (None,)
 
     @abc.abstractmethod
-    def _work(self, *args: Any, **kwargs: Any) -> Work:
-        """What the call with these arguments cuts into blocks."""
+    def work(self, *args: Any, **kwargs: Any) -> Work:
+        """What the call with these arguments cuts into blocks: a `Work` with the number
+        of items, their name and the result's name (for messages), and the block size
+        the transform's own count option gives (all items when it has none). The
+        arguments are those of the call, arrays or tracers; nothing may run here but
+        shape evaluation. A sharded transform returns `Work(...).per_device(self._split)`,
+        the work of one device."""
 
     @abc.abstractmethod
-    def _with_block_size(self, size: int, strategy: Any) -> AbstractBlocked:
-        """This transform with `size` items per block (and `strategy`), and no budget."""
+    def with_block_size(self, size: int, strategy: Any) -> AbstractBlocked:
+        """This transform with `size` items per block, computed by `strategy` (one of
+        `strategies`), and no budget: the transform a plan runs. Typically
+        `dataclasses.replace(self, batch_size=size, max_memory=None)`."""
 
     @abc.abstractmethod
     def _run(self, *args: Any, **kwargs: Any) -> Any:
@@ -200,27 +221,38 @@ class AbstractStreamable(AbstractBlocked):
 
 
 class AbstractSharded(AbstractStreamable):
-    """A streamable transform whose result `sharding` may spread over devices.
+    """The base of a blocked transform whose result may be planned from a budget,
+    streamed to the host or a file (`zm.to_host`, `zm.to_file`) and spread over devices
+    (`sharding`).
 
     The base runs the call: compiled (with `jit`), as global arrays when the mesh spans
-    processes, here or over the devices (`dispatch`), kept or streamed. A concrete
-    transform says what its work is (`_work`), how to fix its block size
-    (`_with_block_size`) and how to compute one device's share of the result
-    (`_share`); `_result_specs` may say how the result's parts are placed.
+    processes, here or over the devices, kept or streamed. A concrete transform declares
+    the fields `fn`, `max_memory`, `sharding`, `jit` and `progress` and fills three
+    methods: `work` and `with_block_size` (of `AbstractBlocked`) and
+    `compute_share(sink, share, split, *args, **kwargs)`, which computes the result (or
+    one device's share of it) with the block loops of `zodmem.contract`. It may restate
+    `result_specs` where its result is not one array split like `sharding`. The page
+    "Writing your own transform" of the documentation builds one.
     """
 
     sharding: eqx.AbstractVar[NamedSharding | None]
     jit: eqx.AbstractVar[bool]
 
     @abc.abstractmethod
-    def _share(
+    def compute_share(
         self, sink: Any, share: Share | None, split: Split | None, *args: Any, **kwargs: Any
     ) -> Any:
-        """The result (with `share`, of `split`, the part one device makes of it), its
-        blocks handed to `sink` when it is not `None` (an `OutputSink`)."""
+        """The result of the call with these arguments, in the blocks `work` describes.
 
-    def _result_specs(self, spec: PartitionSpec) -> Any:
-        """The `out_specs` of the result when `sharding` has the spec `spec`."""
+        With `split` (how `sharding` spreads the result) and `share` (this device's
+        place in it), only this device's share, which `zodmem.contract.share_of` turns
+        into the block plan and the offset of its items. With `sink` (not `None`, the
+        call is streamed), each finished block is handed to `sink.part(...)` through the
+        block loop's `sink` argument rather than written into a result on the device."""
+
+    def result_specs(self, spec: PartitionSpec) -> Any:
+        """The partition specs of the result's parts when `sharding` has the spec `spec`
+        (the default: the result is one array placed by `spec`)."""
         return spec
 
     @property
@@ -241,11 +273,11 @@ class AbstractSharded(AbstractStreamable):
 
 def _sharded(transform: AbstractSharded, args: tuple, kwargs: dict, sink: Any = None) -> Any:
     split = transform._split
-    out_specs = None if split is None else transform._result_specs(transform.sharding.spec)
+    out_specs = None if split is None else transform.result_specs(transform.sharding.spec)
 
     def compute(share, split, inputs):
         args, kwargs = inputs
-        return transform._share(sink, share, split, *args, **kwargs)
+        return transform.compute_share(sink, share, split, *args, **kwargs)
 
     return dispatch(compute, (args, kwargs), split, here=sink is not None, out_specs=out_specs)
 
@@ -303,19 +335,19 @@ class AbstractDerivative(AbstractSharded):
             check_bool(getattr(self, name), name, owner=owner)
 
     @property
-    def _strategies(self) -> tuple[str, ...]:
+    def strategies(self) -> tuple[str, ...]:
         # Keeping one linearisation is faster; recomputing is the way out when its
         # residuals leave no room for a block.
         if self.strategy != "auto":
             return (self.strategy,)
         return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
 
-    def _with_block_size(self, size: int, strategy: Any) -> AbstractDerivative:
+    def with_block_size(self, size: int, strategy: Any) -> AbstractDerivative:
         return dataclasses.replace(
             self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
         )
 
-    def _result_specs(self, spec: PartitionSpec) -> Any:
+    def result_specs(self, spec: PartitionSpec) -> Any:
         return (spec, PartitionSpec()) if self.has_aux else spec
 
     def _split_mode(self, mode: str, what: str) -> str:

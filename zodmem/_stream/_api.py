@@ -233,7 +233,7 @@ def _write_or_resume(
         journal.create(fingerprint, files, header)
     elif transform.max_memory is not None and header.get("block_size"):
         # The blocks the journal counts: the size planned when the file was made.
-        planned = transform._with_block_size(header["block_size"], header.get("strategy"))
+        planned = transform.with_block_size(header["block_size"], header.get("strategy"))
     else:
         planned = transform
     files.open()

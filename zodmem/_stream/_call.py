@@ -52,8 +52,8 @@ class Layout(NamedTuple):
 def _layout(transform: Any, args: tuple, kwargs: dict) -> Layout:
     if transform.max_memory is not None:
         # Any block size gives the same result; the one the count options would give.
-        size = max(transform._work(*args, **kwargs).block_size, 1)
-        transform = transform._with_block_size(size, transform._strategies[0])
+        size = max(transform.work(*args, **kwargs).block_size, 1)
+        transform = transform.with_block_size(size, transform.strategies[0])
     program, dynamic, static = eqx.filter_make_jaxpr(lambda t, a, k: t._run(*a, **k))(
         transform, args, kwargs
     )
@@ -80,7 +80,7 @@ def _planned(transform: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _block_size(planned: Any, args: tuple, kwargs: dict) -> tuple[int, Any]:
-    work = planned._work(*args, **kwargs)
+    work = planned.work(*args, **kwargs)
     return work.block_size, planned.config.get("strategy")
 
 

@@ -94,7 +94,7 @@ def _shares(transform: Any, args: tuple, kwargs: dict, name: str) -> _Shares:
 
     def one_share(args, kwargs):
         share = Share(jnp.asarray(0, jnp.int32), split.count)
-        return transform._share(sink, share, split, *args, **kwargs)
+        return transform.compute_share(sink, share, split, *args, **kwargs)
 
     eqx.filter_eval_shape(one_share, args, kwargs)  # traced for its parts only
     rows = {leaf: plan.total for leaves, plan in sink.parts for leaf in leaves}
@@ -158,7 +158,7 @@ def _run_shares(
         def compute(share, inputs):
             (args, kwargs), starts = inputs
             sink = OutputSink(write, starts[0], share=share.index)
-            transform._share(sink, share, split, *args, **kwargs)
+            transform.compute_share(sink, share, split, *args, **kwargs)
             return None
 
         def specs(arrays):

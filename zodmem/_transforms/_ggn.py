@@ -144,21 +144,21 @@ class BatchedGGN(AbstractDerivative):
     ) -> Float[Array, "n n"] | tuple[Float[Array, "n n"], Any]:
         return self._call((x, *args), kwargs)
 
-    def _share(
+    def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
         return _ggn_share(self, x, args, kwargs, sink, share, split)
 
-    def _result_specs(self, spec: PartitionSpec) -> Any:
+    def result_specs(self, spec: PartitionSpec) -> Any:
         if len(spec) > 2:
             raise ValueError(
                 f"BatchedGGN: `sharding` has the spec {spec}, for {len(spec)} axes, but the "
                 "matrix has 2: split its rows, PartitionSpec('d', None), or its columns, "
                 "PartitionSpec(None, 'd')."
             )
-        return super()._result_specs(spec)
+        return super().result_specs(spec)
 
-    def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         n = eqx.filter_eval_shape(lambda x: split_variables(x, owner=_OWNER)[0], x)
         total = n.shape[0]
         plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)

@@ -128,7 +128,7 @@ class BatchedHessian(AbstractDerivative):
     ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
         return self._call((x, *args), kwargs)
 
-    def _share(
+    def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
         return _hessian_share(self, x, args, kwargs, sink, share, split)
@@ -188,16 +188,16 @@ class BatchedHessian(AbstractDerivative):
             self, _hessian_products, x, args, kwargs, square=True, tags=lx.symmetric_tag
         )
 
-    def _result_specs(self, spec: PartitionSpec) -> Any:
+    def result_specs(self, spec: PartitionSpec) -> Any:
         if len(spec) > 2:
             raise ValueError(
                 f"BatchedHessian: `sharding` has the spec {spec}, for {len(spec)} axes, but "
                 "the Hessian has 2: split its rows, PartitionSpec('d', None), or its "
                 "columns, PartitionSpec(None, 'd')."
             )
-        return super()._result_specs(spec)
+        return super().result_specs(spec)
 
-    def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
         n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
         total = n.shape[0]
         plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)

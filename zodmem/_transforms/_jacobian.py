@@ -126,13 +126,13 @@ class BatchedJacobian(AbstractDerivative):
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
         return self._call((x, *args), kwargs)
 
-    def _share(
+    def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
         return _jacobian_share(self, x, args, kwargs, sink, share, split)
 
-    def _work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
-        return _work(self, x, args, kwargs)
+    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+        return _jacobian_work(self, x, args, kwargs)
 
     @public
     def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
@@ -263,7 +263,7 @@ def _jacobian_products(transform: BatchedJacobian, x: Any, args: tuple, kwargs: 
     return flat, variables, jvp
 
 
-def _work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work:
+def _jacobian_work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work:
     def count(x, args, kwargs):
         prepared = _prepare(transform, x, args, kwargs)
         return prepared.n, prepared.m, prepared.mode  # not arrays: returned as they are

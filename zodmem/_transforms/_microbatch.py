@@ -243,14 +243,14 @@ class Microbatcher(AbstractBlocked):
             args, kwargs = to_mesh((args, kwargs), split.mesh)
         return _microbatch_jit(self, args, kwargs, split)
 
-    def _work(self, *args: Any, **kwargs: Any) -> Work:
+    def work(self, *args: Any, **kwargs: Any) -> Work:
         batch = _batch_of(self, args, kwargs)
         total = _batch_size(batch)
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
         split = _batch_split(batch, planned=True)
         return Work(total, "examples", "result", size).per_device(split)
 
-    def _with_block_size(self, size: int, strategy: Any) -> Microbatcher:
+    def with_block_size(self, size: int, strategy: Any) -> Microbatcher:
         return dataclasses.replace(self, microbatch_size=size, max_memory=None)
 
     @public

@@ -179,14 +179,14 @@ class ChunkedVmap(AbstractStreamable):
     def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
         return _chunked_vmap(self, args, kwargs, sink=sink)
 
-    def _work(self, *args: Any, **kwargs: Any) -> Work:
+    def work(self, *args: Any, **kwargs: Any) -> Work:
         mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
         total = mapped.total or 0
         size = total if self.chunk_size is None else min(self.chunk_size, total)
         split = batch_split(mapped.leaves, mapped.axes, planned=True)
         return Work(total, "elements", "output", size).per_device(split)
 
-    def _item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+    def item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
         mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
         if not mapped.total:
             return None
@@ -210,7 +210,7 @@ class ChunkedVmap(AbstractStreamable):
             return None
         return largest_made_from(traced.jaxpr, made_from)
 
-    def _with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
+    def with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
 
 
