@@ -4,13 +4,20 @@ from . import (
     _traceback,  # noqa: F401  (registers zodmem's files for traceback filtering)
     losses as losses,
 )
+from ._approximation import (
+    ApproximationError as ApproximationError,
+    approximation_error as approximation_error,
+)
 from ._curvature._covariance import covariance as covariance
 from ._curvature._diagonal import diagonal as diagonal, trace as trace
-from ._curvature._lanczos import eigsh as eigsh
+from ._curvature._eigsh import eigsh as eigsh
 from ._curvature._logdet import logdet as logdet, trace_function as trace_function
-from ._curvature._low_rank import LowRankDiagonal as LowRankDiagonal, low_rank as low_rank
+from ._curvature._low_rank import low_rank as low_rank
+from ._curvature._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
 from ._curvature._solve import marginal_variances as marginal_variances, solve as solve
 from ._curvature._spectral import spectral_density as spectral_density
+from ._kfac import EKFAC as EKFAC, KFAC as KFAC
+from ._kfac_operator import KroneckerFactored as KroneckerFactored
 from ._plan._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
 from ._plan._transform import AbstractTransform as AbstractTransform
 from ._pytree import (
@@ -39,11 +46,15 @@ __all__ = [
     "AbstractTransform",
     "AccumulationType",
     "Accumulator",
+    "ApproximationError",
     "BatchedGGN",
     "BatchedHessian",
     "BatchedJacobian",
     "CheckpointedScan",
     "ChunkedVmap",
+    "EKFAC",
+    "KFAC",
+    "KroneckerFactored",
     "LowRankDiagonal",
     "MemoryBudgetError",
     "Microbatcher",
@@ -51,6 +62,7 @@ __all__ = [
     "SerialisationError",
     "SlicedScan",
     "Static",
+    "approximation_error",
     "covariance",
     "diagonal",
     "eigsh",

@@ -1,0 +1,133 @@
+"""`approximation_error`: how far an approximate curvature operator (KFAC, EKFAC, low
+rank, a diagonal) is from the exact one, in products on random vectors and in the top
+eigenvalues."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import lineax as lx
+
+from ._checks import check_int, check_key, described
+from ._traceback import public
+
+__all__ = ["ApproximationError", "approximation_error"]
+
+
+class ApproximationError(NamedTuple):
+    """What `zm.approximation_error` measured: relative errors of an approximate
+    operator's products and top eigenvalues against the exact operator's.
+
+    - `products`: `(num_vectors,)`, `|(approx - exact) v| / |exact v|` for each random
+      vector `v` (standard normal entries).
+    - `eigenvalues`: `(k,)`, `|approx_eigenvalues - exact_eigenvalues| / |exact_eigenvalues|`,
+      the `i`-th largest of one against the `i`-th largest of the other.
+    - `approx_eigenvalues`, `exact_eigenvalues`: `(k,)`, the top `k`, largest first.
+    """
+
+    products: jax.Array
+    eigenvalues: jax.Array
+    approx_eigenvalues: jax.Array
+    exact_eigenvalues: jax.Array
+
+
+def _flat(operator: Any, name: str, owner: str) -> tuple[Any, int, Any]:
+    """`operator`'s product as a function of flat vectors (a pytree of variables raveled in
+    leaf order, as zodmem's operators ravel them), their size and dtype."""
+    if not isinstance(operator, lx.AbstractLinearOperator):
+        raise TypeError(
+            f"{owner}: `{name}` must be a lineax linear operator (such as zm.KFAC's result or "
+            f"zm.BatchedGGN(...).operator(x, *args)), got {described(operator)}."
+        )
+    leaves, treedef = jax.tree_util.tree_flatten(operator.in_structure())
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    dtype = jnp.result_type(*leaves)
+
+    def product(vector: jax.Array) -> jax.Array:
+        pieces = jnp.split(vector, list(itertools.accumulate(sizes))[:-1])
+        shaped = [
+            p.reshape(leaf.shape).astype(leaf.dtype) for p, leaf in zip(pieces, leaves, strict=True)
+        ]
+        out = jax.tree_util.tree_leaves(operator.mv(jax.tree_util.tree_unflatten(treedef, shaped)))
+        return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in out])
+
+    return product, sum(sizes), dtype
+
+
+@public
+def approximation_error(
+    approx: Any, exact: Any, *, key: Any, num_vectors: Any = 8, k: Any = 4
+) -> ApproximationError:
+    """How well `approx` approximates `exact`: relative errors of products on random
+    vectors and of the top `k` eigenvalues.
+
+    Use it to choose a curvature approximation (`zm.KFAC`, `zm.EKFAC`, `zm.low_rank`, a
+    diagonal) for a model: `exact` is `zm.BatchedGGN(fn, loss).operator(x, *args)`,
+    whose products cost a forward and backward pass each. The products take
+    `num_vectors` products of each operator; the eigenvalues are `zm.eigsh`'s (`k`
+    largest) of each.
+
+    **Arguments:**
+
+    - `approx`, `exact`: symmetric lineax operators on the same variables, flat (as
+      `zm.KroneckerFactored`) or a pytree of them (as `zm.BatchedGGN`'s operator of a
+      model), raveled in leaf order; `n` their number.
+    - `key`: a `jax.random` key, for the vectors and eigsh's starts.
+    - `num_vectors`: how many random vectors, at least 1.
+    - `k`: how many eigenvalues, `0 <= k < n` (`0`: none).
+
+    **Returns:**
+
+    An `ApproximationError`: `.products` `(num_vectors,)` and `.eigenvalues` `(k,)`
+    relative errors, and the eigenvalues themselves.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, equinox as eqx
+        import zodmem as zm
+
+        model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+        inputs = jax.random.normal(jax.random.key(1), (32, 3))
+        targets = jnp.zeros((32, 2))
+        predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+        loss = zm.losses.SquaredError()
+        exact = zm.BatchedGGN(predict, loss).operator(model, inputs, targets)
+        kfac = zm.KFAC(predict, loss)(model, inputs, targets)
+        error = zm.approximation_error(kfac, exact, key=jax.random.key(2), k=3)
+        assert error.products.shape == (8,) and error.eigenvalues.shape == (3,)
+        ```
+    """
+    import zodmem as zm
+
+    owner = "zm.approximation_error"
+    approx_product, n, dtype = _flat(approx, "approx", owner)
+    exact_product, m, _ = _flat(exact, "exact", owner)
+    if n != m:
+        raise ValueError(
+            f"{owner}: `approx` takes vectors of size {n} and `exact` of size {m}; they must "
+            "be operators on the same variables."
+        )
+    key = check_key(key, owner=owner)
+    num_vectors = check_int(num_vectors, "num_vectors", owner=owner, minimum=1)
+    k = check_int(k, "k", owner=owner, minimum=0)
+    if k >= n:
+        raise ValueError(f"{owner}: `k` must be below n = {n}, the operators' size; got k={k}.")
+    vector_key, approx_key, exact_key = jax.random.split(key, 3)
+    vectors = jax.random.normal(vector_key, (num_vectors, n), dtype)
+    products = []
+    for vector in vectors:
+        reference = exact_product(vector)
+        error = jnp.linalg.norm(approx_product(vector) - reference)
+        products.append(error / jnp.linalg.norm(reference))
+    if k == 0:
+        empty = jnp.zeros((0,), dtype)
+        return ApproximationError(jnp.stack(products), empty, empty, empty)
+    approx_values = zm.eigsh(approx, k, key=approx_key)[0][::-1]
+    exact_values = zm.eigsh(exact, k, key=exact_key)[0][::-1]
+    errors = jnp.abs(approx_values - exact_values) / jnp.abs(exact_values)
+    return ApproximationError(jnp.stack(products), errors, approx_values, exact_values)

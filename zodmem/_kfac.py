@@ -1,0 +1,356 @@
+"""Kronecker-factored curvature of any Equinox model: `KFAC` and `EKFAC`.
+
+The layers are found in the traced program (`_kfac_trace`): for a layer with inputs
+`a` (a row per example, and per position where the weight is shared) and gradients `g`
+of the loss with respect to its outputs, its block of the Gauss-Newton matrix is
+approximated by `B ⊗ A` with
+
+    A = sum(a a^T) / R,    B = sum(g g^T),
+
+`R` the number of rows, in the weight's layout `(out, in)` (a bias a last column of
+the weight, its input a one). The gradients are those of the columns of a square root
+of the loss's Hessian (`fisher="type-2"`), of the loss at targets drawn from the model
+(`"mc"`) or at the true targets (`"empirical"`). These are curvlinops' factors
+(`KFACLinearOperator`, `kfac_approx="expand"`, `separate_weight_and_bias=False`).
+EKFAC keeps the factors' eigenvectors and replaces the eigenvalues by the second moments
+of the per-example gradients in that basis (George et al., 2018).
+
+The data are reduced in microbatches by `zm.Microbatcher`; a loss with `reduction="mean"`
+has its gradients' moments averaged over the microbatches, weighted by their sizes, so
+that the result is the one of the whole batch at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from . import _kfac_trace as trace
+from ._checks import (
+    as_index,
+    check_bool,
+    check_callable,
+    check_choice,
+    check_int,
+    check_key,
+    described,
+)
+from ._kfac_operator import KroneckerBlock, KroneckerFactored
+from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
+from ._pytree import Variables, split_variables
+from ._traceback import public
+from .losses import AbstractLoss
+
+__all__ = ["EKFAC", "KFAC"]
+
+_FISHERS = ("type-2", "mc", "empirical")
+
+
+def _example_axes(program: Callable, leaves: list, args: tuple, found: trace.Program, jaxpr: Any):
+    """Per layer, which axis of its rows holds the examples, or None (each row then
+    counts as an example): the one axis that grows by one with the batch."""
+    none = (None,) * len(found.layers)
+    batched = [leaf for leaf in jax.tree_util.tree_leaves(args) if eqx.is_array(leaf)]
+    if not batched or any(leaf.ndim == 0 for leaf in batched):
+        return none
+
+    def grown(leaf: Any) -> Any:
+        if not eqx.is_array(leaf):
+            return leaf
+        return jax.ShapeDtypeStruct((leaf.shape[0] + 1,) + leaf.shape[1:], leaf.dtype)
+
+    try:
+        bigger = jax.make_jaxpr(program)(leaves, jax.tree_util.tree_map(grown, args)).jaxpr
+    except Exception:  # a program that takes no other batch size shows no examples axis
+        return none
+    if trace.find_layers(bigger, len(leaves)) != found:
+        return none
+    axes = []
+    for layer in found.layers:
+        before, after = trace.rows_shape(jaxpr, layer), trace.rows_shape(bigger, layer)
+        moved = [d for d, (m, n) in enumerate(zip(before, after, strict=True)) if m != n]
+        one = len(moved) == 1 and after[moved[0]] == before[moved[0]] + 1
+        axes.append(moved[0] if one else None)
+    return tuple(axes)
+
+
+def _blocks(found: trace.Program, variables: Variables, sums: dict) -> tuple:
+    """The operator's blocks and factors, in the order of their first leaves."""
+    entries = []
+    for k, layer in enumerate(found.layers):
+        leaves = (layer.weight,) if layer.bias is None else (layer.weight, layer.bias)
+        names = tuple(variables.names[leaf] for leaf in leaves)
+        block = KroneckerBlock(names, leaves, layer.weight_axes, layer.out_size, layer.in_size)
+        factors = (sums["inputs"][k] / sums["rows"][k], sums["gradients"][k])
+        entries.append((block, factors))
+    for leaf, dense in zip(found.others, sums["dense"], strict=True):
+        ndim = len(variables.shapes[leaf])
+        block = KroneckerBlock((variables.names[leaf],), (leaf,), tuple(range(ndim)), len(dense), 1)
+        entries.append((block, (jnp.ones((1, 1), dense.dtype), dense)))
+    entries.sort(key=lambda entry: entry[0].leaves[0])
+    return tuple(entry[0] for entry in entries), [entry[1] for entry in entries]
+
+
+class _KroneckerCurvature(eqx.Module):
+    """What `KFAC` and `EKFAC` share: their options, checks and call."""
+
+    fn: Callable[..., Any]
+    loss: Any
+    fisher: str = eqx.field(default="type-2", static=True, kw_only=True)
+    mc_samples: int = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
+    key: Any = eqx.field(default=None, kw_only=True)
+    microbatch_size: int | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
+    max_memory: int | str | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=as_index
+    )
+    progress: bool = eqx.field(default=False, static=True, kw_only=True)
+
+    _corrected: ClassVar[bool]
+    _owner: ClassVar[str]
+
+    def __check_init__(self):
+        owner = self._owner
+        check_callable(self.fn, "fn", owner=owner)
+        if not isinstance(self.loss, AbstractLoss):
+            raise TypeError(
+                f"{owner}: `loss` must be a zm.losses.AbstractLoss (such as "
+                f"zm.losses.SquaredError() or SoftmaxCrossEntropy()), whose Hessian's square "
+                f"root and likelihood the factors use; got {described(self.loss)}."
+            )
+        check_choice(self.fisher, "fisher", _FISHERS, owner=owner)
+        check_int(self.mc_samples, "mc_samples", owner=owner, minimum=1)
+        if self.fisher != "mc" and self.mc_samples != 1:
+            raise ValueError(
+                f"{owner}: `mc_samples` counts the targets drawn per example for "
+                f"fisher='mc'; with fisher={self.fisher!r} it must be 1, got "
+                f"mc_samples={self.mc_samples}."
+            )
+        if self.fisher == "mc":
+            if self.key is None:
+                raise ValueError(
+                    f"{owner}: fisher='mc' draws targets from the model's likelihood and "
+                    "needs a `key`, e.g. key=jax.random.key(0); got key=None."
+                )
+            check_key(self.key, owner=owner)
+        check_int(self.microbatch_size, "microbatch_size", owner=owner, minimum=1, optional=True)
+        if self.microbatch_size is not None and self.max_memory is not None:
+            raise ValueError(
+                f"{owner}: give at most one of `microbatch_size` and `max_memory`, got "
+                f"microbatch_size={self.microbatch_size} and max_memory={self.max_memory!r}."
+            )
+        check_bool(self.progress, "progress", owner=owner)
+
+    @public
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> KroneckerFactored:
+        # One compiled program: the statistics are many small operations.
+        return eqx.filter_jit(type(self)._factored)(self, x, args, kwargs)
+
+    def _factored(self, x: Any, args: tuple, kwargs: dict) -> KroneckerFactored:
+        owner = self._owner
+        _, variables = split_variables(x, owner=owner)
+        leaves = variable_leaves(x, variables)
+        program = traced(self.fn, variables, kwargs)
+        jaxpr = jax.make_jaxpr(program)(leaves, args).jaxpr
+        found = trace.find_layers(jaxpr, len(leaves))
+        examples = (None,) * len(found.layers)
+        if self._corrected:
+            examples = _example_axes(program, leaves, args, found, jaxpr)
+        mean = getattr(self.loss, "reduction", "sum") == "mean"
+        settings = Settings(self.fisher, self.mc_samples, mean, found, examples)
+        keys = None
+        if self.fisher == "mc":
+            keys = jax.random.split(self.key, _batch_size(args, owner))
+        statistics = Statistics(self.fn, self.loss, variables, settings, kwargs)
+        each = "mean" if mean else "sum"
+        accumulator = {"inputs": "sum", "rows": "sum", "gradients": each, "dense": each}
+        sums = self._reduce(statistics, accumulator, leaves, keys, args)
+        blocks, factors = _blocks(found, variables, sums)
+        operator = KroneckerFactored(
+            blocks,
+            [a for a, _ in factors],
+            [b for _, b in factors],
+            shapes=variables.shapes,
+            dtype=variables.dtype,
+        )
+        if not self._corrected or not found.layers:
+            return operator
+        return self._correct(operator, statistics, each, leaves, keys, args)
+
+    def _correct(self, operator, statistics, each, leaves, keys, args) -> KroneckerFactored:
+        """EKFAC: the per-example gradients' moments in the factors' eigenbases."""
+        settings = statistics.settings
+        weights = [settings.program.layers[k].weight for k in range(len(settings.program.layers))]
+        position = {block.leaves[0]: k for k, block in enumerate(operator.blocks)}
+        layer_blocks = [position[weight] for weight in weights]
+        bases = [(operator.input_bases[k], operator.gradient_bases[k]) for k in layer_blocks]
+        statistics = eqx.tree_at(lambda s: s.bases, statistics, bases, is_leaf=lambda v: v is None)
+        corrections = self._reduce(statistics, {"eigenvalues": each}, leaves, keys, args)
+        eigenvalues = list(operator.eigenvalues)
+        for k, values in zip(layer_blocks, corrections["eigenvalues"], strict=True):
+            eigenvalues[k] = values
+        return operator.with_eigenvalues(eigenvalues)
+
+    def _reduce(self, statistics, accumulator, leaves, keys, args) -> dict:
+        """`statistics` over the whole batch, in microbatches where asked."""
+        if self.microbatch_size is None and self.max_memory is None:
+            return statistics(leaves, keys, *args)
+        import zodmem as zm
+
+        if not args:
+            raise ValueError(
+                f"{self._owner}: `microbatch_size` and `max_memory` cut the data arguments "
+                "(those after `x`) into microbatches, but the call has none."
+            )
+        argnums = tuple(range(2, 2 + len(args))) + ((1,) if keys is not None else ())
+        batched = zm.Microbatcher(
+            statistics,
+            microbatch_size=self.microbatch_size,
+            max_memory=self.max_memory,
+            argnums=argnums,
+            accumulator=accumulator,
+            progress=self.progress,
+        )
+        return batched(leaves, keys, *args)
+
+
+def _batch_size(args: tuple, owner: str) -> int:
+    """The number of examples: the length of the data arguments' leading axis."""
+    for leaf in jax.tree_util.tree_leaves(args):
+        if eqx.is_array(leaf) and leaf.ndim > 0:
+            return leaf.shape[0]
+    raise ValueError(
+        f"{owner}: fisher='mc' draws targets per example, counted along the leading axis of "
+        "the data arguments (those after `x`), but the call has no array among them."
+    )
+
+
+class KFAC(_KroneckerCurvature):
+    """Kronecker-factored approximate curvature (KFAC) of any Equinox model: the
+    Gauss-Newton (Fisher) matrix of `loss(fn(x, *args), *args)` with respect to the
+    inexact leaves of `x`, approximated block by block over the layers found in `fn`'s
+    traced program, as a `zm.KroneckerFactored` operator.
+
+    Use it where the exact matrix (`zm.BatchedGGN`) is too large to form or to invert:
+    it costs one pass over the data (a forward pass and one backward pass a column of
+    the loss's Hessian's square root), holds per layer two factors of the sizes of the
+    layer's inputs and outputs, and its damped solves and log-determinant are exact
+    for the approximation, for natural-gradient steps and Laplace posteriors.
+
+    **The layers** are found in the program: a weight leaf used as an operand of a
+    `dot_general` (`eqx.nn.Linear`, `w @ a` or `a @ w`, attention's projections, under
+    `vmap`, `jit` or `checkpoint`) or as the kernel of a `conv_general_dilated`
+    (`eqx.nn.Conv2d`, ungrouped), the other operand being the layer's input. A bias
+    leaf added to that output joins the layer as a last column of the weight, its input
+    a one. For each layer, with `a` its input in rows (one per example and per position
+    where the weight is shared: a sequence's tokens, a convolution's patches) and `g`
+    the gradients with respect to its output in the same rows,
+
+        A = sum(a a^T) / R,    B = sum(g g^T),    block ≈ B ⊗ A
+
+    in the weight's layout `(out, in)`, `R` the number of rows: curvlinops'
+    `KFACLinearOperator` with `kfac_approx="expand"` and
+    `separate_weight_and_bias=False`. For a linear model with `zm.losses.SquaredError`
+    the block is exact.
+
+    **Every other leaf** (a normalisation's scale, a weight used twice or inside a
+    `lax.scan`) is a block of its own: its exact Gauss-Newton block `J^T H J`, whatever
+    `fisher` says, from as many products as it has entries and held dense, so such
+    leaves should be small. Blocks of different layers are not coupled.
+
+    **Arguments:**
+
+    - `fn`: the model, called as `fn(x, *args, **kwargs)`; the examples are along the
+      leading axis of the data arguments `args` and of the outputs, and must not
+      interact (no batch normalisation).
+    - `loss`: a `zm.losses.AbstractLoss`, called as `loss(outputs, *args, **kwargs)`.
+      A `reduction="mean"` loss averages over the examples (over microbatches too).
+    - `fisher`: whose gradients `g` are:
+        - `"type-2"` (the default): the columns of a square root of the loss's Hessian
+          on each example's outputs (`loss.hessian_sqrt`), back-propagated: the
+          expectation of `"mc"`, exactly;
+        - `"mc"`: gradients of the loss at `mc_samples` targets drawn per example from
+          the model's likelihood (`loss.sample`), averaged; needs `key`;
+        - `"empirical"`: gradients of the loss at the true targets.
+    - `mc_samples`: draws per example for `"mc"` (1 otherwise).
+    - `key`: a `jax.random` key for `"mc"`. Each microbatch draws from its own key.
+    - `microbatch_size`, `max_memory`: to go over the data in microbatches of that
+      many examples, or of a size planned to fit the budget (`zm.Microbatcher`'s);
+      neither means the whole batch at once. Keyword data arguments are passed whole.
+    - `progress`: a progress bar over the microbatches.
+
+    **Returns:**
+
+    Calling `KFAC(fn, loss, ...)(x, *args, **kwargs)` returns a `zm.KroneckerFactored`
+    over the flat variables of `x`, raveled as `zm.BatchedGGN` ravels them.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, equinox as eqx
+        import zodmem as zm
+
+        model = eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(0))
+        inputs = jax.random.normal(jax.random.key(1), (64, 4))
+        labels = jnp.arange(64) % 3
+        predict = lambda m, inputs, labels: jax.vmap(m)(inputs)
+        loss = zm.losses.SoftmaxCrossEntropy(reduction="mean")
+        F = zm.KFAC(predict, loss, microbatch_size=16)(model, inputs, labels)
+        grad = jax.grad(lambda m: loss(predict(m, inputs, labels), labels))(model)
+        flat = jax.flatten_util.ravel_pytree(grad)[0]
+        step = F.solve(flat, damping=1e-3)  # a natural-gradient step
+        ```
+
+    !!! warning
+
+        The layers are read from the program at each call; a weight whose use the
+        reader does not recognise falls into the dense blocks without a warning. Look
+        at `F.blocks`: each names its leaves.
+    """
+
+    _corrected: ClassVar[bool] = False
+    _owner: ClassVar[str] = "zm.KFAC"
+
+
+class EKFAC(_KroneckerCurvature):
+    """Eigenvalue-corrected KFAC (George et al., 2018): KFAC's eigenvectors with the
+    eigenvalues refitted to the data, as a `zm.KroneckerFactored` operator.
+
+    With `Q_B`, `Q_A` the eigenvectors of a layer's factors, its eigenvalue `(i, j)` is
+    the second moment of the per-example gradients in that basis,
+    `sum_n (Q_B^T G_n Q_A)_ij^2`, `G_n` example `n`'s gradient of the weight (summed
+    over its positions where the weight is shared), instead of KFAC's `b_i a_j`. In the
+    Kronecker eigenbasis it is the exact Gauss-Newton matrix's diagonal, the best
+    diagonal there in the Frobenius norm, so EKFAC's products are never further from
+    the exact matrix than KFAC's are. It costs a second pass over the data.
+
+    The examples' axis in a layer's rows is the one that grows with the batch (found by
+    tracing `fn` at one more example); where none does, each row counts as an example.
+    The dense blocks of leaves in no layer are KFAC's, exact. The arguments and the
+    result are `zm.KFAC`'s.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, equinox as eqx
+        import zodmem as zm
+
+        model = eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(0))
+        inputs = jax.random.normal(jax.random.key(1), (64, 4))
+        labels = jnp.arange(64) % 3
+        predict = lambda m, inputs, labels: jax.vmap(m)(inputs)
+        loss = zm.losses.SoftmaxCrossEntropy()
+        exact = zm.BatchedGGN(predict, loss)(model, inputs, labels)
+        kfac = zm.KFAC(predict, loss)(model, inputs, labels).as_matrix()
+        ekfac = zm.EKFAC(predict, loss)(model, inputs, labels).as_matrix()
+        assert jnp.linalg.norm(ekfac - exact) <= jnp.linalg.norm(kfac - exact)
+        ```
+    """
+
+    _corrected: ClassVar[bool] = True
+    _owner: ClassVar[str] = "zm.EKFAC"

@@ -1,0 +1,375 @@
+"""`KroneckerFactored`: a block-diagonal operator whose blocks are Kronecker products,
+the result of `zm.KFAC` and `zm.EKFAC`.
+
+Each block acts on a layer's parameters laid out as a matrix `V` of shape `(out, in)`
+(a weight transposed to `(out axes..., in axes...)` and reshaped, a joined bias its last
+column); a leaf in no layer is a block of its own, `V` its raveled entries as one column.
+With the factors' eigendecompositions `A = Q_A diag(a) Q_A^T`, `B = Q_B diag(b) Q_B^T`,
+
+    (B ⊗ A) vec(V) = vec(B V A),
+    (B ⊗ A + damping I)^{-1} vec(V) = vec(Q_B [(Q_B^T V Q_A) / (b a^T + damping)] Q_A^T),
+
+and EKFAC replaces the eigenvalues `b a^T` by its own matrix `E` of the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+
+from ._checks import described
+from ._traceback import public
+
+__all__ = ["KroneckerBlock", "KroneckerEigen", "KroneckerFactored"]
+
+_OWNER = "zm.KroneckerFactored"
+
+
+class KroneckerBlock(NamedTuple):
+    """Where a block's parameters are: its leaves (a weight and a joined bias, or one
+    leaf in no layer), their paths in `x`, and the weight's layout as a matrix."""
+
+    names: tuple[str, ...]
+    leaves: tuple[int, ...]
+    weight_axes: tuple[int, ...]  # the weight leaf's axes in the order (out..., in...)
+    out_size: int
+    in_size: int  # the weight's columns; a joined bias adds one more
+
+
+class KroneckerEigen(NamedTuple):
+    """One block's eigendecomposition: eigenvector `(i, j)` is the matrix
+    `outer(gradient_basis[:, i], input_basis[:, j])` in the block's layout, with
+    eigenvalue `eigenvalues[i, j]`."""
+
+    names: tuple[str, ...]
+    eigenvalues: jax.Array
+    gradient_basis: jax.Array
+    input_basis: jax.Array
+
+
+def _eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Eigenvalues (clipped at 0: the factors are sums of squares) and eigenvectors."""
+    values, vectors = jnp.linalg.eigh((matrix + matrix.T) / 2)
+    return jnp.maximum(values, 0), vectors
+
+
+class KroneckerFactored(lx.AbstractLinearOperator):
+    """A Kronecker-factored curvature: block-diagonal over the layers, each block
+    `B ⊗ A` (KFAC) or `Q_B diag(E) Q_B^T ⊗ Q_A (...) Q_A^T` with corrected eigenvalues
+    (EKFAC), as `zm.KFAC` and `zm.EKFAC` return it.
+
+    It is a `lineax` operator over the flat variables of `x` (raveled as
+    `zm.BatchedGGN`'s: the inexact leaves of `x` in `jax.tree_util` order, each in C
+    order), tagged symmetric and positive semi-definite. Its products, damped solves
+    and log-determinant are exact for the approximation, from the factors'
+    eigendecompositions, at the cost of products with the factors only.
+
+    **Arguments** (as `zm.KFAC` fills them):
+
+    - `blocks`: one `KroneckerBlock` per block.
+    - `input_factors`, `gradient_factors`: per block `A`, `(in, in)` (with a bias's
+      row and column last), and `B`, `(out, out)`.
+    - `shapes`: the shapes of the leaves, in leaf order; `dtype`: the operator's.
+    - `eigenvalues`: EKFAC's corrected eigenvalues, per block an `(out, in)` array in
+      the factors' eigenbasis, or `None` for KFAC's, the products of the factors'.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, equinox as eqx
+        import zodmem as zm
+
+        model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+        inputs, targets = jnp.ones((16, 3)), jnp.zeros((16, 2))
+        predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+        F = zm.KFAC(predict, zm.losses.SquaredError())(model, inputs, targets)
+        v = jnp.ones(F.in_structure().shape)
+        assert jnp.allclose(F.solve(F.mv(v) + 0.1 * v, damping=0.1), v, rtol=1e-3)
+        ```
+    """
+
+    blocks: tuple[KroneckerBlock, ...] = eqx.field(static=True)
+    input_factors: tuple[jax.Array, ...]
+    gradient_factors: tuple[jax.Array, ...]
+    input_bases: tuple[jax.Array, ...]
+    gradient_bases: tuple[jax.Array, ...]
+    eigenvalues: tuple[jax.Array, ...]
+    corrected: bool = eqx.field(static=True)
+    shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+    def __init__(
+        self,
+        blocks: Any,
+        input_factors: Any,
+        gradient_factors: Any,
+        *,
+        shapes: Any,
+        dtype: Any,
+        eigenvalues: Any = None,
+        bases: Any = None,
+    ):
+        self.blocks = tuple(blocks)
+        self.input_factors = tuple(input_factors)
+        self.gradient_factors = tuple(gradient_factors)
+        self.shapes = tuple(tuple(shape) for shape in shapes)
+        self.dtype = jnp.dtype(dtype)
+        self.corrected = eigenvalues is not None
+        if bases is not None:
+            self.input_bases, self.gradient_bases = (tuple(q) for q in bases)
+        if eigenvalues is None or bases is None:
+            inputs = [_eigh(factor) for factor in self.input_factors]
+            gradients = [_eigh(factor) for factor in self.gradient_factors]
+            self.input_bases = tuple(vectors for _, vectors in inputs)
+            self.gradient_bases = tuple(vectors for _, vectors in gradients)
+        if eigenvalues is None:
+            eigenvalues = [
+                jnp.outer(b, a) for (b, _), (a, _) in zip(gradients, inputs, strict=True)
+            ]
+        self.eigenvalues = tuple(jnp.maximum(values, 0) for values in eigenvalues)
+
+    # -- layout ---------------------------------------------------------------------------
+
+    @property
+    def _size(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
+
+    def _matrices(self, vector: jax.Array) -> list[jax.Array]:
+        """The flat `vector` as one `(out, in)` matrix per block."""
+        offsets = np.cumsum([0] + [math.prod(shape) for shape in self.shapes])
+        pieces = [
+            vector[offsets[i] : offsets[i + 1]].reshape(shape)
+            for i, shape in enumerate(self.shapes)
+        ]
+        matrices = []
+        for block in self.blocks:
+            weight = jnp.transpose(pieces[block.leaves[0]], block.weight_axes)
+            columns = [weight.reshape(block.out_size, block.in_size)]
+            columns += [pieces[leaf].reshape(block.out_size, 1) for leaf in block.leaves[1:]]
+            matrices.append(jnp.concatenate(columns, axis=1) if len(columns) > 1 else columns[0])
+        return matrices
+
+    def _vector(self, matrices: list[jax.Array]) -> jax.Array:
+        """The inverse of `_matrices`."""
+        pieces = [None] * len(self.shapes)
+        for block, matrix in zip(self.blocks, matrices, strict=True):
+            shape = self.shapes[block.leaves[0]]
+            moved = tuple(shape[d] for d in block.weight_axes)
+            weight = matrix[:, : block.in_size].reshape(moved)
+            pieces[block.leaves[0]] = jnp.transpose(weight, np.argsort(block.weight_axes))
+            for leaf in block.leaves[1:]:
+                pieces[leaf] = matrix[:, block.in_size]
+        if not pieces:
+            return jnp.zeros((0,), self.dtype)
+        return jnp.concatenate([jnp.ravel(piece) for piece in pieces])
+
+    def _read(self, vector: Any, name: str, owner: str, *, columns: bool = False) -> jax.Array:
+        n = self._size
+        shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
+        if not eqx.is_array(vector):
+            raise TypeError(
+                f"{owner}: `{name}` must be an array of shape {shapes}, got {described(vector)}."
+            )
+        if jnp.ndim(vector) not in ((1, 2) if columns else (1,)) or jnp.shape(vector)[0] != n:
+            raise ValueError(
+                f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors over the "
+                f"variables: see `in_structure()`), got shape {jnp.shape(vector)}."
+            )
+        return jnp.asarray(vector, self.dtype)
+
+    # -- the operator ---------------------------------------------------------------------
+
+    def in_structure(self) -> jax.ShapeDtypeStruct:
+        """The flat vectors the operator takes, `(n,)` of its dtype."""
+        return jax.ShapeDtypeStruct((self._size,), self.dtype)
+
+    def out_structure(self) -> jax.ShapeDtypeStruct:
+        """Those it returns: the same."""
+        return self.in_structure()
+
+    @public
+    def mv(self, vector: Any) -> jax.Array:
+        """The product with a flat `(n,)` vector: `B V A` for each block (KFAC), or in the
+        eigenbasis with the corrected eigenvalues (EKFAC)."""
+        return _products(self, self._read(vector, "vector", f"{_OWNER}.mv"))
+
+    @public
+    def as_matrix(self) -> jax.Array:
+        """The dense `(n, n)` matrix, from `n` products: for small `n` and tests."""
+        return _dense(self)
+
+    def transpose(self) -> KroneckerFactored:
+        """The operator itself: it is symmetric."""
+        return self
+
+    @public
+    def diagonal(self) -> jax.Array:
+        """The diagonal, `(n,)`: `(Q_B^2) E (Q_A^2)^T` per block, `E` its eigenvalues."""
+        return _diagonal(self)
+
+    def _damping(self, damping: Any, owner: str) -> jax.Array:
+        """`damping` checked: a real scalar with every eigenvalue plus it `> 0` (where it
+        is concrete; traced, the same check fails the compiled call when it runs)."""
+        if isinstance(damping, (bool, np.bool_)) or not (
+            isinstance(damping, (int, float, np.number)) or eqx.is_array(damping)
+        ):
+            raise TypeError(f"{owner}: `damping` must be a real number, got {described(damping)}.")
+        if jnp.ndim(damping) != 0:
+            raise ValueError(
+                f"{owner}: `damping` must be a scalar, got shape {jnp.shape(damping)}."
+            )
+        value = jnp.asarray(damping, self.dtype)
+        least = _least(self) + value
+        message = (
+            f"{owner}: every eigenvalue plus `damping` must be > 0 (the damped operator is "
+            "then positive definite); give damping > 0"
+        )
+        if isinstance(least, jax.core.Tracer):
+            return eqx.error_if(value, least <= 0, message + ".")
+        if float(least) <= 0:
+            raise ValueError(f"{message}: the least is {float(least)!r} with damping={damping!r}.")
+        return value
+
+    @public
+    def solve(self, b: Any, *, damping: Any = 0.0) -> jax.Array:
+        """The solution `y` of `(F + damping I) y = b`, exactly for this `F`, in its
+        eigenbasis: `damping` is added to every eigenvalue, not to the factors (as the
+        factored damping `(B + sqrt(damping) I) ⊗ (A + sqrt(damping) I)` would).
+
+        **Arguments:**
+
+        - `b`: an `(n,)` array, or `(n, k)` for `k` right-hand sides.
+        - `damping`: a real scalar; every eigenvalue plus it must be `> 0` (a
+          `ValueError`; under `jax.jit`, an error when the call runs).
+
+        **Returns:**
+
+        `y`, shaped like `b`.
+        """
+        owner = f"{_OWNER}.solve"
+        b = self._read(b, "b", owner, columns=True)
+        return _solve(self, b, self._damping(damping, owner))
+
+    @public
+    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+        """`log det(F + damping I)`, exactly: the sum of the logarithms of the eigenvalues
+        plus `damping`, which must all be `> 0`."""
+        return _logdet(self, self._damping(damping, f"{_OWNER}.logdet"))
+
+    def eigh(self) -> tuple[KroneckerEigen, ...]:
+        """Each block's eigenvalues and eigenvectors, as a `KroneckerEigen`: the
+        eigenvectors are the Kronecker products of the factors' eigenvectors."""
+        return tuple(
+            KroneckerEigen(block.names, values, q_b, q_a)
+            for block, values, q_b, q_a in zip(
+                self.blocks, self.eigenvalues, self.gradient_bases, self.input_bases, strict=True
+            )
+        )
+
+    def with_eigenvalues(self, eigenvalues: Any) -> KroneckerFactored:
+        """The same factors and eigenvectors with other eigenvalues, one `(out, in)`
+        array per block: EKFAC's correction."""
+        bases = (self.input_bases, self.gradient_bases)
+        return KroneckerFactored(
+            self.blocks,
+            self.input_factors,
+            self.gradient_factors,
+            shapes=self.shapes,
+            dtype=self.dtype,
+            eigenvalues=eigenvalues,
+            bases=bases,
+        )
+
+
+# -- the compiled operations: each is one program, not many small ones --------------------
+
+
+def _rotated(operator: KroneckerFactored, vector: jax.Array, spectrum: Any) -> jax.Array:
+    """`Q spectrum(E) Q^T vector` block by block, `E` the eigenvalues in the basis `Q`."""
+    out = []
+    for k, matrix in enumerate(operator._matrices(vector)):
+        q_b, q_a = operator.gradient_bases[k], operator.input_bases[k]
+        out.append(q_b @ (spectrum(k) * (q_b.T @ matrix @ q_a)) @ q_a.T)
+    return operator._vector(out)
+
+
+@eqx.filter_jit
+def _products(operator: KroneckerFactored, vector: jax.Array) -> jax.Array:
+    if operator.corrected:
+        return _rotated(operator, vector, lambda k: operator.eigenvalues[k])
+    matrices = operator._matrices(vector)
+    factors = zip(matrices, operator.input_factors, operator.gradient_factors, strict=True)
+    return operator._vector([b @ matrix @ a for matrix, a, b in factors])
+
+
+@eqx.filter_jit
+def _dense(operator: KroneckerFactored) -> jax.Array:
+    identity = jnp.eye(operator._size, dtype=operator.dtype)
+    return jax.vmap(lambda vector: _products(operator, vector))(identity).T
+
+
+@eqx.filter_jit
+def _diagonal(operator: KroneckerFactored) -> jax.Array:
+    out = []
+    for q_b, q_a, values in zip(
+        operator.gradient_bases, operator.input_bases, operator.eigenvalues, strict=True
+    ):
+        out.append((q_b * q_b) @ values @ (q_a * q_a).T)
+    return operator._vector(out)
+
+
+@eqx.filter_jit
+def _least(operator: KroneckerFactored) -> jax.Array:
+    smallest = [jnp.min(values) for values in operator.eigenvalues if values.size]
+    return jnp.min(jnp.stack(smallest)) if smallest else jnp.asarray(jnp.inf, operator.dtype)
+
+
+@eqx.filter_jit
+def _solve(operator: KroneckerFactored, b: jax.Array, damping: jax.Array) -> jax.Array:
+    def one(vector: jax.Array) -> jax.Array:
+        return _rotated(operator, vector, lambda k: 1 / (operator.eigenvalues[k] + damping))
+
+    return one(b) if b.ndim == 1 else jax.vmap(one, in_axes=1, out_axes=1)(b)
+
+
+@eqx.filter_jit
+def _logdet(operator: KroneckerFactored, damping: jax.Array) -> jax.Array:
+    logs = [jnp.sum(jnp.log(values + damping)) for values in operator.eigenvalues]
+    return sum(logs, jnp.zeros((), operator.dtype))
+
+
+# -- what lineax asks of an operator, by type ------------------------------------------------
+
+
+@lx.is_symmetric.register(KroneckerFactored)
+@lx.is_positive_semidefinite.register(KroneckerFactored)
+def _(operator):
+    return True
+
+
+@lx.is_negative_semidefinite.register(KroneckerFactored)
+@lx.has_unit_diagonal.register(KroneckerFactored)
+@lx.is_diagonal.register(KroneckerFactored)
+@lx.is_tridiagonal.register(KroneckerFactored)
+@lx.is_lower_triangular.register(KroneckerFactored)
+@lx.is_upper_triangular.register(KroneckerFactored)
+def _(operator):
+    return False
+
+
+@lx.linearise.register(KroneckerFactored)
+@lx.materialise.register(KroneckerFactored)
+@lx.conj.register(KroneckerFactored)
+def _(operator):
+    return operator
+
+
+@lx.diagonal.register(KroneckerFactored)
+def _(operator):
+    return operator.diagonal()
