@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from zodmem._engine._blocks import BlockPlan, map_blocks, plan_blocks
+from zodmem._engine._block_plans import BlockPlan, plan_blocks
+from zodmem._engine._blocks import map_blocks
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -484,7 +484,7 @@ def test_sweep_against_the_exact_hessian(case):
 
 
 def test_leaves_holding_many_blocks_whole_get_their_own():
-    from zodmem._engine._blocks import BlockPlan
+    from zodmem._engine._block_plans import BlockPlan
     from zodmem._pytree import split_variables
     from zodmem._transforms._leafwise import leaves_of_their_own as _leaves_of_their_own
 

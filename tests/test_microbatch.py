@@ -9,7 +9,8 @@ from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
-from zodmem._engine._blocks import plan_blocks, reduce_blocks
+from zodmem._engine._block_plans import plan_blocks
+from zodmem._engine._blocks import reduce_blocks
 from zodmem._transforms._accumulate import aggregate_stacked
 
 pytestmark = pytest.mark.usefixtures("float64")

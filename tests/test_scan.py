@@ -17,7 +17,8 @@ from hypothesis import given
 from jax.ad_checkpoint import print_saved_residuals
 
 import zodmem as zm
-from zodmem._engine._blocks import plan_blocks, scan_blocks, write_once
+from zodmem._engine._block_plans import plan_blocks
+from zodmem._engine._blocks import scan_blocks, write_once
 from zodmem._transforms._scan import default_chunk_size
 
 

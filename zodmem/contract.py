@@ -65,10 +65,9 @@ over devices with `sharding`.
     ```
 """
 
+from ._engine._block_plans import BlockPlan as BlockPlan, plan_blocks as plan_blocks
 from ._engine._blocks import (
-    BlockPlan as BlockPlan,
     map_blocks as map_blocks,
-    plan_blocks as plan_blocks,
     reduce_blocks as reduce_blocks,
     scan_blocks as scan_blocks,
 )

@@ -1,5 +1,7 @@
 """The engine: what runs inside a compiled call.
 
+- `_block_plans`: how work is cut into blocks (`BlockPlan`, `plan_blocks`), and the sinks
+  that hand a streamed result's blocks to the host (`OutputSink`);
 - `_blocks`: the block loops (`map_blocks`, `scan_blocks`, `reduce_blocks`) that every
   blocked transform runs its items through, one block of items at a time;
 - `_sharding`: the same loops over the devices of a mesh, each device on its own share;

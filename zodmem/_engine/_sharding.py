@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._blocks import plan_blocks
+from ._block_plans import plan_blocks
 
 __all__ = [
     "Share",

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine._blocks import OutputSink
+from .._engine._block_plans import OutputSink
 from .._engine._progress import closing_bars
 from .._plan._compiled import is_traced
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._engine._blocks import BlockPlan, OutputSink
+from .._engine._block_plans import BlockPlan, OutputSink
 from .._engine._progress import closing_bars
 from .._engine._sharding import Share, Split, run_sharded, to_mesh
 from .._serialise import SerialisationError

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._checks import check_callable
-from .._engine._blocks import BlockPlan
+from .._engine._block_plans import BlockPlan
 from .._traceback import public
 
 __all__ = [

@@ -15,7 +15,8 @@ from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
 from .._checks import as_index, check_bool, check_callable, check_int
 from .._curvature._operator import BlockedOperator, flat_product, make_operator
-from .._engine._blocks import plan_blocks, reduce_blocks
+from .._engine._block_plans import plan_blocks
+from .._engine._blocks import reduce_blocks
 from .._engine._progress import label
 from .._engine._sharding import (
     Split,

@@ -15,7 +15,8 @@ from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
 from .._checks import as_index, as_int_or_bool, check_bool, check_callable, check_int, common_size
-from .._engine._blocks import plan_blocks, scan_blocks, write_once
+from .._engine._block_plans import plan_blocks
+from .._engine._blocks import scan_blocks, write_once
 from .._engine._progress import closing_bars, label, progress_bar
 from .._plan._transform import AbstractTransform
 from .._traceback import public

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec
 from jaxtyping import PyTree, jaxtyped
 
 from .._checks import as_index, check_bool, check_callable, check_int, common_size
-from .._engine._blocks import OutputSink, map_blocks, plan_blocks
+from .._engine._block_plans import OutputSink, plan_blocks
+from .._engine._blocks import map_blocks
 from .._engine._progress import label, progress_bar
 from .._engine._sharding import (
     Split,
