@@ -20,15 +20,9 @@ from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
-from zodmem._plan._budget import (
-    RESERVE_SHARE,
-    MemoryBudgetError,
-    least_budget,
-    policy_of,
-    refusal,
-    usable_bytes,
-)
+from zodmem._plan._budget import RESERVE_SHARE, least_budget, policy_of, usable_bytes
 from zodmem._plan._memory import budget_bytes, format_bytes_up
+from zodmem._plan._plans import MemoryBudgetError, refusal
 
 MB = 10**6
 SWEEP = Path(__file__).resolve().parent / "plan_sweep.py"

@@ -73,7 +73,7 @@ from ._engine._blocks import (
 )
 from ._engine._progress import label as progress_label
 from ._engine._sharding import share_of as share_of
-from ._plan._budget import Work as Work
+from ._plan._plans import Work as Work
 from ._plan._transform import (
     AbstractBlocked as AbstractBlocked,
     AbstractSharded as AbstractSharded,

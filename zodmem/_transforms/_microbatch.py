@@ -26,8 +26,8 @@ from .._engine._sharding import (
     everywhere,
     to_mesh,
 )
-from .._plan._budget import Work
 from .._plan._memory import check_size_or_memory
+from .._plan._plans import Work
 from .._plan._transform import AbstractBlocked
 from .._pytree import split_variables
 from .._traceback import public
