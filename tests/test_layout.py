@@ -92,20 +92,26 @@ def net_loss(net, images, labels):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
 
 
-def test_hessian_products_of_a_convolutional_network_in_blocks():
+def _net_problem():
     net = Net(jax.random.key(0))
     images = jnp.asarray(RNG.normal(size=(4, 2, 5, 5)))
     labels = jnp.arange(4) % 3
+    return net, images, labels
+
+
+@pytest.mark.parametrize("mode", ["fwd", "rev"])
+def test_hessian_products_of_a_convolutional_network_in_blocks(mode):
+    net, images, labels = _net_problem()
     params, static = eqx.partition(net, eqx.is_inexact_array)
     flat, unravel = jax.flatten_util.ravel_pytree(params)
     dense = jax.hessian(lambda p: net_loss(eqx.combine(unravel(p), static), images, labels))(flat)
     vectors = jnp.asarray(RNG.normal(size=(flat.size, 3)))
-    for mode in ("fwd", "rev"):
-        operator = zm.BatchedHessian(net_loss, batch_size=2, mode=mode).operator(
-            net, images, labels
-        )
-        close(operator.mm(vectors), dense @ vectors, rtol=1e-10)
-    # Reverse mode through a reduction whose loop body holds the convolutions.
+    operator = zm.BatchedHessian(net_loss, batch_size=2, mode=mode).operator(net, images, labels)
+    close(operator.mm(vectors), dense @ vectors, rtol=1e-10)
+
+
+def test_gradient_through_a_reduction_whose_loop_body_holds_convolutions():
+    net, images, labels = _net_problem()
     batch = zm.Microbatcher(net_loss, microbatch_size=2, argnums=(1, 2), accumulator="mean")
     close(
         eqx.filter_grad(batch)(net, images, labels),
