@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -14,7 +13,7 @@ from beartype import beartype
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree, jaxtyped
 
-from .._checks import as_index, check_bool, check_callable, check_int, common_size
+from .._checks import as_index, check_bool, check_callable, check_int
 from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label, progress_bar
@@ -26,22 +25,24 @@ from .._engine._sharding import (
     replicate,
     to_mesh,
 )
-from .._plan._budget import Work, largest_made_from
 from .._plan._memory import check_size_or_memory
+from .._plan._plans import Work
+from .._plan._search import largest_made_from
 from .._plan._transform import AbstractStreamable
 from .._traceback import public
+from ._vmap_axes import (
+    Mapped,
+    axis_spec,
+    check_axis_spec,
+    element_leaves,
+    is_none,
+    mapped_inputs,
+    output_axes,
+)
 
 __all__ = ["ChunkedVmap"]
 
 _OWNER = "ChunkedVmap"
-
-
-def _axis_spec(spec: Any) -> Any:
-    """An axis spec as `jax.vmap` reads it: a list at the top is a tuple of per-argument
-    specs, and integer axes (NumPy's too) are Python ints, so that the spec hashes."""
-    if isinstance(spec, list):
-        spec = tuple(spec)
-    return jax.tree_util.tree_map(as_index, spec, is_leaf=_is_none)
 
 
 class ChunkedVmap(AbstractStreamable):
@@ -132,10 +133,10 @@ class ChunkedVmap(AbstractStreamable):
         default=None, static=True, kw_only=True, converter=as_index
     )
     in_axes: Any = eqx.field(
-        default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
+        default=eqx.if_array(0), static=True, kw_only=True, converter=axis_spec
     )
     out_axes: Any = eqx.field(
-        default=eqx.if_array(0), static=True, kw_only=True, converter=_axis_spec
+        default=eqx.if_array(0), static=True, kw_only=True, converter=axis_spec
     )
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
@@ -159,8 +160,8 @@ class ChunkedVmap(AbstractStreamable):
                         f"the key {name!r} of type {type(name).__name__}; got "
                         f"in_axes={self.in_axes!r}."
                     )
-        _check_axis_spec(self.in_axes, "in_axes")
-        _check_axis_spec(self.out_axes, "out_axes")
+        check_axis_spec(self.in_axes, "in_axes")
+        check_axis_spec(self.out_axes, "out_axes")
         check_bool(self.progress, "progress", owner=_OWNER)
 
     @jaxtyped(typechecker=beartype)
@@ -171,7 +172,7 @@ class ChunkedVmap(AbstractStreamable):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         # Read here, where the arrays are concrete: traced, an array shows its sharding
         # only over explicit mesh axes.
-        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
         split = batch_split(mapped.leaves, mapped.axes) if mapped.total else None
         if split is not None:  # under jax.distributed: the other inputs as global arrays
             args, kwargs = to_mesh((args, kwargs), split.mesh)
@@ -181,18 +182,18 @@ class ChunkedVmap(AbstractStreamable):
         return _chunked_vmap(self, args, kwargs, sink=sink)
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
-        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
         total = mapped.total or 0
         size = total if self.chunk_size is None else min(self.chunk_size, total)
         split = batch_split(mapped.leaves, mapped.axes, planned=True)
         return Work(total, "elements", "output", size).per_device(split)
 
     def item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
-        mapped = _mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
         if not mapped.total:
             return None
 
-        element = _element_leaves(mapped)
+        element = element_leaves(mapped)
         is_array = [
             eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in element
         ]
@@ -215,189 +216,6 @@ class ChunkedVmap(AbstractStreamable):
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _is_axis(x: Any) -> bool:
-    return x is None or (isinstance(x, int) and not isinstance(x, bool))
-
-
-def _check_axis_spec(spec: Any, name: str) -> None:
-    for leaf in jax.tree_util.tree_leaves(spec, is_leaf=_is_none):
-        if not (_is_axis(leaf) or callable(leaf)):
-            raise TypeError(
-                f"{_OWNER}: `{name}` must be a pytree of ints, None and callables "
-                f"(such as eqx.if_array(0)), but it holds {leaf!r} of type "
-                f"{type(leaf).__name__}; got {name}={spec!r}."
-            )
-
-
-_WHAT = {
-    "in_axes": "the positional arguments (a tuple)",
-    "out_axes": "the output of `fn`",
-}
-
-
-def _axes_per_leaf(spec: Any, tree: Any, name: str) -> Any:
-    """One axis (an int or None) per leaf of `tree`, from the prefix `spec`."""
-
-    def resolve_subtree(leaf_spec, subtree):
-        if _is_axis(leaf_spec):
-            return jax.tree_util.tree_map(lambda _: leaf_spec, subtree)
-        return jax.tree_util.tree_map(leaf_spec, subtree)
-
-    try:
-        resolved = jax.tree_util.tree_map(resolve_subtree, spec, tree, is_leaf=_is_none)
-    except ValueError as error:
-        raise ValueError(
-            f"{_OWNER}: `{name}` must be a pytree prefix of {_WHAT[name]}, but "
-            f"{name}={spec!r} does not match its structure "
-            f"{jax.tree_util.tree_structure(tree)}: {error}"
-        ) from None
-    for axis in jax.tree_util.tree_leaves(resolved, is_leaf=_is_none):
-        if not _is_axis(axis):
-            raise TypeError(
-                f"{_OWNER}: a callable in `{name}` must return an int or None, "
-                f"but it returned {axis!r} of type {type(axis).__name__}; got {name}={spec!r}."
-            )
-    return resolved
-
-
-def _split_in_axes(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
-    """The axis specs of the positional and of the keyword arguments."""
-    default = eqx.if_array(0)
-    if not isinstance(in_axes, dict):
-        return in_axes, {name: default for name in kwargs}
-    named = dict(in_axes)
-    arg_axes = []
-    if args:
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"{_OWNER}: a dict `in_axes` names arguments, but the signature of "
-                f"`fn`={fn!r} cannot be read to match names to positional arguments. "
-                "Give `in_axes` as a tuple instead."
-            ) from None
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        names = [p.name for p in params if p.kind in positional]
-        for index in range(len(args)):
-            name = names[index] if index < len(names) else None
-            arg_axes.append(named.pop(name, default) if name is not None else default)
-    kwarg_axes = {name: named.pop(name, default) for name in kwargs}
-    if named:
-        raise ValueError(
-            f"{_OWNER}: `in_axes` names {sorted(named)}, which match no argument passed "
-            f"(positional arguments: {len(args)}, keyword arguments: {sorted(kwargs)}); "
-            f"got in_axes={in_axes!r}."
-        )
-    return tuple(arg_axes), kwarg_axes
-
-
-def _input_name(path: tuple) -> str:
-    """`args[1]['w']` or `kwargs['y']`, from a path into `(args, kwargs)`."""
-    head = "args" if path[0].idx == 0 else "kwargs"
-    return head + jax.tree_util.keystr(tuple(path[1:]))
-
-
-def _batch_size(paths: list, leaves: list, axes: list) -> int | None:
-    """The size of the mapped axis, checked to be the same for every mapped input."""
-    sizes = {}
-    for path, leaf, axis in zip(paths, leaves, axes, strict=True):
-        if axis is None:
-            continue
-        name = _input_name(path)
-        ndim = jnp.ndim(leaf)
-        if ndim == 0:
-            raise ValueError(
-                f"{_OWNER}: input {name} is mapped over axis {axis} by `in_axes`, but it is "
-                f"zero-dimensional: {leaf!r}. Only arrays with at least one dimension can "
-                "be mapped; give it the axis None to pass it whole to every call."
-            )
-        if not -ndim <= axis < ndim:
-            raise ValueError(
-                f"{_OWNER}: input {name} has shape {jnp.shape(leaf)}, so `in_axes` cannot map "
-                f"its axis {axis}; choose an axis in [{-ndim}, {ndim - 1}]."
-            )
-        sizes[f"{name} (axis {axis})"] = jnp.shape(leaf)[axis]
-    return common_size(sizes, owner=_OWNER, what="mapped axes")
-
-
-def _check_out_axes(out: Any, resolved: Any) -> None:
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(out)
-    for (path, leaf), axis in zip(paths_leaves, treedef.flatten_up_to(resolved), strict=True):
-        if axis is None:
-            continue
-        ndim = jnp.ndim(leaf)
-        if not -ndim - 1 <= axis <= ndim:
-            raise ValueError(
-                f"{_OWNER}: output{jax.tree_util.keystr(path)} of `fn` has shape "
-                f"{jnp.shape(leaf)}, so `out_axes` cannot put the mapped axis at {axis}; "
-                f"choose an axis in [{-ndim - 1}, {ndim}]."
-            )
-
-
-class _Mapped(NamedTuple):
-    input_axes: Any  # one axis (or None) per leaf of (args, kwargs), as a pytree
-    input_def: Any
-    leaves: list
-    axes: list  # the same, flat, normalised to non-negative
-    total: int | None  # the size of the mapped axes (None: nothing is mapped)
-
-
-def _mapped_inputs(fn: Any, in_axes: Any, args: tuple, kwargs: dict) -> _Mapped:
-    """Which axis of each input leaf is mapped, and the size they share."""
-    arg_spec, kwarg_spec = _split_in_axes(fn, in_axes, args, kwargs)
-    input_axes = (
-        _axes_per_leaf(arg_spec, args, "in_axes"),
-        _axes_per_leaf(kwarg_spec, kwargs, "in_axes"),
-    )
-    paths_leaves, input_def = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    paths = [path for path, _ in paths_leaves]
-    leaves = [leaf for _, leaf in paths_leaves]
-    axes = input_def.flatten_up_to(input_axes)
-    total = _batch_size(paths, leaves, axes)
-    axes = [None if a is None else a % jnp.ndim(leaf) for leaf, a in zip(leaves, axes, strict=True)]
-    return _Mapped(input_axes, input_def, leaves, axes, total)
-
-
-def _element_leaves(mapped: _Mapped) -> list:
-    """The input leaves of one element: each mapped array as a `jax.ShapeDtypeStruct`
-    without its mapped axis, every other leaf as it is."""
-
-    def element_of(leaf, axis):
-        if axis is None or not eqx.is_array(leaf):
-            return leaf
-        shape = tuple(d for i, d in enumerate(jnp.shape(leaf)) if i != axis)
-        return jax.ShapeDtypeStruct(shape, leaf.dtype)
-
-    return [element_of(leaf, axis) for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)]
-
-
-def _output_axes(fn: Callable[..., Any], out_axes: Any, mapped: _Mapped) -> Any:
-    """The output axis of each leaf of `fn`'s output (`None`: unmapped), resolved on one
-    element's output as `eqx.filter_vmap` does, and made non-negative for the mapped
-    output (which has one more axis); as a pytree like the output."""
-
-    element = mapped.input_def.unflatten(_element_leaves(mapped))
-
-    def resolve(inputs):
-        element_args, element_kwargs = inputs
-        out = fn(*element_args, **element_kwargs)
-        resolved = _axes_per_leaf(out_axes, out, "out_axes")
-        _check_out_axes(out, resolved)
-        # Axes are ints and Nones: returned as they are, not as shapes.
-        return jax.tree_util.tree_map(
-            lambda leaf, a: None if a is None else a % (jnp.ndim(leaf) + 1),
-            out,
-            resolved,
-            is_leaf=_is_none,
-        )
-
-    return eqx.filter_eval_shape(resolve, element)
-
-
 def _chunked_vmap(
     transform: ChunkedVmap,
     args: tuple,
@@ -406,7 +224,7 @@ def _chunked_vmap(
     split: Split | None = None,
 ) -> Any:
     fn, out_axes = transform.fn, transform.out_axes
-    mapped = _mapped_inputs(fn, transform.in_axes, args, kwargs)
+    mapped = mapped_inputs(fn, transform.in_axes, args, kwargs)
     if split is None and mapped.total:
         split = batch_split(mapped.leaves, mapped.axes)
     if split is not None and sink is not None:
@@ -426,7 +244,7 @@ def _chunked_vmap(
         PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
         for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
     ]
-    axes_of_output = _output_axes(fn, out_axes, mapped)
+    axes_of_output = output_axes(fn, out_axes, mapped)
 
     def compute(share, split, inputs):
         return _chunked_vmap_local(transform, *inputs)
@@ -439,7 +257,7 @@ def _chunked_vmap(
         return mapped.input_def.unflatten(specs)
 
     def out_specs(shapes):
-        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_none)
+        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=is_none)
         specs = [
             PartitionSpec() if leaf is None or axis is None else split.spec(leaf.ndim, axis)
             for leaf, axis in zip(leaves, treedef.flatten_up_to(axes_of_output), strict=True)
@@ -454,16 +272,16 @@ def _chunked_vmap_local(
     args: tuple,
     kwargs: dict,
     sink: OutputSink | None = None,
-    mapped: _Mapped | None = None,
+    mapped: Mapped | None = None,
 ) -> Any:
     """The chunked map of the batch on this device; `mapped`, the inputs' layout when the
     caller has it."""
     fn, out_axes, progress = transform.fn, transform.out_axes, label(transform)
     inputs = (args, kwargs)
     if mapped is None:
-        mapped = _mapped_inputs(fn, transform.in_axes, args, kwargs)
+        mapped = mapped_inputs(fn, transform.in_axes, args, kwargs)
     input_axes, input_def, leaves, axes, total = mapped
-    axes_of_output = _output_axes(fn, out_axes, mapped)  # checked before any map is traced
+    axes_of_output = output_axes(fn, out_axes, mapped)  # checked before any map is traced
 
     def one_element(inputs):
         element_args, element_kwargs = inputs
@@ -481,18 +299,18 @@ def _chunked_vmap_local(
         bar.done(1, result)
         return result
 
-    mapped_inputs = [i for i, a in enumerate(axes) if a is not None]
+    mapped_leaves = [i for i, a in enumerate(axes) if a is not None]
 
     def read(start):
         """The block's slices of the mapped inputs."""
         return [
             jax.lax.dynamic_slice_in_dim(leaves[i], start, plan.block_size, axes[i])
-            for i in mapped_inputs
+            for i in mapped_leaves
         ]
 
     def block(pieces):
         block_inputs = list(leaves)
-        for i, piece in zip(mapped_inputs, pieces, strict=True):
+        for i, piece in zip(mapped_leaves, pieces, strict=True):
             block_inputs[i] = piece
         return vectorised(jax.tree_util.tree_unflatten(input_def, block_inputs))
 
