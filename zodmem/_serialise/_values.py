@@ -13,6 +13,7 @@ import functools
 import inspect
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -81,60 +82,16 @@ def _encode(value: Any, where: str) -> dict:
         path = _class_path(value, where, "enum class")
         return {"type": "enum", "class": path, "name": value.name}
     kind = type(value)
-    if kind is bool:
-        return {"type": "bool", "value": value}
-    if kind is int:
-        return {"type": "int", "value": str(value)}
-    if kind is float:
-        return {"type": "float", "value": value.hex()}
-    if kind is complex:
-        return {"type": "complex", "real": value.real.hex(), "imag": value.imag.hex()}
-    if kind is str:
-        return {"type": "str", "value": value}
-    if kind is tuple or kind is list:
-        return {
-            "type": kind.__name__,
-            "items": [_encode(item, f"{where}[{i}]") for i, item in enumerate(value)],
-        }
-    if kind is dict:
-        return {
-            "type": "dict",
-            "items": [
-                [_encode(key, f"{where} (key {key!r})"), _encode(item, f"{where}[{key!r}]")]
-                for key, item in value.items()
-            ],
-        }
+    if kind in _SCALARS:
+        return _SCALARS[kind](value)
+    if kind in _CONTAINERS:
+        return _CONTAINERS[kind](value, where)
     if isinstance(value, tuple) and hasattr(kind, "_fields"):
-        return {
-            "type": "namedtuple",
-            "class": _class_path(value, where, "named-tuple class"),
-            "items": [
-                _encode(item, f"{where}.{name}")
-                for name, item in zip(kind._fields, value, strict=True)
-            ],
-        }
-    if kind is functools.partial:
-        return {
-            "type": "partial",
-            "func": _encode(value.func, f"{where}.func"),
-            "args": [_encode(arg, f"{where}.args[{i}]") for i, arg in enumerate(value.args)],
-            "keywords": [
-                [name, _encode(arg, f"{where}.keywords[{name!r}]")]
-                for name, arg in value.keywords.items()
-            ],
-        }
+        return _encode_namedtuple(value, where)
     if isinstance(value, np.dtype):
         return {"type": "dtype", "name": value.name}
     if isinstance(value, jax.sharding.NamedSharding):
-        # The mesh's axes and the spec; the devices are those present when it is loaded.
-        mesh = value.mesh
-        return {
-            "type": "sharding",
-            "axis_names": list(mesh.axis_names),
-            "axis_sizes": [int(size) for size in mesh.axis_sizes],
-            "axis_types": [t.name for t in mesh.axis_types],
-            "spec": [_spec_entry(entry) for entry in value.spec],
-        }
+        return _encode_sharding(value)
     if isinstance(value, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
         raise _Refusal(
             value,
@@ -146,16 +103,89 @@ def _encode(value: Any, where: str) -> dict:
     if path is not None:
         return {"type": "import", "path": path}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # Described by its class and constructor arguments, e.g. `eqx.if_array(0)`.
-        return {
-            "type": "dataclass",
-            "class": _class_path(value, where, "dataclass"),
-            "fields": [
-                [name, _encode(getattr(value, name), f"{where}.{name}")]
-                for name in _constructor_fields(value)
-            ],
-        }
+        return _encode_dataclass(value, where)
     raise _Refusal(value, where, why)
+
+
+def _encode_items(value: tuple | list, where: str) -> dict:
+    return {
+        "type": type(value).__name__,
+        "items": [_encode(item, f"{where}[{i}]") for i, item in enumerate(value)],
+    }
+
+
+def _encode_dict(value: dict, where: str) -> dict:
+    return {
+        "type": "dict",
+        "items": [
+            [_encode(key, f"{where} (key {key!r})"), _encode(item, f"{where}[{key!r}]")]
+            for key, item in value.items()
+        ],
+    }
+
+
+def _encode_partial(value: functools.partial, where: str) -> dict:
+    return {
+        "type": "partial",
+        "func": _encode(value.func, f"{where}.func"),
+        "args": [_encode(arg, f"{where}.args[{i}]") for i, arg in enumerate(value.args)],
+        "keywords": [
+            [name, _encode(arg, f"{where}.keywords[{name!r}]")]
+            for name, arg in value.keywords.items()
+        ],
+    }
+
+
+def _encode_namedtuple(value: tuple, where: str) -> dict:
+    return {
+        "type": "namedtuple",
+        "class": _class_path(value, where, "named-tuple class"),
+        "items": [
+            _encode(item, f"{where}.{name}")
+            for name, item in zip(type(value)._fields, value, strict=True)
+        ],
+    }
+
+
+def _encode_sharding(value: jax.sharding.NamedSharding) -> dict:
+    # The mesh's axes and the spec; the devices are those present when it is loaded.
+    mesh = value.mesh
+    return {
+        "type": "sharding",
+        "axis_names": list(mesh.axis_names),
+        "axis_sizes": [int(size) for size in mesh.axis_sizes],
+        "axis_types": [t.name for t in mesh.axis_types],
+        "spec": [_spec_entry(entry) for entry in value.spec],
+    }
+
+
+def _encode_dataclass(value: Any, where: str) -> dict:
+    # Described by its class and constructor arguments, e.g. `eqx.if_array(0)`.
+    return {
+        "type": "dataclass",
+        "class": _class_path(value, where, "dataclass"),
+        "fields": [
+            [name, _encode(getattr(value, name), f"{where}.{name}")]
+            for name in _constructor_fields(value)
+        ],
+    }
+
+
+# Values of exactly these types are written as they are (`1`, `1.0` and `True` apart).
+_SCALARS: dict[type, Callable[[Any], dict]] = {
+    bool: lambda value: {"type": "bool", "value": value},
+    int: lambda value: {"type": "int", "value": str(value)},
+    float: lambda value: {"type": "float", "value": value.hex()},
+    complex: lambda value: {"type": "complex", "real": value.real.hex(), "imag": value.imag.hex()},
+    str: lambda value: {"type": "str", "value": value},
+}
+# Containers of exactly these types: each item described in turn, `where` locating it.
+_CONTAINERS: dict[type, Callable[[Any, str], dict]] = {
+    tuple: _encode_items,
+    list: _encode_items,
+    dict: _encode_dict,
+    functools.partial: _encode_partial,
+}
 
 
 def _class_path(value: Any, where: str, what: str) -> str:
