@@ -10,22 +10,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jax.sharding import PartitionSpec
 from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
 from .._checks import as_index, check_bool, check_callable, check_int
 from .._curvature._operator import BlockedOperator, flat_product, make_operator
-from .._engine._block_plans import plan_blocks
-from .._engine._blocks import reduce_blocks
-from .._engine._progress import label
-from .._engine._sharding import (
-    Split,
-    batch_split,
-    check_divides,
-    dispatch,
-    everywhere,
-    to_mesh,
-)
+from .._engine._sharding import to_mesh
 from .._plan._memory import check_size_or_memory
 from .._plan._plans import Work
 from .._plan._transform import AbstractBlocked
@@ -34,7 +23,6 @@ from .._traceback import public
 from ._accumulate import (
     AccumulationType,
     Accumulator,
-    accumulator_for,
     check_accumulator,
     is_accumulator_leaf,
     resolve,
@@ -43,13 +31,17 @@ from ._microbatch_checks import (
     _as_count,
     _as_indices,
     _as_tuple,
-    _batch_axes,
     _batch_size,
     _check_argnames,
     _check_argnums,
     _check_in_axes,
     _check_num_real_microbatches,
-    _describe,
+)
+from ._microbatch_run import (
+    batch_of,
+    batch_split_of,
+    reduce_microbatches,
+    reduce_microbatches_jit,
 )
 
 __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
@@ -239,16 +231,16 @@ class Microbatcher(AbstractBlocked):
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         # Read here, where the arrays are concrete: traced, an array shows its sharding
         # only over explicit mesh axes.
-        split = _batch_split(_batch_of(self, args, kwargs))
+        split = batch_split_of(batch_of(self, args, kwargs))
         if split is not None:  # under jax.distributed: the other inputs as global arrays
             args, kwargs = to_mesh((args, kwargs), split.mesh)
-        return _microbatch_jit(self, args, kwargs, split)
+        return reduce_microbatches_jit(self, args, kwargs, split)
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
-        batch = _batch_of(self, args, kwargs)
+        batch = batch_of(self, args, kwargs)
         total = _batch_size(batch)
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
-        split = _batch_split(batch, planned=True)
+        split = batch_split_of(batch, planned=True)
         return Work(total, "examples", "result", size).per_device(split)
 
     def with_block_size(self, size: int, strategy: Any) -> Microbatcher:
@@ -308,208 +300,6 @@ class Microbatcher(AbstractBlocked):
 
 
 # ----------------------------------------------------------------------------------
-# Validation at construction (integers were read by `as_index` already)
-
-
-# ----------------------------------------------------------------------------------
-# The computation
-
-
-def _batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
-    """`(where, value, axes)` for each batch argument of the call, checked."""
-    positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
-    batch = []
-    for position, axis in zip(positions, transform.batch_in_axes, strict=True):
-        if isinstance(position, int) and position >= len(args):
-            raise ValueError(
-                f"{_OWNER}: argnums={transform.argnums!r} names positional argument "
-                f"{position}, but the call passed {len(args)} positional argument(s)."
-            )
-        if isinstance(position, str) and position not in kwargs:
-            raise ValueError(
-                f"{_OWNER}: argnames={transform.argnames!r} names keyword argument {position!r}, "
-                f"but the call passed keyword arguments {sorted(kwargs)}."
-            )
-        value = args[position] if isinstance(position, int) else kwargs[position]
-        where = _describe(position)
-        batch.append((where, value, _batch_axes(value, axis, where)))
-
-    return batch
-
-
-def _batch_split(batch: list, planned: bool = False) -> Split | None:
-    """How the batch arguments are spread over devices along their batch axes, if at all
-    (`planned`: as `batch_split`)."""
-    leaves, axes = [], []
-    for _, value, value_axes in batch:
-        leaves.extend(jax.tree_util.tree_leaves(value))
-        axes.extend(jax.tree_util.tree_leaves(value_axes))
-    return batch_split(leaves, axes, planned=planned)
-
-
-# How each built-in accumulator combines the devices' results, once.
-_ACROSS_DEVICES = {
-    AccumulationType.SUM: jax.lax.psum,
-    # Every device reduces as many examples, so the mean is the mean of their means.
-    AccumulationType.MEAN: jax.lax.pmean,
-    AccumulationType.RUNNING_MEAN: jax.lax.pmean,
-    AccumulationType.CONCAT: None,  # the devices' rows stay where they are
-}
-
-
-def _kinds_per_leaf(transform: Microbatcher, output: Any) -> list:
-    """The accumulator of each output leaf."""
-    kinds, treedef = jax.tree_util.tree_flatten(transform.accumulator, is_leaf=is_accumulator_leaf)
-    per_leaf = []
-    for kind, subtree in zip(kinds, treedef.flatten_up_to(output), strict=True):
-        per_leaf.extend([resolve(kind)] * len(jax.tree_util.tree_leaves(subtree)))
-    return per_leaf
-
-
-def _microbatch(
-    transform: Microbatcher, args: tuple, kwargs: dict, split: Split | None = None
-) -> Any:
-    batch = _batch_of(transform, args, kwargs)
-    if split is None:
-        split = _batch_split(batch)
-    if split is None:
-        return dispatch(_whole_batch(transform, batch), (args, kwargs))
-    check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
-    local = _batch_size(batch) // split.count
-    size = transform.microbatch_size
-    # Each device reduces its own part of the batch, then the parts are combined once;
-    # that gives the same result when the accumulators are built in and each device's
-    # microbatches are the batch's own: `fn` need not be additive over examples (a mean
-    # per microbatch changes with how the examples are grouped).
-    options = [
-        resolve(kind)
-        for kind in jax.tree_util.tree_leaves(transform.accumulator, is_leaf=is_accumulator_leaf)
-    ]
-    local_ok = (
-        all(isinstance(kind, AccumulationType) for kind in options)
-        and transform.num_real_microbatches is None
-        and size is not None
-        and local % size == 0
-    )
-    if not local_ok:
-        # Every device reduces the whole batch, in order, as one device would.
-        return dispatch(_whole_batch(transform, batch), (args, kwargs), everywhere(split.mesh))
-    positions = [*transform.batch_argnums, *transform.batch_argnames]
-
-    def specs_of(value, axes):
-        return jax.tree_util.tree_map(lambda leaf, a: split.spec(jnp.ndim(leaf), a), value, axes)
-
-    def compute(share, split, inputs):
-        args, kwargs = inputs
-        result = _microbatch_local(transform, args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(result)
-        combined = [
-            leaf if _ACROSS_DEVICES[kind] is None else _ACROSS_DEVICES[kind](leaf, split.axes)
-            for leaf, kind in zip(leaves, _kinds_per_leaf(transform, result), strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, combined)
-
-    def in_specs(arrays):
-        specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays)
-        arg_specs, kwarg_specs = list(specs[0]), dict(specs[1])
-        for position, (_, value, axes) in zip(positions, batch, strict=True):
-            if isinstance(position, int):
-                arg_specs[position] = specs_of(value, axes)
-            else:
-                kwarg_specs[position] = specs_of(value, axes)
-        return tuple(arg_specs), kwarg_specs
-
-    def out_specs(shapes):
-        leaves, treedef = jax.tree_util.tree_flatten(shapes)
-        specs = [
-            split.spec(leaf.ndim, 0) if kind is AccumulationType.CONCAT else PartitionSpec()
-            for leaf, kind in zip(leaves, _kinds_per_leaf(transform, shapes), strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, specs)
-
-    return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
-
-
-def _whole_batch(transform: Microbatcher, batch: list) -> Any:
-    """The reduction of the whole batch, by one device or by each of a mesh's; `batch`,
-    the inputs' layout here, is that of the one device's inputs (a device of a mesh reads
-    its own)."""
-
-    def whole(share, split, inputs):
-        return _microbatch_local(transform, *inputs, batch if share is None else None)
-
-    return whole
-
-
-def _microbatch_local(
-    transform: Microbatcher, args: tuple, kwargs: dict, batch: list | None = None
-) -> Any:
-    """The reduction of the batch as this device holds it, microbatch by microbatch."""
-    if batch is None:
-        batch = _batch_of(transform, args, kwargs)
-    positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
-    plan = plan_blocks(
-        _batch_size(batch), batch_size=transform.microbatch_size, batch_size_name="microbatch_size"
-    )
-    num_blocks = transform.num_real_microbatches
-    if isinstance(num_blocks, int) and num_blocks > plan.num_blocks:
-        raise ValueError(
-            f"{_OWNER}: num_real_microbatches={num_blocks} is more than the "
-            f"{plan.num_blocks} microbatch(es) of a batch of {plan.total} in microbatches "
-            f"of {transform.microbatch_size}."
-        )
-
-    def read(start, size):
-        """The microbatch's slices of the batch arguments."""
-        return [
-            jax.tree_util.tree_map(
-                lambda x, a: jax.lax.dynamic_slice_in_dim(x, start, size, axis=a), value, axes
-            )
-            for _, value, axes in batch
-        ]
-
-    def block_fn(start, size, pieces):
-        call_args, call_kwargs = list(args), dict(kwargs)
-        for position, piece in zip(positions, pieces, strict=True):
-            if isinstance(position, int):
-                call_args[position] = piece
-            else:
-                call_kwargs[position] = piece
-        return transform.fn(*call_args, **call_kwargs)
-
-    def shapes(size):
-        return jax.eval_shape(lambda s: block_fn(s, size, read(s, size)), jnp.asarray(0, jnp.int32))
-
-    full = shapes(plan.block_size)
-    last = shapes(plan.remainder) if plan.remainder else None
-    acc_def = jax.tree_util.tree_structure(transform.accumulator, is_leaf=is_accumulator_leaf)
-    try:
-        acc_def.flatten_up_to(full)
-        if last is not None:
-            acc_def.flatten_up_to(last)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"{_OWNER}: `accumulator` must be a pytree prefix of the output of `fn`, but "
-            f"the accumulator has structure {acc_def} and the output has structure "
-            f"{jax.tree_util.tree_structure(full)}."
-        ) from error
-
-    accumulator = accumulator_for(transform.accumulator, plan, last)
-
-    def update(carry, result, index, size):
-        return accumulator.update(carry, result, index)
-
-    init = accumulator.init(full)
-    carry = reduce_blocks(
-        block_fn, plan, init, update, num_blocks=num_blocks, read=read, progress=label(transform)
-    )
-    return accumulator.finalize(carry)
-
-
-_microbatch_jit = eqx.filter_jit(_microbatch)
-
-
-# ----------------------------------------------------------------------------------
 # Operators: `fn`'s operator summed or averaged over the microbatches
 
 
@@ -542,7 +332,7 @@ def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) 
         )
     # At one microbatch's shapes, placed nowhere: as each microbatch will be seen.
     call_args, call_kwargs = [x, *args], dict(kwargs)
-    size = min(transform.microbatch_size, _batch_size(_batch_of(transform, (x, *args), kwargs)))
+    size = min(transform.microbatch_size, _batch_size(batch_of(transform, (x, *args), kwargs)))
     positions = [*transform.batch_argnums, *transform.batch_argnames]
     for position, axis in zip(positions, transform.batch_in_axes, strict=True):
         holder = call_args if isinstance(position, int) else call_kwargs
@@ -578,6 +368,6 @@ def _microbatch_products(transform: Microbatcher, x: Any, args: tuple, kwargs: d
 
     def mv(vector):
         per_microbatch = dataclasses.replace(transform, fn=_ProductAt(transform.fn, vector))
-        return _microbatch(per_microbatch, (x, *args), kwargs)
+        return reduce_microbatches(per_microbatch, (x, *args), kwargs)
 
     return flat, variables, mv
