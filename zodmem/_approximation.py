@@ -27,6 +27,18 @@ class ApproximationError(NamedTuple):
     - `eigenvalues`: `(k,)`, `|approx_eigenvalues - exact_eigenvalues| / |exact_eigenvalues|`,
       the `i`-th largest of one against the `i`-th largest of the other.
     - `approx_eigenvalues`, `exact_eigenvalues`: `(k,)`, the top `k`, largest first.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp, lineax as lx
+        import zodmem as zm
+
+        exact = lx.MatrixLinearOperator(jnp.diag(jnp.array([4.0, 2.0, 1.0])), lx.symmetric_tag)
+        approx = lx.MatrixLinearOperator(jnp.diag(jnp.array([4.0, 1.0, 1.0])), lx.symmetric_tag)
+        error = zm.approximation_error(approx, exact, key=jax.random.key(0), k=2)
+        assert jnp.allclose(error.eigenvalues, jnp.array([0.0, 0.5]), atol=1e-4)
+        ```
     """
 
     products: jax.Array

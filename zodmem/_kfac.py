@@ -293,6 +293,7 @@ class KFAC(_KroneckerCurvature):
 
         ```python
         import jax, jax.numpy as jnp, equinox as eqx
+        from jax.flatten_util import ravel_pytree
         import zodmem as zm
 
         model = eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(0))
@@ -301,8 +302,8 @@ class KFAC(_KroneckerCurvature):
         predict = lambda m, inputs, labels: jax.vmap(m)(inputs)
         loss = zm.losses.SoftmaxCrossEntropy(reduction="mean")
         F = zm.KFAC(predict, loss, microbatch_size=16)(model, inputs, labels)
-        grad = jax.grad(lambda m: loss(predict(m, inputs, labels), labels))(model)
-        flat = jax.flatten_util.ravel_pytree(grad)[0]
+        grad = eqx.filter_grad(lambda m: loss(predict(m, inputs, labels), labels))(model)
+        flat = ravel_pytree(grad)[0]  # in the order of F's vectors
         step = F.solve(flat, damping=1e-3)  # a natural-gradient step
         ```
 
@@ -324,10 +325,11 @@ class EKFAC(_KroneckerCurvature):
     With `Q_B`, `Q_A` the eigenvectors of a layer's factors, its eigenvalue `(i, j)` is
     the second moment of the per-example gradients in that basis,
     `sum_n (Q_B^T G_n Q_A)_ij^2`, `G_n` example `n`'s gradient of the weight (summed
-    over its positions where the weight is shared), instead of KFAC's `b_i a_j`. In the
-    Kronecker eigenbasis it is the exact Gauss-Newton matrix's diagonal, the best
-    diagonal there in the Frobenius norm, so EKFAC's products are never further from
-    the exact matrix than KFAC's are. It costs a second pass over the data.
+    over its positions where the weight is shared), instead of KFAC's `b_i a_j`. With
+    `fisher="type-2"` and each example's outputs one loss term (outputs `(N, C)`), it is
+    the diagonal of the exact Gauss-Newton block in the Kronecker eigenbasis, the best
+    diagonal there in the Frobenius norm: EKFAC's blocks are then never further from
+    the exact blocks than KFAC's. It costs a second pass over the data.
 
     The examples' axis in a layer's rows is the one that grows with the batch (found by
     tracing `fn` at one more example); where none does, each row counts as an example.

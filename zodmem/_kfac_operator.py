@@ -72,7 +72,8 @@ class KroneckerFactored(lx.AbstractLinearOperator):
 
     **Arguments** (as `zm.KFAC` fills them):
 
-    - `blocks`: one `KroneckerBlock` per block.
+    - `blocks`: per block, where its parameters are (`F.blocks[i].names` are the paths
+      of its leaves in `x`: a weight and its joined bias, or one leaf in no layer).
     - `input_factors`, `gradient_factors`: per block `A`, `(in, in)` (with a bias's
       row and column last), and `B`, `(out, out)`.
     - `shapes`: the shapes of the leaves, in leaf order; `dtype`: the operator's.
@@ -186,31 +187,117 @@ class KroneckerFactored(lx.AbstractLinearOperator):
     # -- the operator ---------------------------------------------------------------------
 
     def in_structure(self) -> jax.ShapeDtypeStruct:
-        """The flat vectors the operator takes, `(n,)` of its dtype."""
+        """The flat vectors the operator takes, `(n,)` of its dtype.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            assert F.in_structure() == jax.ShapeDtypeStruct((8,), jnp.float32)
+            ```
+        """
         return jax.ShapeDtypeStruct((self._size,), self.dtype)
 
     def out_structure(self) -> jax.ShapeDtypeStruct:
-        """Those it returns: the same."""
+        """Those it returns: the same.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            assert F.out_structure() == F.in_structure()
+            ```
+        """
         return self.in_structure()
 
     @public
     def mv(self, vector: Any) -> jax.Array:
         """The product with a flat `(n,)` vector: `B V A` for each block (KFAC), or in the
-        eigenbasis with the corrected eigenvalues (EKFAC)."""
+        eigenbasis with the corrected eigenvalues (EKFAC).
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            # A linear layer with a squared error: KFAC is its Gauss-Newton matrix.
+            G = zm.BatchedGGN(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            assert jnp.allclose(F.mv(jnp.ones(8)), G @ jnp.ones(8), rtol=1e-4, atol=1e-4)
+            ```
+        """
         return _products(self, self._read(vector, "vector", f"{_OWNER}.mv"))
 
     @public
     def as_matrix(self) -> jax.Array:
-        """The dense `(n, n)` matrix, from `n` products: for small `n` and tests."""
+        """The dense `(n, n)` matrix, from `n` products: for small `n` and tests.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            assert F.as_matrix().shape == (8, 8)
+            ```
+        """
         return _dense(self)
 
     def transpose(self) -> KroneckerFactored:
-        """The operator itself: it is symmetric."""
+        """The operator itself: it is symmetric.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            assert F.transpose() is F
+            ```
+        """
         return self
 
     @public
     def diagonal(self) -> jax.Array:
-        """The diagonal, `(n,)`: `(Q_B^2) E (Q_A^2)^T` per block, `E` its eigenvalues."""
+        """The diagonal, `(n,)`: `(Q_B^2) E (Q_A^2)^T` per block, `E` its eigenvalues.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            assert jnp.allclose(F.diagonal(), jnp.diag(F.as_matrix()), atol=1e-5)
+            ```
+        """
         return _diagonal(self)
 
     def _damping(self, damping: Any, owner: str) -> jax.Array:
@@ -251,6 +338,21 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         **Returns:**
 
         `y`, shaped like `b`.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            b = jnp.arange(8.0)
+            y = F.solve(b, damping=0.1)
+            assert jnp.allclose(F.mv(y) + 0.1 * y, b, rtol=1e-3, atol=1e-3)
+            ```
         """
         owner = f"{_OWNER}.solve"
         b = self._read(b, "b", owner, columns=True)
@@ -259,12 +361,42 @@ class KroneckerFactored(lx.AbstractLinearOperator):
     @public
     def logdet(self, *, damping: Any = 0.0) -> jax.Array:
         """`log det(F + damping I)`, exactly: the sum of the logarithms of the eigenvalues
-        plus `damping`, which must all be `> 0`."""
+        plus `damping`, which must all be `> 0`.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            dense = F.as_matrix() + 0.1 * jnp.eye(8)
+            assert jnp.allclose(F.logdet(damping=0.1), jnp.linalg.slogdet(dense)[1], rtol=1e-4)
+            ```
+        """
         return _logdet(self, self._damping(damping, f"{_OWNER}.logdet"))
 
     def eigh(self) -> tuple[KroneckerEigen, ...]:
         """Each block's eigenvalues and eigenvectors, as a `KroneckerEigen`: the
-        eigenvectors are the Kronecker products of the factors' eigenvectors."""
+        eigenvectors are the Kronecker products of the factors' eigenvectors.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            (block,) = F.eigh()  # one layer: its weight and bias
+            assert block.names == (".weight", ".bias") and block.eigenvalues.shape == (2, 4)
+            ```
+        """
         return tuple(
             KroneckerEigen(block.names, values, q_b, q_a)
             for block, values, q_b, q_a in zip(
@@ -274,7 +406,22 @@ class KroneckerFactored(lx.AbstractLinearOperator):
 
     def with_eigenvalues(self, eigenvalues: Any) -> KroneckerFactored:
         """The same factors and eigenvectors with other eigenvalues, one `(out, in)`
-        array per block: EKFAC's correction."""
+        array per block: EKFAC's correction.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            layer = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+            inputs = jax.random.normal(jax.random.key(1), (10, 3))
+            predict = lambda m, inputs, targets: jax.vmap(m)(inputs)
+            F = zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, jnp.zeros((10, 2)))
+            doubled = F.with_eigenvalues([2 * values for values in F.eigenvalues])
+            assert jnp.allclose(doubled.as_matrix(), 2 * F.as_matrix(), rtol=1e-4, atol=1e-5)
+            ```
+        """
         bases = (self.input_bases, self.gradient_bases)
         return KroneckerFactored(
             self.blocks,
