@@ -10,9 +10,10 @@ from ._approximation import (
 )
 from ._curvature._covariance import covariance as covariance
 from ._curvature._diagonal import diagonal as diagonal, trace as trace
-from ._curvature._lanczos import eigsh as eigsh
+from ._curvature._eigsh import eigsh as eigsh
 from ._curvature._logdet import logdet as logdet, trace_function as trace_function
-from ._curvature._low_rank import LowRankDiagonal as LowRankDiagonal, low_rank as low_rank
+from ._curvature._low_rank import low_rank as low_rank
+from ._curvature._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
 from ._curvature._solve import marginal_variances as marginal_variances, solve as solve
 from ._curvature._spectral import spectral_density as spectral_density
 from ._kfac import EKFAC as EKFAC, KFAC as KFAC

@@ -14,7 +14,7 @@ from jaxtyping import Array
 from .._checks import check_bool, described
 from .._pytree import split_variables
 from .._traceback import public
-from ._solve import _check_real, _is_traced
+from ._arguments import check_real, is_traced
 
 __all__ = ["covariance"]
 
@@ -238,7 +238,7 @@ def covariance(
     if pseudo_inverse:
         if rcond is None:
             rcond = n * float(jnp.finfo(F.dtype).eps)
-        rcond = _check_real(rcond, "rcond", owner=owner)
+        rcond = check_real(rcond, "rcond", owner=owner)
         inverse, code, smallest, ratio = _pseudo_inverse(F, jnp.asarray(rcond, F.dtype))
         details = {"smallest": smallest, "ratio": ratio}
     else:
@@ -247,7 +247,7 @@ def covariance(
                 f"{owner}: `rcond` applies only with pseudo_inverse=True, got rcond={rcond!r}."
             )
         inverse, code, details = _cholesky_inverse(F)
-    if _is_traced(code):
+    if is_traced(code):
         messages = tuple(_refusal(owner, c, pseudo_inverse) for c in range(1, 4))
         inverse = eqx.branched_error_if(inverse, code > 0, jnp.maximum(code - 1, 0), messages)
     elif int(code) > 0:

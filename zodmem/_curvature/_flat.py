@@ -4,12 +4,13 @@ The estimators (`zm.diagonal`, `zm.trace`, `zm.eigsh`, `zm.spectral_density`, `z
 work on flat vectors of the operator's input space. `flat_view(operator, name)` gives
 them its size, dtype, one product as a function of flat vectors, and the way back from
 a flat vector to a pytree shaped like the input structure, for a zodmem operator
-(`transform.operator(...)`) and for any square `lineax` operator alike.
+(`transform.operator(...)`) and for any square `lineax` operator alike;
+`symmetric_view(operator, name)` the same, for the estimators that take real symmetric
+operators only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ import lineax as lx
 from .._checks import described
 from ._operator import BlockedOperator
 
-__all__ = ["FlatView", "flat_view"]
+__all__ = ["FlatView", "flat_view", "symmetric_view"]
 
 
 class FlatView(eqx.Module):
@@ -48,11 +49,7 @@ class FlatView(eqx.Module):
         `strategy` (`"linearize"` or `"recompute"`) overrides the transform's."""
         operator = self.operator
         if isinstance(operator, BlockedOperator):
-            transform = operator.transform
-            if strategy is not None and hasattr(transform, "strategy"):
-                transform = dataclasses.replace(transform, strategy=strategy)
-                operator = dataclasses.replace(operator, transform=transform)
-            return operator._map()
+            return operator.with_strategy(strategy)._map()
 
         def product(vector):
             out = operator.mv(self.unflatten(vector))
@@ -96,3 +93,26 @@ def flat_view(operator: Any, owner: str) -> FlatView:
         )
     dtype = jnp.result_type(*leaves, *out_leaves)
     return FlatView(operator, size, dtype, structure)
+
+
+def symmetric_view(operator: Any, owner: str) -> FlatView:
+    """`flat_view(operator, owner)`, refused unless the operator is real and symmetric."""
+    view = flat_view(operator, owner)
+    if jnp.issubdtype(view.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{owner}: `operator` has the complex dtype {view.dtype}; only real symmetric "
+            "operators are supported (float32 or float64)."
+        )
+    if not jnp.issubdtype(view.dtype, jnp.floating):
+        raise TypeError(
+            f"{owner}: `operator` has dtype {view.dtype}; only real floating operators "
+            "(float32 or float64) are supported."
+        )
+    if not lx.is_symmetric(operator):
+        raise ValueError(
+            f"{owner}: `operator` must be symmetric, but {type(operator).__name__} does not "
+            "say it is. If it is, tag it: `lx.TaggedLinearOperator(operator, "
+            "lx.symmetric_tag)` (or build it with `lx.symmetric_tag`, as in "
+            "`lx.MatrixLinearOperator(A, lx.symmetric_tag)`)."
+        )
+    return view

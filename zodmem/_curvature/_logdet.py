@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from .._checks import check_int, check_key, described
 from .._traceback import public
+from ._arguments import check_real, is_traced
 from ._diagonal import _mean_and_error
-from ._lanczos import _view_of
-from ._solve import _check_real, _is_traced
+from ._flat import symmetric_view
 from ._spectral import quadrature_rules
 
 __all__ = ["logdet", "trace_function"]
@@ -77,7 +77,7 @@ def _positive(estimate: tuple, lowest: jax.Array, name: str, damping: Any, owner
         f"{what} needs a positive definite operator: give one, or add `damping` > 0 "
         "(a positive semi-definite curvature, such as a Gauss-Newton matrix, needs it)."
     )
-    if _is_traced(lowest) or _is_traced(damping):
+    if is_traced(lowest) or is_traced(damping):
         return eqx.error_if(
             estimate,
             lowest <= 0,
@@ -107,7 +107,7 @@ def _trace_function(
     sharding: Any,
     progress: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    view = _view_of(operator, owner)
+    view = symmetric_view(operator, owner)
     apply = _check_function(function, owner)
     num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=2, allowed="an int >= 2")
     if num_steps is None:
@@ -119,12 +119,12 @@ def _trace_function(
             f"num_steps={num_steps}."
         )
     key = check_key(key, owner=owner)
-    damping = _check_real(damping, "damping", owner=owner, minimum=None)
+    damping = check_real(damping, "damping", owner=owner, minimum=None)
     options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
     nodes, weights = quadrature_rules(
         view, key, num_probes, num_steps, owner=owner, progress=progress, **options
     )
-    shift = damping if _is_traced(damping) else jnp.asarray(damping, view.dtype)
+    shift = damping if is_traced(damping) else jnp.asarray(damping, view.dtype)
     mean, spread, lowest = _samples(nodes, weights, shift, apply, view.size, owner)
     estimate = _mean_and_error((num_probes, mean, spread), num_probes)
     if isinstance(function, str):

@@ -14,44 +14,33 @@ reads.
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
-from jax.sharding import NamedSharding
 
 from .._checks import described
-from .._engine._blocks import map_blocks, plan_blocks
-from .._engine._sharding import Split, check_divides, dispatch, split_of
 from .._memo import memo_of, signature_of
-from .._plan._budget import MemoryBudgetError, Work
-from .._plan._transform import AbstractBlocked
+from .._plan._plans import MemoryBudgetError
+from ._options import has_aux, jit_of, recomputes, unblocked, with_strategy
+from ._vector_blocks import ProductBlocks
 
 __all__ = [
-    "AbstractVectorBlocks",
     "BlockedOperator",
     "check_leaves",
     "flat_product",
     "make_operator",
     "variables_of",
-    "vector_options",
 ]
 
+
 Products = Callable[[Any, Any, tuple, dict], tuple]
-
-
-def _has_aux(transform: Any) -> bool:
-    """Whether `transform`'s call returns `(result, aux)` (through wrappers too)."""
-    if hasattr(transform, "has_aux"):
-        return bool(transform.has_aux)
-    return _has_aux(transform.fn) if hasattr(transform, "fn") else False
 
 
 def _ravel_outputs(tree: Any) -> jax.Array:
@@ -181,13 +170,21 @@ class BlockedOperator(lx.AbstractLinearOperator):
         transposed = jax.linear_transpose(forward, _flat_structure(self._variable_structure()))
         return lambda v: transposed(v)[0]
 
+    def with_strategy(self, strategy: Any) -> BlockedOperator:
+        """This operator with its products computed by `strategy` (`"linearize"` or
+        `"recompute"`, for a transform that has a strategy; `None`: as it is)."""
+        transform = with_strategy(self.transform, strategy)
+        return (
+            self if transform is self.transform else dataclasses.replace(self, transform=transform)
+        )
+
     def mv(self, vector: Any) -> Any:
         """One product with `vector`: flat, or a pytree shaped like `in_structure()`
         (for a curvature, like `x`'s variables); returned in the same form."""
         vector, is_flat = self._read(vector, "vector")
         # One product is the same whatever the blocks: one compiled product serves them all.
-        single = dataclasses.replace(self, transform=_unblocked(self.transform))
-        return (_product_jit if _jit(self.transform) else _product)(single, vector, is_flat)
+        single = dataclasses.replace(self, transform=unblocked(self.transform))
+        return (_product_jit if jit_of(self.transform) else _product)(single, vector, is_flat)
 
     def mm(self, matrix: Any) -> jax.Array:
         """The products with the `k` columns of `matrix`, an `(n, k)` array (`n` the
@@ -229,7 +226,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
     def as_matrix(self) -> jax.Array:
         """The dense matrix, made by the transform's own blocked call."""
         result = self.transform(self.x, *self.args, **self.kwargs)
-        if _has_aux(self.transform):
+        if has_aux(self.transform):
             result = result[0]
         if not self.square:
             n = _flat_structure(self._variable_structure()).shape[0]
@@ -284,25 +281,6 @@ def _flat_structure(structure: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((size,), jnp.result_type(*leaves))
 
 
-def _jit(transform: Any) -> bool:
-    return bool(getattr(transform, "jit", True))
-
-
-def _unblocked(transform: Any) -> Any:
-    """`transform` with none of the options that only say how its call is cut into
-    blocks, for one product. With `strategy="auto"` the product evaluates `fn` in place:
-    a linearisation kept pays only where blocks share it, and JAX's partial evaluation
-    of a loop in `fn` (a `scan`, an ODE solver's `while`) keeps the whole loop on the
-    linear side, which then costs more than the product evaluated afresh."""
-    options = {"nbatches": None, "batch_size": None, "max_memory": None, "progress": False}
-    options = {name: value for name, value in options.items() if hasattr(transform, name)}
-    if hasattr(transform, "sharding"):
-        options["sharding"] = None
-    if getattr(transform, "strategy", None) == "auto":
-        options["strategy"] = "recompute"
-    return dataclasses.replace(transform, **options) if options else transform
-
-
 def _product(operator: BlockedOperator, vector: Any, is_flat: bool) -> Any:
     """One product with `vector`, in the form it was given (`is_flat` or a pytree)."""
     if is_flat:
@@ -339,153 +317,13 @@ def make_operator(
         square,
         (tuple(leaves), treedef),
         frozenset(tags if isinstance(tags, (tuple, list, set, frozenset)) else (tags,)),
-        recompute=getattr(transform, "strategy", "recompute") == "recompute",
+        recompute=recomputes(transform),
     )
 
 
 def flat_product(operator: BlockedOperator, vector: jax.Array) -> jax.Array:
     """One product of `operator` with a flat vector, as a flat vector (unchecked)."""
     return operator._map()(vector)
-
-
-# -- the blocks of `mm` ------------------------------------------------------------------
-
-
-class AbstractVectorBlocks(AbstractBlocked):
-    """Work on many vectors of an operator (products, probes) in blocks of vectors: a
-    blocked transform, so a budget is planned as for any other. The options are those
-    of the operator's transform; `sharding` spreads the vectors over the devices of the
-    mesh axes it splits (whichever axis of the transform's result it splits)."""
-
-    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True)
-    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
-    max_memory: int | str | None = eqx.field(default=None, static=True, kw_only=True)
-    strategy: Any = eqx.field(default=None, static=True, kw_only=True)
-    sharding: NamedSharding | None = eqx.field(default=None, static=True, kw_only=True)
-    jit: bool = eqx.field(default=True, static=True, kw_only=True)
-    progress: bool = eqx.field(default=False, static=True, kw_only=True)
-    # The axis of the result that holds the vectors, split over the devices.
-    _vector_axis: ClassVar[int]
-
-    @property
-    @abc.abstractmethod
-    def _owner(self) -> str:
-        """The name messages give the work."""
-
-    @property
-    def strategies(self) -> tuple[Any, ...]:
-        if self.strategy in (None, "linearize", "recompute"):
-            return (self.strategy,)
-        # As the transform's own call: one linearisation kept, or `fn` again per block.
-        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
-
-    @property
-    def _split(self) -> Split | None:
-        """The vectors spread over the devices of the mesh axes that `sharding` splits;
-        `None` without a split."""
-        if self.sharding is None:
-            return None
-        whole = split_of(self.sharding, owner=self._owner)
-        if whole.dim is None:
-            return None
-        return Split(whole.mesh, self._vector_axis, whole.axes, whole.count)
-
-    def _block_size(self, k: int) -> int:
-        nbatches = None if self.nbatches is None else min(self.nbatches, k)
-        return plan_blocks(k, nbatches=nbatches, batch_size=self.batch_size).block_size
-
-    def with_block_size(self, size: int, strategy: Any) -> AbstractVectorBlocks:
-        return dataclasses.replace(
-            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
-        )
-
-
-def vector_options(transform: Any) -> dict[str, Any]:
-    """The options of `AbstractVectorBlocks` that a transform's own give: its blocks
-    (for a transform whose options cut other work, a `Microbatcher`'s microbatches,
-    those of its `fn`), strategy, sharding, `jit` and bar; the defaults for `None`."""
-    sized = transform if hasattr(transform, "batch_size") else getattr(transform, "fn", None)
-    return dict(
-        nbatches=getattr(sized, "nbatches", None),
-        batch_size=getattr(sized, "batch_size", None),
-        max_memory=getattr(sized, "max_memory", None),
-        strategy=getattr(transform, "strategy", None),
-        sharding=getattr(transform, "sharding", None),
-        jit=_jit(transform),
-        progress=bool(getattr(transform, "progress", False)),
-    )
-
-
-class ProductBlocks(AbstractVectorBlocks):
-    """The products of an operator with the columns of a matrix, in blocks of columns."""
-
-    fn: BlockedOperator
-    _vector_axis: ClassVar[int] = 1
-
-    @classmethod
-    def of(cls, operator: BlockedOperator) -> ProductBlocks:
-        """The blocks that `operator`'s transform's options give (for a transform whose
-        options cut other work, a `Microbatcher`'s microbatches, those of its `fn`)."""
-        return cls(operator, **vector_options(operator.transform))
-
-    @property
-    def _owner(self) -> str:
-        return type(self.fn.transform).__name__
-
-    def work(self, matrix: Any) -> Work:
-        k = matrix.shape[1]
-        return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
-
-    def _run(self, matrix: Any) -> Any:
-        return (_blocked_jit if self.jit else _blocked)(self, matrix)
-
-
-def _blocked(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
-    split = blocks._split
-    if split is not None:
-        check_divides(
-            matrix.shape[1], split, owner=blocks.fn._owner, what="vectors (columns of `matrix`)"
-        )
-
-    def compute(share, split, inputs):
-        blocks, matrix = inputs
-        if share is not None and split.dim is not None:
-            # Every device is handed the whole matrix and takes its own columns.
-            width = matrix.shape[1] // split.count
-            offset = share.offset(matrix.shape[1])
-            matrix = jax.lax.dynamic_slice_in_dim(matrix, offset, width, axis=1)
-        return _local_products(blocks, matrix)
-
-    if split is None:
-        return dispatch(compute, (blocks, matrix))
-    return dispatch(compute, (blocks, matrix), split, out_specs=split.spec(2, 1))
-
-
-_blocked_jit = eqx.filter_jit(_blocked)
-
-
-def _local_products(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
-    """The products with the columns of `matrix` (this device's), block by block."""
-    operator = blocks.fn
-    if blocks.strategy is not None and hasattr(operator.transform, "strategy"):
-        transform = dataclasses.replace(operator.transform, strategy=blocks.strategy)
-        operator = dataclasses.replace(operator, transform=transform)
-    k = matrix.shape[1]
-    out_size = operator.out_size()
-    dtype = jnp.result_type(*jax.tree_util.tree_leaves(operator.out_structure()))
-    if k == 0:
-        return jnp.zeros((out_size, 0), dtype)
-    plan = plan_blocks(k, batch_size=blocks._block_size(k))
-    # Built once: with one linearisation kept, its residuals serve every block; with
-    # `strategy="recompute"` each product evaluates `fn` again inside its block.
-    product = operator._map()
-
-    def block(start):
-        columns = jax.lax.dynamic_slice_in_dim(matrix, start, plan.block_size, axis=1)
-        return jax.vmap(product, in_axes=1, out_axes=1)(columns).astype(dtype)
-
-    label = f"{operator._owner} products" if blocks.progress else None
-    return map_blocks(block, plan, axis=1, progress=label)
 
 
 # -- what lineax asks of an operator, by type ----------------------------------------------
@@ -495,7 +333,7 @@ def _local_products(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
 def _(operator):
     if operator.recompute or operator.linear is not None:
         return operator
-    linear = (_linearised_jit if _jit(operator.transform) else _linearised)(operator)
+    linear = (_linearised_jit if jit_of(operator.transform) else _linearised)(operator)
     return dataclasses.replace(operator, linear=linear)
 
 
@@ -512,7 +350,7 @@ _linearised_jit = eqx.filter_jit(_linearised)
 
 @lx.materialise.register(BlockedOperator)
 def _(operator):
-    blocks = (_blocks_jit if _jit(operator.transform) else _blocks_of)(operator)
+    blocks = (_blocks_jit if jit_of(operator.transform) else _blocks_of)(operator)
     return lx.PyTreeLinearOperator(blocks, operator.out_structure(), operator.tags)
 
 

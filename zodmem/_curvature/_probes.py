@@ -25,12 +25,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from .._checks import check_int, described
-from .._engine._blocks import map_blocks, plan_blocks, reduce_blocks
+from .._engine._block_plans import plan_blocks
+from .._engine._blocks import map_blocks, reduce_blocks
 from .._engine._sharding import dispatch, replicate
-from .._plan._budget import MemoryBudgetError, Work
 from .._plan._memory import check_memory
+from .._plan._plans import MemoryBudgetError, Work
 from ._flat import FlatView
-from ._operator import AbstractVectorBlocks, BlockedOperator, vector_options
+from ._operator import BlockedOperator
+from ._vector_blocks import AbstractVectorBlocks, vector_options
 
 __all__ = ["ProbeJob", "Probes", "run_probes"]
 

@@ -5,7 +5,6 @@ inverse). A dense matrix's inverse is `zm.covariance`'s (`_covariance.py`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -18,6 +17,7 @@ from jaxtyping import Array
 
 from .._checks import check_int, described
 from .._traceback import public
+from ._arguments import check_real, is_traced
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator, check_leaves, variables_of
 from ._probes import ProbeJob, run_probes
@@ -29,34 +29,6 @@ _GMRES_RESTART = 50
 
 
 # -- checks ------------------------------------------------------------------------------
-
-
-def _is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
-
-
-def _check_real(value: Any, name: str, *, owner: str, minimum: float | None = 0.0) -> Any:
-    """A real number: a Python or NumPy scalar (at least `minimum`), or a 0-d real JAX
-    array, which may be traced and is then checked by the caller at run time."""
-    if eqx.is_array(value) and not isinstance(value, np.ndarray):
-        real = jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)
-        if jnp.ndim(value) != 0 or not real:
-            raise TypeError(
-                f"{owner}: `{name}` must be a real number, got an array of dtype "
-                f"{value.dtype} and shape {jnp.shape(value)}."
-            )
-        if _is_traced(value):
-            return value
-        value = value.item()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
-        raise TypeError(f"{owner}: `{name}` must be a real number, got {described(value)}.")
-    value = float(value)
-    if not math.isfinite(value) or (minimum is not None and value < minimum):
-        allowed = "a finite real number" if minimum is None else f"a finite number >= {minimum}"
-        raise ValueError(f"{owner}: `{name}` must be {allowed}, got {name}={value}.")
-    return value
 
 
 def _check_solver(solver: Any, *, owner: str) -> None:
@@ -193,7 +165,7 @@ class Solves(ProbeJob):
 
 def _raise_or_flag(value: Any, code: jax.Array, messages: tuple[str, ...]) -> Any:
     """Raise the message of the first failure; traced, flag it with `eqx.error_if`."""
-    if _is_traced(code):
+    if is_traced(code):
         worst = jnp.max(code) if jnp.ndim(code) else code
         return eqx.branched_error_if(value, worst > 0, jnp.maximum(worst - 1, 0), messages)
     worst = int(np.max(np.asarray(code))) if np.size(code) else 0
@@ -205,13 +177,13 @@ def _raise_or_flag(value: Any, code: jax.Array, messages: tuple[str, ...]) -> An
 def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, view, blocks):
     """The checked solve of flat `(n,)` or `(n, k)` right-hand sides; the columns of
     the latter in blocks, as `blocks` (the options of `run_probes`) say."""
-    rtol = _check_real(rtol, "rtol", owner=owner)
-    atol = _check_real(atol, "atol", owner=owner)
-    if _is_traced(rtol) or _is_traced(atol):
+    rtol = check_real(rtol, "rtol", owner=owner)
+    atol = check_real(atol, "atol", owner=owner)
+    if is_traced(rtol) or is_traced(atol):
         raise TypeError(f"{owner}: `rtol` and `atol` must be Python or NumPy numbers.")
     max_steps = check_int(max_steps, "max_steps", owner=owner, minimum=1, optional=True)
     _check_solver(solver, owner=owner)
-    damping = _check_real(damping, "damping", owner=owner, minimum=None)
+    damping = check_real(damping, "damping", owner=owner, minimum=None)
     if solver is None and rtol == 0 and atol == 0 and max_steps is None:
         raise ValueError(
             f"{owner}: with rtol=0 and atol=0 the solve never converges; give a tolerance "
@@ -220,7 +192,7 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, v
     semidefinite = lx.is_positive_semidefinite(operator) or lx.is_negative_semidefinite(operator)
     psd = lx.is_positive_semidefinite(operator)
     tags = {lx.symmetric_tag} if lx.is_symmetric(operator) else set()
-    if _is_traced(damping):
+    if is_traced(damping):
         # Unknown sign: taken as keeping the operator's definiteness, and checked when run.
         if semidefinite:
             tags.add(lx.positive_semidefinite_tag if psd else lx.negative_semidefinite_tag)
@@ -377,7 +349,7 @@ def _read_indices(indices: Any, n: int, *, owner: str) -> jax.Array:
             f"{owner}: `indices` must be a 1-d array of ints, got dtype {array.dtype} and "
             f"shape {jnp.shape(array)}."
         )
-    if _is_traced(array):
+    if is_traced(array):
         outside = jnp.any((array < 0) | (array >= n))
         return eqx.error_if(array, outside, f"{owner}: `indices` must lie in [0, {n}).")
     outside = [int(i) for i in np.asarray(array) if not 0 <= int(i) < n]

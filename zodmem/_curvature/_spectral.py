@@ -17,8 +17,9 @@ import numpy as np
 from .._checks import check_int, described
 from .._engine._layout import canonical_body
 from .._traceback import public
-from ._flat import FlatView
-from ._lanczos import _check_key, _check_positive, _normalised, _step, _tridiagonal, _view_of
+from ._arguments import check_positive, key_or_default
+from ._flat import FlatView, symmetric_view
+from ._lanczos import lanczos_step, normalised, tridiagonal
 from ._probes import ProbeJob, run_probes
 from ._random import sign_probes
 
@@ -64,19 +65,21 @@ def lanczos_quadrature(
 
     def body(j, carry):
         basis, alphas, betas, vector, fresh, norm = carry
-        basis, alpha, beta, vector, fresh, norm = _step(product, basis, j, vector, fresh, norm)
+        basis, alpha, beta, vector, fresh, norm = lanczos_step(
+            product, basis, j, vector, fresh, norm
+        )
         return basis, alphas.at[j].set(alpha), betas.at[j].set(beta), vector, fresh, norm
 
     init = (
         jnp.zeros((num_steps, n), dtype),
         jnp.zeros(num_steps, dtype),
         jnp.zeros(num_steps, dtype),
-        _normalised(probe),
+        normalised(probe),
         jnp.asarray(False),
         jnp.zeros((), dtype),
     )
     _, alphas, betas, _, _, _ = jax.lax.fori_loop(0, num_steps, canonical_body(body), init)
-    nodes, vectors = jnp.linalg.eigh(_tridiagonal(alphas, betas[:-1]))
+    nodes, vectors = jnp.linalg.eigh(tridiagonal(alphas, betas[:-1]))
     return nodes, vectors[0] ** 2
 
 
@@ -205,10 +208,10 @@ def spectral_density(
         ```
     """
     owner = "zm.spectral_density"
-    view = _view_of(operator, owner)
+    view = symmetric_view(operator, owner)
     num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=1)
     num_steps = min(check_int(num_steps, "num_steps", owner=owner, minimum=1), view.size)
-    key = _check_key(key, owner)
+    key = key_or_default(key, owner)
     if grid is None:
         grid = _GRID_POINTS
     elif isinstance(grid, (int, np.integer)) and not isinstance(grid, (bool, np.bool_)):
@@ -225,7 +228,7 @@ def spectral_density(
             f"{owner}: `grid` must be None, a number of points (an int >= 2) or a 1-D "
             f"array of points, got {described(grid)}."
         )
-    sigma = _check_positive(sigma, "sigma", owner, optional=True)
+    sigma = check_positive(sigma, "sigma", owner, optional=True)
     if sigma is not None:
         sigma = jnp.asarray(sigma, view.dtype)
     options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)

@@ -1,0 +1,406 @@
+"""The extreme eigenpairs of a symmetric operator by Lanczos (`eigsh`), in one compiled
+loop with the operator's product traced once in its body; each convergence check calls
+back to the host for the wanted eigenpairs of the tridiagonal matrix (`_ritz.py`).
+
+One start vector finds one copy of each eigenvalue, and the copies of a tight cluster
+only slowly, while the residuals of the copies it has found are already small: `eigsh`
+therefore locks its converged pairs into the first rows of the buffer and checks them
+with a second run, from a fresh random start in their orthogonal complement, which must
+find nothing larger than the `k`-th (and, where it does, relocks and checks again).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._checks import check_bool, check_choice, check_int
+from .._engine._layout import canonical_body
+from .._engine._progress import progress_bar
+from .._traceback import public
+from ._arguments import check_positive, key_or_default
+from ._flat import FlatView, symmetric_view
+from ._lanczos import (
+    lanczos_step_with_image,
+    normal_direction,
+    normal_start,
+    normalised,
+    projection,
+)
+from ._random import key_seed
+from ._ritz import ritz_pairs
+
+__all__ = ["EigshInfo", "eigsh"]
+
+# Steps between convergence checks: each one calls back to the host (a fraction of a
+# product's time), and a check every step would add that to every product.
+_CHECK_EVERY = 4
+# The chance, for the worst spectrum, that a check run passes over an eigenvalue larger
+# than the k-th found one (Kuczynski and Wozniakowski's bound for a random start).
+_MISS_CHANCE = 1e-3
+
+
+class EigshInfo(NamedTuple):
+    """What `eigsh(..., return_info=True)` reports beside the eigenpairs.
+
+    - `num_products`: the number of products with the operator (Lanczos steps) taken,
+      the check runs' included.
+    - `converged`: whether all `k` wanted pairs met the tolerance and passed the check
+      for missed copies.
+    - `residual_norms`: the `k` residual norms `|A y - theta y|`, in the order of the
+      eigenvalues, as the Lanczos recurrence gives them (`|beta_m s_{m,i}|`, and for
+      pairs of a check run bounds that count its products with the locked pairs).
+    """
+
+    num_products: jax.Array
+    converged: jax.Array
+    residual_norms: jax.Array
+
+
+class _State(NamedTuple):
+    m: Any  # rows of the basis in use
+    products: Any  # products made (Lanczos steps), in all runs
+    basis: jax.Array
+    alphas: jax.Array
+    betas: jax.Array
+    couplings: jax.Array  # `(max_steps, k)`: each row's products with the locked rows
+    locked_residuals: jax.Array  # the residual norms of the locked rows (0 before a lock)
+    locks: Any
+    vector: jax.Array
+    fresh: Any  # the next step starts a run from a new random direction
+    start: Any  # the first row of the latest run (0: the run from the start vector)
+    norm: Any
+    low: Any  # the smallest Ritz value seen: where the spectrum begins, near enough
+    converged: Any
+    values: jax.Array
+    vectors: jax.Array
+    residuals: jax.Array
+
+
+def _initial_state(key: jax.Array, n: int, k: int, max_steps: int, dtype: Any) -> _State:
+    """No rows in use yet, and a random start vector drawn from `key`."""
+    return _State(
+        m=jnp.asarray(0, jnp.int32),
+        products=jnp.asarray(0, jnp.int32),
+        basis=jnp.zeros((max_steps, n), dtype),
+        alphas=jnp.zeros(max_steps, dtype),
+        betas=jnp.zeros(max_steps, dtype),
+        couplings=jnp.zeros((max_steps, k), dtype),
+        locked_residuals=jnp.zeros(k, dtype),
+        locks=jnp.asarray(0, jnp.int32),
+        vector=normal_start(key, n, dtype),
+        fresh=jnp.asarray(False),
+        start=jnp.asarray(0, jnp.int32),
+        norm=jnp.zeros((), dtype),
+        low=jnp.asarray(jnp.inf, dtype),
+        converged=jnp.asarray(False),
+        values=jnp.zeros(k, dtype),
+        vectors=jnp.zeros((max_steps, k), dtype),
+        residuals=jnp.full(k, jnp.inf, dtype),
+    )
+
+
+def _step(state: _State, product: Callable, seed: Any, k: int) -> _State:
+    """Lanczos step `state.m`, from the state's vector or, where a run starts
+    (`fresh`), from a random direction in the complement of the rows in use; its
+    image's products with the locked rows are kept as the row's couplings."""
+    j = state.m
+    n, dtype = state.basis.shape[1], state.basis.dtype
+
+    def fresh_direction(state):
+        # A normal vector, orthogonal to the rows in use: a run from it is Lanczos on
+        # the operator restricted to their complement.
+        drawn = normal_direction(seed, state.products, n, dtype)
+        drawn = drawn - projection(state.basis, state.m - 1, drawn)
+        return normalised(drawn - projection(state.basis, state.m - 1, drawn))
+
+    vector = jax.lax.cond(state.fresh, fresh_direction, lambda state: state.vector, state)
+    basis, alpha, beta, vector, broke, norm, image = lanczos_step_with_image(
+        product, state.basis, j, vector, False, state.norm
+    )
+    coupling = jnp.where(state.locks > 0, basis[:k] @ image, 0)
+    return state._replace(
+        m=j + 1,
+        products=state.products + 1,
+        basis=basis,
+        alphas=state.alphas.at[j].set(alpha),
+        betas=state.betas.at[j].set(beta),
+        couplings=state.couplings.at[j].set(coupling),
+        vector=vector,
+        fresh=broke,
+        start=jnp.where(state.fresh, j, state.start),
+        norm=norm,
+    )
+
+
+def _lock(state: _State, k: int) -> _State:
+    """The `k` pairs as the first rows, with their values and residuals; the next run
+    starts afresh in their complement (the rows after are left, unread)."""
+    max_steps, dtype = state.alphas.shape[0], state.alphas.dtype
+    ritz_vectors = state.basis.T @ state.vectors
+    zeros = jnp.zeros_like(state.alphas)
+    return state._replace(
+        m=jnp.asarray(k, jnp.int32),
+        basis=state.basis.at[:k].set(ritz_vectors.T),
+        alphas=zeros.at[:k].set(state.values),
+        betas=zeros,
+        couplings=jnp.zeros_like(state.couplings),
+        locked_residuals=state.residuals,
+        locks=state.locks + 1,
+        fresh=jnp.asarray(True),
+        start=jnp.asarray(k, jnp.int32),
+        vectors=jnp.eye(max_steps, k, dtype=dtype),
+    )
+
+
+def _checked(state: _State, k: int, tol: jax.Array) -> _State:
+    """The state after a convergence check: its `k` Ritz pairs, whether they met `tol`
+    and passed the check for missed copies, and where that check found a missed copy
+    (or none was made yet), the best `k` pairs locked again."""
+    n, dtype = state.basis.shape[1], state.basis.dtype
+    floor = jnp.finfo(dtype).eps ** (2 / 3)
+    # A run of p steps from a random start whose largest Ritz value falls short of the
+    # k-th found one by a fraction f of the spectrum's width below it hides a larger
+    # eigenvalue with a chance under 1.648 sqrt(n) exp(-(2p - 1) sqrt(f)) (Kuczynski and
+    # Wozniakowski): under `_MISS_CHANCE` once `(2p - 1) sqrt(f)` reaches this.
+    assurance = math.log(1.648 * math.sqrt(n) / _MISS_CHANCE)
+    arrays = (state.alphas, state.betas, state.couplings, state.locked_residuals)
+    values, vectors, residuals, top, top_residual, low = ritz_pairs(
+        *arrays, state.m, state.start, k
+    )
+    low = jnp.minimum(state.low, low)
+    bound = tol * jnp.maximum(jnp.abs(values), floor * state.norm)
+    paired = (state.m >= k) & jnp.all(residuals <= bound)
+    # A run from a fresh direction (after a breakdown or a lock) is a check: the
+    # operator in the complement of the rows before it has no eigenvalue above its
+    # largest Ritz value, once that has converged or, short of the k-th found one,
+    # once the run is long enough that a larger one would have shown.
+    kth = values[0]
+    top_bound = tol * jnp.maximum(jnp.abs(top), floor * state.norm)
+    shortfall = jnp.maximum(kth - top, 0) / jnp.maximum(kth - low, jnp.finfo(dtype).tiny)
+    long_enough = (2 * (state.m - state.start) - 1) * jnp.sqrt(shortfall) >= assurance
+    checked = (state.start > 0) & ((top_residual <= top_bound) | long_enough)
+    found_nothing = checked & (top <= kth + bound[0])
+    # The largest eigenvalue needs no check: a missed copy of it changes no value.
+    unchecked = (state.start == 0) & ~state.fresh if k == 1 else False
+    whole = state.m == n  # the rows span the space
+    converged = paired & (found_nothing | unchecked | whole)
+    # The check found a missed copy (or none was made yet): lock the best k again.
+    relock = paired & ~converged & ~state.fresh & ((state.start == 0) | checked)
+    relock = relock & (state.locks <= k)
+    state = state._replace(
+        converged=converged, values=values, vectors=vectors, residuals=residuals, low=low
+    )
+    return jax.lax.cond(relock, functools.partial(_lock, k=k), lambda state: state, state)
+
+
+def _eigsh(
+    view: FlatView,
+    key: jax.Array,
+    tol: jax.Array,
+    sign: jax.Array,
+    k: int,
+    max_steps: int,
+    progress: bool = False,
+) -> tuple:
+    """The Lanczos iteration of `eigsh`, compiled once per operator type and shapes:
+    the `k` largest eigenpairs of `sign * A` (so `sign = -1` gives the smallest of `A`,
+    with the same program)."""
+    product = view.linear()  # built once: a kept linearisation serves every step
+    seed = key_seed(key)
+
+    def step(state):
+        return _step(state, lambda vector: sign * product(vector), seed, k)
+
+    def steps_and_check(state):
+        # The steps up to the next check run in a loop of their own: the check is then
+        # no branch inside every step's loop, which keeps the program small.
+        # No check before 3k steps: the k wanted pairs seldom converge sooner, and each
+        # check costs a host round trip.
+        stop = jnp.minimum(jnp.maximum(state.m + _CHECK_EVERY, 3 * k), max_steps)
+        state = jax.lax.while_loop(lambda state: state.m < stop, canonical_body(step), state)
+        state = _checked(state, k, tol)
+        # The bar counts products; a run that ends fills it.
+        count = jnp.where(unfinished(state), jnp.minimum(state.products, max_steps - 1), max_steps)
+        bar.done(count, state.residuals)
+        return state
+
+    def unfinished(state):
+        return ~state.converged & (state.m < max_steps)
+
+    init = _initial_state(key, view.size, k, max_steps, view.dtype)
+    bar = progress_bar("zm.eigsh steps" if progress else None, max_steps, unit="step")
+    bar.start()
+    state = jax.lax.while_loop(unfinished, canonical_body(steps_and_check), init)
+    eigenvectors = state.basis.T @ state.vectors
+    # Ascending for A: the largest of -A, negated, come in descending order.
+    smallest = sign < 0
+    values = jnp.where(smallest, -state.values[::-1], state.values)
+    eigenvectors = jnp.where(smallest, eigenvectors[:, ::-1], eigenvectors)
+    residuals = jnp.where(smallest, state.residuals[::-1], state.residuals)
+    return values, eigenvectors, EigshInfo(state.products, state.converged, residuals)
+
+
+_eigsh_jit = eqx.filter_jit(_eigsh)
+
+
+def _default_max_steps(n: int, k: int) -> int:
+    return min(n, max(100, 10 * k))
+
+
+@public
+def eigsh(
+    operator: Any,
+    k: Any,
+    *,
+    which: Any = "LA",
+    tol: Any = 1e-6,
+    max_steps: Any = None,
+    key: Any = None,
+    pytree: Any = False,
+    return_info: Any = False,
+    progress: Any = False,
+) -> Any:
+    """The `k` largest or smallest eigenvalues of a symmetric operator, and their
+    eigenvectors, from its products with vectors only.
+
+    Use it for the top of a Hessian's or Gauss-Newton matrix's spectrum (sharpness, the
+    directions of largest curvature) or its most negative eigenvalues, where the
+    `(n, n)` matrix does not fit: it follows `scipy.sparse.linalg.eigsh`'s convention.
+    The method is Lanczos with full reorthogonalisation from a random start, in one
+    compiled loop. Its `k` wanted Ritz pairs `(theta_i, y_i)` have converged when
+
+    `|A y_i - theta_i y_i| = |beta_m s_{m,i}| <= tol * max(|theta_i|, eps**(2/3) * |A|)`
+
+    with `beta_m` the last Lanczos coupling, `s_{m,i}` the last entry of the tridiagonal
+    matrix's eigenvector, `eps` the dtype's rounding unit and `|A|` the largest norm of
+    a product seen (the floor lets eigenvalues at 0 converge). Convergence is checked
+    every 4 steps and at the last one, by the wanted eigenpairs of the tridiagonal
+    matrix, computed on the host (a call back from the loop that takes a fraction of a
+    product's time; nothing else leaves the device).
+
+    Small residuals do not show that no wanted eigenvalue is missing: one start vector
+    finds one copy of a repeated eigenvalue, and the copies of a tight cluster only
+    after many steps, while the residuals of those it has found are small already. So for
+    `k >= 2` the converged pairs are locked (kept as the first rows of the basis) and
+    checked by a second Lanczos run from a fresh random start orthogonal to them, on
+    the operator in their complement. They pass once that run's largest Ritz value has
+    converged to no more than the `k`-th eigenvalue found (plus its tolerance), or lies
+    so far below it, for the run's length, that a larger eigenvalue would have shown
+    but with a chance under `1e-3` whatever the spectrum (Kuczynski and Wozniakowski's
+    bound for Lanczos from a random start). Where the run finds a larger one (a missed
+    copy), the best `k` pairs of both runs are locked and checked again. A breakdown
+    (an invariant Krylov space) goes on in the same way, from a fresh random direction
+    orthogonal to the basis.
+
+    **Arguments:**
+
+    - `operator`: a symmetric real operator: a zodmem curvature operator
+      (`zm.BatchedHessian(f).operator(x, *args)`, `zm.BatchedGGN(fn, loss).operator(...)`,
+      one wrapped in `zm.Microbatcher`) or any `lineax` operator that `lx.is_symmetric`
+      accepts.
+    - `k`: how many eigenpairs, `1 <= k < n` (`n` the operator's size).
+    - `which`: `"LA"` for the largest (algebraic) eigenvalues, `"SA"` for the smallest.
+    - `tol`: the relative residual tolerance above.
+    - `max_steps`: the size of the basis, `max_steps * n` numbers, and so the most
+      Lanczos steps (products) of a run: the first one, and each check, which starts
+      again from the `k` locked pairs; `k + 1 <= max_steps <= n`. By default
+      `min(n, max(100, 10 * k))`, enough for the top 5 of a typical network's Hessian
+      to converge to `1e-6` and be checked.
+    - `key`: a `jax.random` key, whose words seed the pseudo-random normal start
+      vector (default `jax.random.key(0)`).
+    - `pytree`: return the eigenvectors shaped like the operator's input (for a zodmem
+      operator, like `x`'s variables) instead of as flat columns.
+    - `return_info`: also return an `EigshInfo`, and never raise for non-convergence.
+    - `progress`: a progress bar of the Lanczos steps on stderr, out of `max_steps` (filled
+      when the iteration ends).
+
+    **Returns:**
+
+    `(eigenvalues, eigenvectors)`: the `k` eigenvalues in ascending order (both for
+    `"LA"` and `"SA"`, as scipy), and the eigenvectors as an `(n, k)` array of unit
+    columns (column `i` for eigenvalue `i`; signs are arbitrary), or with `pytree=True`
+    a pytree like the input whose leaves have a leading axis of `k` (eigenvector `i`
+    is `jax.tree_util.tree_map(lambda leaf: leaf[i], eigenvectors)`). Both in the
+    operator's dtype. With `return_info=True`, `(eigenvalues, eigenvectors, info)`.
+
+    Converged, the pairs' residuals are within `tol`, and every eigenvalue larger than
+    the `k`-th returned one by more than its tolerance is among those returned, as often
+    as it occurs (but for the check's chance of `1e-3`): a wanted eigenvalue of
+    multiplicity 2 or more comes back as many times, and a cluster of wanted eigenvalues
+    comes back whole, however tight. For `k = 1` no check runs: a missed copy of the
+    largest eigenvalue changes no value. Not converged, or not checked, within a run of
+    `max_steps` steps, it raises (an `EquinoxRuntimeError`, eagerly and under `jax.jit`
+    alike) unless `return_info=True`, which returns the current Ritz pairs with
+    `info.converged` false.
+
+    **Cost:** as many products as steps, and memory for the basis, `max_steps * n`
+    numbers, beside one product's. Each step also orthogonalises against the basis
+    (`4 * max_steps * n` flops). For `k >= 2` the check adds a run of its own: the
+    fewer steps the clearer the `k`-th eigenvalue stands above the rest (a dozen or so
+    for a few outliers), up to about as many as the first run where it lies in a dense
+    part of the spectrum, and a run more for each missed copy it finds. One compiled
+    program per operator type, shapes, `k` and `max_steps` (not per `which`, `tol` or
+    `key`).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import zodmem as zm
+
+        def loss(w):
+            return jnp.sum(jnp.arange(1.0, 31.0) * w**2) + jnp.sum(w) ** 2
+
+        op = zm.BatchedHessian(loss).operator(jnp.zeros(30))
+        values, vectors = zm.eigsh(op, 3)  # the 3 largest, ascending
+        assert vectors.shape == (30, 3)
+        ```
+    """
+    owner = "zm.eigsh"
+    view = symmetric_view(operator, owner)
+    n = view.size
+    if n < 2:
+        raise ValueError(f"{owner}: `operator` has size {n}; eigsh needs a size of at least 2.")
+    k = check_int(k, "k", owner=owner, minimum=1)
+    if k >= n:
+        raise ValueError(
+            f"{owner}: `k` must be an int with 1 <= k < n = {n} (the operator's size), got "
+            f"k={k}; for all the eigenvalues, use jnp.linalg.eigh(operator.as_matrix())."
+        )
+    check_choice(which, "which", ("LA", "SA"), owner=owner)
+    tol = check_positive(tol, "tol", owner)
+    max_steps = check_int(max_steps, "max_steps", owner=owner, optional=True)
+    if max_steps is None:
+        max_steps = _default_max_steps(n, k)
+    elif not k + 1 <= max_steps <= n:
+        raise ValueError(
+            f"{owner}: `max_steps` must be an int with k + 1 = {k + 1} <= max_steps <= n = "
+            f"{n}, got max_steps={max_steps}."
+        )
+    key = key_or_default(key, owner)
+    check_bool(pytree, "pytree", owner=owner)
+    check_bool(return_info, "return_info", owner=owner)
+    check_bool(progress, "progress", owner=owner)
+
+    sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
+    inputs = (view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
+    values, vectors, info = _eigsh_jit(*inputs)
+    if not return_info:
+        values = eqx.error_if(
+            values,
+            ~info.converged,
+            f"{owner}: the {k} eigenpairs did not converge to tol={tol} within "
+            f"max_steps={max_steps} Lanczos steps. Give a larger `max_steps` (at most "
+            f"n = {n}) or `tol`, or pass `return_info=True` for the partial result and "
+            "its residual norms.",
+        )
+    if pytree:
+        vectors = view.unflatten(vectors.T)
+    return (values, vectors, info) if return_info else (values, vectors)

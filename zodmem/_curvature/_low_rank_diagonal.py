@@ -1,0 +1,493 @@
+"""Low-rank plus diagonal operators, `A = U diag(s) U^T + diag(d)`: a curvature's top
+eigenpairs and the diagonal of what they leave out (`zm.low_rank`), the form of a Laplace
+posterior's precision. Its damped inverse, log-determinant, marginal variances and
+Gaussian samples are exact, in `O(n r^2)`, from one thin SVD.
+
+With `D = d + damping > 0` and the thin SVD `D^{-1/2} U diag(s)^{1/2} = Q diag(sigma) V^T`,
+
+    A + damping I = D^{1/2} (I + Q diag(t) Q^T) D^{1/2},    t = sigma^2,
+
+and the middle factor is the identity but on the span of `Q`'s orthonormal columns, so
+
+- `(A + damping I)^{-1} = D^{-1/2} (I - Q diag(t / (1 + t)) Q^T) D^{-1/2}` (Woodbury),
+- `log det(A + damping I) = sum(log D) + sum(log1p(t))` (the determinant lemma),
+- `L = D^{-1/2} (I - Q diag(1 - (1 + t)^{-1/2}) Q^T)` has `L L^T = (A + damping I)^{-1}`,
+  so `L z`, `z ~ N(0, I)`, is a draw from `N(0, (A + damping I)^{-1})`.
+
+None of these needs `U`'s columns orthonormal, or `s > 0`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+
+from .._checks import check_key, described
+from .._traceback import public
+from ._arguments import check_entries, check_real, check_shape, is_traced
+
+__all__ = ["LowRankDiagonal"]
+
+_OWNER = "zm.LowRankDiagonal"
+
+
+class _Damped(NamedTuple):
+    """`A + damping I = R (I + Q diag(t) Q^T) R` with `R = diag(root)` and `Q`'s columns
+    orthonormal."""
+
+    root: jax.Array  # sqrt(d + damping), (n,)
+    basis: jax.Array  # Q, (n, m)
+    spectrum: jax.Array  # t, (m,)
+
+
+def _as_array(value: Any) -> Any:
+    """`value` as a JAX array (NumPy arrays and nested lists welcome); anything else as it
+    is, for the checks to refuse by name."""
+    if isinstance(value, (jax.Array, np.ndarray, list, tuple)):
+        try:
+            return jnp.asarray(value)
+        except (TypeError, ValueError):
+            return value
+    return value
+
+
+class LowRankDiagonal(lx.AbstractLinearOperator):
+    """The symmetric positive semi-definite operator `A = U diag(s) U^T + diag(d)`: a
+    low-rank part and a diagonal one, with exact inverses, log-determinants and samples
+    of `A + damping I`.
+
+    Use it as a Laplace posterior's precision: `zm.low_rank(G, r)` takes a curvature
+    `G`'s top `r` eigenpairs, and where asked the diagonal of what they leave out, and
+    `damping` is a Gaussian prior's precision. Every operation costs `O(n r^2)` at most
+    and holds `O(n r)` numbers: the `n x n` matrix is never formed, but by `as_matrix`.
+    It is a `lineax` linear operator tagged symmetric and positive semi-definite, so
+    lineax's solvers and zodmem's estimators (`zm.solve`, `zm.eigsh`, ...) take it too.
+
+    Its vectors are flat, `(n,)` arrays of its dtype: built from a curvature of a model's
+    pytree of parameters, `A` is in the raveled order of the variables (as `zm.eigsh`'s
+    vectors are), and `jax.flatten_util.ravel_pytree` of the variables gives the way back.
+
+    **Arguments:**
+
+    - `U`: an `(n, r)` array, the low-rank part's directions; orthonormal columns as
+      `zm.eigsh` gives them, though nothing here needs them so. `r = 0` is allowed.
+    - `s`: an `(r,)` array `>= 0`, the low-rank part's eigenvalues (for orthonormal `U`).
+    - `d`: an `(n,)` array `>= 0`, the diagonal part.
+
+    All three real, of one floating dtype. Values are checked where they are concrete
+    (not inside `jax.jit`): `s` and `d` must be finite and `>= 0`.
+
+    !!! example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import zodmem as zm
+
+        U = jnp.linalg.qr(jax.random.normal(jax.random.key(0), (6, 2)))[0]
+        A = zm.LowRankDiagonal(U, jnp.array([3.0, 1.0]), jnp.full(6, 0.1))
+        dense = U @ jnp.diag(jnp.array([3.0, 1.0])) @ U.T + 0.1 * jnp.eye(6)
+        assert jnp.allclose(A.as_matrix(), dense, atol=1e-6)
+        ```
+    """
+
+    U: jax.Array
+    s: jax.Array
+    d: jax.Array
+
+    def __init__(self, U: Any, s: Any, d: Any):
+        self.U = _as_array(U)
+        self.s = _as_array(s)
+        self.d = _as_array(d)
+
+    def __check_init__(self):
+        for name in ("U", "s", "d"):
+            value = getattr(self, name)
+            if not isinstance(value, jax.Array):
+                raise TypeError(f"{_OWNER}: `{name}` must be an array, got {described(value)}.")
+            if not jnp.issubdtype(value.dtype, jnp.floating):
+                raise TypeError(
+                    f"{_OWNER}: `{name}` must be a real floating array (float32 or float64), "
+                    f"got dtype {value.dtype}."
+                )
+        if self.U.ndim != 2:
+            raise ValueError(
+                f"{_OWNER}: `U` must be a 2-d array of shape (n, r), one direction a column, "
+                f"got shape {self.U.shape}."
+            )
+        n, r = self.U.shape
+        for name, shape in (("s", (r,)), ("d", (n,))):
+            value = getattr(self, name)
+            if value.shape != shape:
+                raise ValueError(
+                    f"{_OWNER}: `{name}` must have shape {shape} for `U` of shape {(n, r)}, "
+                    f"got shape {value.shape}."
+                )
+            if value.dtype != self.U.dtype:
+                raise TypeError(
+                    f"{_OWNER}: `{name}` has dtype {value.dtype}, but `U` has {self.U.dtype}; "
+                    f"give all three in one dtype."
+                )
+        check_entries(self.s, "s", "the low-rank part's eigenvalues", owner=_OWNER)
+        check_entries(self.d, "d", "the diagonal part", owner=_OWNER)
+
+    # -- the operator --------------------------------------------------------------------
+
+    @property
+    def _size(self) -> int:
+        return self.d.shape[0]
+
+    def in_structure(self) -> jax.ShapeDtypeStruct:
+        """The shape and dtype of the vectors `A` takes: flat, `(n,)`.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.ones((4, 1)) / 2, jnp.ones(1), jnp.ones(4))
+            assert A.in_structure().shape == (4,)
+            ```
+        """
+        return jax.ShapeDtypeStruct(self.d.shape, self.d.dtype)
+
+    def out_structure(self) -> jax.ShapeDtypeStruct:
+        """The shape and dtype of the vectors `A` returns: those it takes.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.ones((4, 1)) / 2, jnp.ones(1), jnp.ones(4))
+            assert A.out_structure() == A.in_structure()
+            ```
+        """
+        return self.in_structure()
+
+    def _read(self, vector: Any, name: str, owner: str, *, columns: bool) -> jax.Array:
+        """`vector` checked: an `(n,)` array of the operator's dtype (or `(n, k)` where
+        `columns`)."""
+        n, dtype = self._size, self.d.dtype
+        shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
+        if not eqx.is_array(vector):
+            raise TypeError(
+                f"{owner}: `{name}` must be an array of shape {shapes}, got {described(vector)}."
+            )
+        ndims = (1, 2) if columns else (1,)
+        if jnp.ndim(vector) not in ndims or jnp.shape(vector)[0] != n:
+            raise ValueError(
+                f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors: see "
+                f"`in_structure()`), got shape {jnp.shape(vector)}."
+            )
+        if jnp.dtype(vector.dtype) != dtype:
+            raise TypeError(
+                f"{owner}: `{name}` has dtype {vector.dtype}, but the operator is {dtype}; "
+                f"cast it, e.g. {name}.astype({dtype})."
+            )
+        return jnp.asarray(vector)
+
+    @public
+    def mv(self, vector: Any) -> jax.Array:
+        """The product `A v = U (s * (U^T v)) + d * v`, in `O(n r)`.
+
+        **Arguments:**
+
+        - `vector`: a flat `(n,)` array of the operator's dtype.
+
+        **Returns:**
+
+        The product, an `(n,)` array.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.ones(3))
+            assert jnp.allclose(A.mv(jnp.ones(3)), jnp.array([3.0, 1.0, 1.0]))
+            ```
+        """
+        vector = self._read(vector, "vector", f"{_OWNER}.mv", columns=False)
+        return self.U @ (self.s * (self.U.T @ vector)) + self.d * vector
+
+    @public
+    def as_matrix(self) -> jax.Array:
+        """The dense `(n, n)` matrix `U diag(s) U^T + diag(d)`: for small `n` and tests.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.ones(3))
+            assert jnp.allclose(A.as_matrix(), jnp.diag(jnp.array([3.0, 1.0, 1.0])))
+            ```
+        """
+        return (self.U * self.s) @ self.U.T + jnp.diag(self.d)
+
+    def transpose(self) -> LowRankDiagonal:
+        """`A` itself: it is symmetric.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.ones(3))
+            assert A.transpose() is A and A.T is A
+            ```
+        """
+        return self
+
+    def diagonal(self) -> jax.Array:
+        """The diagonal of `A`, `d + sum(U**2 * s, axis=1)`, in `O(n r)`.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.ones(3))
+            assert jnp.allclose(A.diagonal(), jnp.array([3.0, 1.0, 1.0]))
+            ```
+        """
+        return self.d + jnp.sum(self.U * self.U * self.s, axis=1)
+
+    # -- the damped operator: inverse, determinant, samples --------------------------------
+
+    def _damped(self, damping: Any, owner: str) -> _Damped:
+        """`A + damping I` as `R (I + Q diag(t) Q^T) R`; `d + damping > 0` checked (when
+        traced, as the compiled call runs)."""
+        damping = check_real(damping, "damping", owner=owner, minimum=None)
+        shifted = self.d + jnp.asarray(damping, self.d.dtype)
+        if is_traced(shifted):
+            shifted = eqx.error_if(
+                shifted,
+                jnp.any(shifted <= 0),
+                f"{owner}: d + damping must be > 0 in every entry for the Woodbury form "
+                f"(A + damping I is then positive definite); give damping > 0, such as a "
+                f"prior's precision, or a positive `d`.",
+            )
+        else:
+            entries = np.asarray(shifted)
+            if np.any(entries <= 0):
+                index = int(np.flatnonzero(entries <= 0)[0])
+                raise ValueError(
+                    f"{owner}: d + damping must be > 0 in every entry for the Woodbury form "
+                    f"(A + damping I is then positive definite), but d[{index}] + damping = "
+                    f"{entries[index].item()!r} (d[{index}] = {np.asarray(self.d)[index].item()!r}"
+                    f", damping={damping!r}); give damping > 0, such as a prior's precision, "
+                    f"or a positive `d`."
+                )
+        root = jnp.sqrt(shifted)
+        scaled = self.U * jnp.sqrt(self.s) / root[:, None]
+        basis, singular, _ = jnp.linalg.svd(scaled, full_matrices=False)
+        return _Damped(root, basis, singular * singular)
+
+    @public
+    def solve(self, b: Any, *, damping: Any = 0.0) -> jax.Array:
+        """The solution `y` of `(A + damping I) y = b`, exactly, by Woodbury's identity.
+
+        With `D = d + damping` it is `D^{-1/2} (c - Q diag(t / (1 + t)) Q^T c)`,
+        `c = D^{-1/2} b`, from the thin SVD `D^{-1/2} U diag(s)^{1/2} = Q diag(t)^{1/2} V^T`:
+        `O(n r^2)` for the SVD, `O(n r k)` for `k` right-hand sides. For a Laplace
+        posterior, `damping` is the prior's precision and `y` a posterior covariance
+        times `b`.
+
+        **Arguments:**
+
+        - `b`: an `(n,)` array, or an `(n, k)` array of `k` right-hand sides, one a
+          column, in the operator's dtype.
+        - `damping`: `lambda`, a real number (a 0-d array, traced too). Every entry of
+          `d + damping` must be `> 0` (then `A + damping I` is positive definite): a
+          `ValueError` otherwise (under `jax.jit`, an error when the call runs).
+
+        **Returns:**
+
+        `y`, shaped like `b`.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.zeros(3))
+            y = A.solve(jnp.ones(3), damping=1.0)  # (A + I)^-1 1
+            assert jnp.allclose(y, jnp.array([1 / 3, 1.0, 1.0]))
+            ```
+        """
+        owner = f"{_OWNER}.solve"
+        b = self._read(b, "b", owner, columns=True)
+        root, basis, spectrum = self._damped(damping, owner)
+        rows = root if b.ndim == 1 else root[:, None]
+        whitened = b / rows
+        shrink = spectrum / (1 + spectrum)
+        inner = basis.T @ whitened
+        inner = shrink * inner if b.ndim == 1 else shrink[:, None] * inner
+        return (whitened - basis @ inner) / rows
+
+    @public
+    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+        """`log det(A + damping I)`, exactly, by the matrix determinant lemma:
+        `sum(log(d + damping)) + sum(log1p(t))` with `t` the squared singular values of
+        `(d + damping)^{-1/2} U diag(s)^{1/2}`. `O(n r^2)`.
+
+        Unlike `zm.logdet`, an estimate from products, this is the exact value for this
+        operator, and so returns no standard error.
+
+        **Arguments:**
+
+        - `damping`: as for `solve`; `d + damping` must be `> 0`.
+
+        **Returns:**
+
+        A scalar in the operator's dtype.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.zeros(3))
+            assert jnp.allclose(A.logdet(damping=1.0), jnp.log(3.0))
+            ```
+        """
+        root, _, spectrum = self._damped(damping, f"{_OWNER}.logdet")
+        return 2 * jnp.sum(jnp.log(root)) + jnp.sum(jnp.log1p(spectrum))
+
+    @public
+    def marginal_variances(self, *, damping: Any = 0.0) -> jax.Array:
+        """The diagonal of `(A + damping I)^{-1}`, exactly, all `n` entries in `O(n r^2)`:
+        for a Laplace posterior, the variances of the parameters (their standard
+        deviations are the square roots).
+
+        From the Woodbury form, entry `i` is `(1 - |q_i|^2 + sum_j q_ij^2 / (1 + t_j)) / D_i`
+        with `q_i` row `i` of `Q`: the part of the unit vector `e_i` outside the low-rank
+        span keeps the diagonal's variance `1 / D_i`, and the part inside it is shrunk.
+
+        **Arguments:**
+
+        - `damping`: as for `solve`; `d + damping` must be `> 0`.
+
+        **Returns:**
+
+        An `(n,)` array.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.zeros(3))
+            variances = A.marginal_variances(damping=1.0)
+            assert jnp.allclose(variances, jnp.array([1 / 3, 1.0, 1.0]))
+            ```
+        """
+        root, basis, spectrum = self._damped(damping, f"{_OWNER}.marginal_variances")
+        squares = basis * basis
+        # Clipped: rounding can leave a row of Q with a norm a little above 1.
+        outside = jnp.maximum(1 - jnp.sum(squares, axis=1), 0)
+        inside = squares @ (1 / (1 + spectrum))
+        return (outside + inside) / (root * root)
+
+    @public
+    def sample(self, key: Any, shape: Any = (), *, damping: Any = 0.0) -> jax.Array:
+        """Draws from the Gaussian `N(0, (A + damping I)^{-1})`, exactly: for a Laplace
+        posterior, parameters' deviations from the mode (add the mode yourself).
+
+        Each draw is `L z` with `z = jax.random.normal(key, (*shape, n))` and
+        `L = D^{-1/2} (I - Q diag(1 - (1 + t)^{-1/2}) Q^T)`, `D = d + damping`, whose
+        `L L^T` is `(A + damping I)^{-1}` (see `solve` for `Q` and `t`): `O(n r)` a
+        draw beside the SVD. `L` is a square root of the inverse for any `d`, not only
+        a constant one.
+
+        **Arguments:**
+
+        - `key`: a `jax.random` key.
+        - `shape`: the batch shape of the draws, a tuple of ints or an int (default
+          `()`, one draw).
+        - `damping`: as for `solve`; `d + damping` must be `> 0`.
+
+        **Returns:**
+
+        An array of shape `(*shape, n)` in the operator's dtype.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([8.0]), jnp.zeros(3))
+            draws = A.sample(jax.random.key(0), (20_000,), damping=1.0)
+            assert draws.shape == (20_000, 3)
+            assert jnp.allclose(jnp.var(draws, axis=0), jnp.array([1 / 9, 1, 1]), rtol=0.05)
+            ```
+        """
+        owner = f"{_OWNER}.sample"
+        key = check_key(key, owner=owner)
+        shape = check_shape(shape, owner)
+        root, basis, spectrum = self._damped(damping, owner)
+        normals = jax.random.normal(key, (*shape, self._size), self.d.dtype)
+        grown = jnp.sqrt(1 + spectrum)
+        # 1 - 1 / sqrt(1 + t), written so that a small t loses nothing to cancellation.
+        pull = spectrum / (grown * (1 + grown))
+        return (normals - ((normals @ basis) * pull) @ basis.T) / root
+
+
+# -- what lineax asks of an operator, by type ------------------------------------------------
+
+
+@lx.is_symmetric.register(LowRankDiagonal)
+@lx.is_positive_semidefinite.register(LowRankDiagonal)
+def _(operator):
+    return True
+
+
+@lx.is_negative_semidefinite.register(LowRankDiagonal)
+@lx.has_unit_diagonal.register(LowRankDiagonal)
+def _(operator):
+    return False
+
+
+# With no low-rank part, the operator is its diagonal.
+@lx.is_diagonal.register(LowRankDiagonal)
+@lx.is_tridiagonal.register(LowRankDiagonal)
+@lx.is_lower_triangular.register(LowRankDiagonal)
+@lx.is_upper_triangular.register(LowRankDiagonal)
+def _(operator):
+    return operator.U.shape[1] == 0
+
+
+# Its products are already cheap, and real.
+@lx.linearise.register(LowRankDiagonal)
+@lx.materialise.register(LowRankDiagonal)
+@lx.conj.register(LowRankDiagonal)
+def _(operator):
+    return operator
+
+
+@lx.diagonal.register(LowRankDiagonal)
+def _(operator):
+    return operator.diagonal()
+
+
+@lx.tridiagonal.register(LowRankDiagonal)
+def _(operator):
+    U, s = operator.U, operator.s
+    beside = jnp.sum(U[:-1] * U[1:] * s, axis=1)  # entries (i, i + 1), in O(n r)
+    return operator.diagonal(), beside, beside
