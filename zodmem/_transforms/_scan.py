@@ -3,6 +3,7 @@ outputs, and `lax.scan` whose gradient stores only a carry per chunk of steps.""
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from typing import Any
@@ -104,6 +105,33 @@ class AbstractScan(AbstractTransform):
         _check_unroll(self.unroll, owner=owner)
         check_bool(self.progress, "progress", owner=owner)
 
+    @jaxtyped(typechecker=beartype)
+    @public
+    def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
+        with closing_bars():  # a failed run's bar is closed, not left open
+            return _scan_jit(self, init, xs)
+
+    @abc.abstractmethod
+    def _scan(
+        self, fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, length: int
+    ) -> tuple[Any, Any]:
+        """`(carry, ys)` of the `length` steps of `fn` (this transform's `fn` as a plain
+        function) from `init` over `xs`, traced."""
+
+
+def _scan(transform: AbstractScan, init: Any, xs: Any) -> tuple[Any, Any]:
+    length = scan_length(xs, transform.length, owner=type(transform).__name__)
+
+    def fn(carry, x):
+        # A plain function: lax.scan hashes its `fn`, and a module holding traced
+        # arrays cannot be hashed.
+        return transform.fn(carry, x)
+
+    return transform._scan(fn, init, xs, length)
+
+
+_scan_jit = eqx.filter_jit(_scan)
+
 
 class SlicedScan(AbstractScan):
     """`lax.scan` that keeps only the outputs of the steps in a slice.
@@ -190,51 +218,39 @@ class SlicedScan(AbstractScan):
                 "(negative to keep the outputs last step first) or None."
             )
 
-    @jaxtyped(typechecker=beartype)
-    @public
-    def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
-        with closing_bars():  # a failed run's bar is closed, not left open
-            return _sliced_scan_jit(self, init, xs)
-
-
-def _sliced_scan(transform: SlicedScan, init: Any, xs: Any) -> tuple[Any, Any]:
-    length = scan_length(xs, transform.length, owner="SlicedScan")
-    kept = range(*slice(transform.start, transform.stop, transform.step).indices(length))
-
-    def fn(carry, x):
-        # A plain function: lax.scan hashes its `fn`, and a module holding traced
-        # arrays cannot be hashed.
-        return transform.fn(carry, x)
-
-    # Traced once as `lax.scan` itself, for its checks of `fn` and the shape of `ys`.
-    _, ys_shapes = jax.eval_shape(
-        lambda init, xs: jax.lax.scan(fn, init, xs, length=length, reverse=transform.reverse),
-        init,
-        xs,
-    )
-    if not kept:
-        bar = progress_bar(label(transform), length, unit="step")
-
-        def discard(state, x):
-            carry, count = state
-            carry = fn(carry, x)[0]
-            bar.done(count + 1, carry)
-            return (carry, count + 1), None
-
-        bar.start()
-        (carry, _), _ = jax.lax.scan(
-            discard,
-            (init, jnp.asarray(0, jnp.int32)),
+    def _scan(
+        self, fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, length: int
+    ) -> tuple[Any, Any]:
+        kept = range(*slice(self.start, self.stop, self.step).indices(length))
+        # Traced once as `lax.scan` itself, for its checks of `fn` and the shape of `ys`.
+        _, ys_shapes = jax.eval_shape(
+            lambda init, xs: jax.lax.scan(fn, init, xs, length=length, reverse=self.reverse),
+            init,
             xs,
-            length=length,
-            reverse=transform.reverse,
-            unroll=_inner_unroll(transform.unroll, length),
         )
-        ys = jax.tree_util.tree_map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), ys_shapes)
-        return carry, ys
-    if jax.tree_util.tree_leaves(xs):
-        return _scan_keeping(transform, fn, init, xs, length, kept, ys_shapes)
-    return _scan_skipping(transform, fn, init, xs, length, kept)
+        if not kept:
+            bar = progress_bar(label(self), length, unit="step")
+
+            def discard(state, x):
+                carry, count = state
+                carry = fn(carry, x)[0]
+                bar.done(count + 1, carry)
+                return (carry, count + 1), None
+
+            bar.start()
+            (carry, _), _ = jax.lax.scan(
+                discard,
+                (init, jnp.asarray(0, jnp.int32)),
+                xs,
+                length=length,
+                reverse=self.reverse,
+                unroll=_inner_unroll(self.unroll, length),
+            )
+            ys = jax.tree_util.tree_map(lambda s: jnp.zeros((0, *s.shape[1:]), s.dtype), ys_shapes)
+            return carry, ys
+        if jax.tree_util.tree_leaves(xs):
+            return _scan_keeping(self, fn, init, xs, length, kept, ys_shapes)
+        return _scan_skipping(self, fn, init, xs, length, kept)
 
 
 def _scan_keeping(
@@ -323,9 +339,6 @@ def _scan_skipping(
     return skip(carry, length - first - span), ys
 
 
-_sliced_scan_jit = eqx.filter_jit(_sliced_scan)
-
-
 class CheckpointedScan(AbstractScan):
     """`lax.scan` whose gradient stores one carry per chunk of steps.
 
@@ -395,48 +408,33 @@ class CheckpointedScan(AbstractScan):
     def __check_init__(self):
         check_int(self.chunk_size, "chunk_size", owner="CheckpointedScan", minimum=1, optional=True)
 
-    @jaxtyped(typechecker=beartype)
-    @public
-    def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
-        with closing_bars():  # a failed run's bar is closed, not left open
-            return _checkpointed_scan_jit(self, init, xs)
+    def _scan(
+        self, fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, length: int
+    ) -> tuple[Any, Any]:
+        if length == 0:
+            return jax.lax.scan(fn, init, xs, length=0, reverse=self.reverse)
+        chunk_size = default_chunk_size(length) if self.chunk_size is None else self.chunk_size
+        plan = plan_blocks(length, batch_size=chunk_size, what="steps")
 
+        def checkpointed_chunk(carry: Any, start: Any, size: int) -> tuple[Any, Any]:
+            def chunk(carry, start):
+                # The chunk's inputs, read from `xs` where they lie: no slice of `xs` is
+                # made outside the loop, and its gradient is assembled chunk by chunk.
+                part = jax.tree_util.tree_map(
+                    lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), xs
+                )
+                unroll = _inner_unroll(self.unroll, size)
+                return jax.lax.scan(
+                    fn, carry, part, length=size, reverse=self.reverse, unroll=unroll
+                )
 
-def _checkpointed_scan(transform: CheckpointedScan, init: Any, xs: Any) -> tuple[Any, Any]:
-    length = scan_length(xs, transform.length, owner="CheckpointedScan")
+            return jax.checkpoint(chunk)(carry, start)
 
-    def fn(carry, x):
-        return transform.fn(carry, x)  # a plain function, which lax.scan can hash
-
-    if length == 0:
-        return jax.lax.scan(fn, init, xs, length=0, reverse=transform.reverse)
-    chunk_size = (
-        default_chunk_size(length) if transform.chunk_size is None else transform.chunk_size
-    )
-    plan = plan_blocks(length, batch_size=chunk_size, what="steps")
-
-    def checkpointed_chunk(carry: Any, start: Any, size: int) -> tuple[Any, Any]:
-        def chunk(carry, start):
-            # The chunk's inputs, read from `xs` where they lie: no slice of `xs` is
-            # made outside the loop, and its gradient is assembled chunk by chunk.
-            part = jax.tree_util.tree_map(
-                lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), xs
-            )
-            unroll = _inner_unroll(transform.unroll, size)
-            return jax.lax.scan(
-                fn, carry, part, length=size, reverse=transform.reverse, unroll=unroll
-            )
-
-        return jax.checkpoint(chunk)(carry, start)
-
-    return scan_blocks(
-        checkpointed_chunk,
-        plan,
-        init,
-        reverse=transform.reverse,
-        unroll=_outer_unroll(transform.unroll, plan.block_size),
-        progress=label(transform),
-    )
-
-
-_checkpointed_scan_jit = eqx.filter_jit(_checkpointed_scan)
+        return scan_blocks(
+            checkpointed_chunk,
+            plan,
+            init,
+            reverse=self.reverse,
+            unroll=_outer_unroll(self.unroll, plan.block_size),
+            progress=label(self),
+        )
