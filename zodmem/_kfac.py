@@ -48,6 +48,8 @@ from .losses import AbstractLoss
 __all__ = ["EKFAC", "KFAC"]
 
 _FISHERS = ("type-2", "mc", "empirical")
+# The most entries a leaf in no layer may have: its dense block holds their square.
+_DENSE_LIMIT = 4096
 
 
 def _example_axes(program: Callable, leaves: list, args: tuple, found: trace.Program, jaxpr: Any):
@@ -158,6 +160,7 @@ class _KroneckerCurvature(eqx.Module):
         program = traced(self.fn, variables, kwargs)
         jaxpr = jax.make_jaxpr(program)(leaves, args).jaxpr
         found = trace.find_layers(jaxpr, len(leaves))
+        _check_others(found, variables, owner)
         examples = (None,) * len(found.layers)
         if self._corrected:
             examples = _example_axes(program, leaves, args, found, jaxpr)
@@ -219,6 +222,21 @@ class _KroneckerCurvature(eqx.Module):
         return batched(leaves, keys, *args)
 
 
+def _check_others(found: trace.Program, variables: Variables, owner: str) -> None:
+    """Refuse a leaf in no layer whose dense block would be too large to hold."""
+    for leaf in found.others:
+        size = variables.sizes[leaf]
+        if size > _DENSE_LIMIT:
+            raise ValueError(
+                f"{owner}: the leaf x{variables.names[leaf]} of shape "
+                f"{variables.shapes[leaf]} is in no layer KFAC recognises (a weight of a "
+                "dot_general, a convolution or a row lookup, used once), and its exact "
+                f"block would hold {size}^2 numbers; leaves in no layer may have at most "
+                f"{_DENSE_LIMIT} entries. Hold it fixed (outside `x`), or use it as a "
+                "layer's weight."
+            )
+
+
 def _batch_size(args: tuple, owner: str) -> int:
     """The number of examples: the length of the data arguments' leading axis."""
     for leaf in jax.tree_util.tree_leaves(args):
@@ -258,10 +276,15 @@ class KFAC(_KroneckerCurvature):
     `separate_weight_and_bias=False`. For a linear model with `zm.losses.SquaredError`
     the block is exact.
 
+    A row lookup of a matrix weight (`eqx.nn.Embedding`, `w[tokens]`) is a layer too,
+    its input the one-hot rows of the indices (its input factor, diagonal, is held
+    dense: `vocabulary²` numbers).
+
     **Every other leaf** (a normalisation's scale, a weight used twice or inside a
     `lax.scan`) is a block of its own: its exact Gauss-Newton block `J^T H J`, whatever
-    `fisher` says, from as many products as it has entries and held dense, so such
-    leaves should be small. Blocks of different layers are not coupled.
+    `fisher` says, from as many products as it has entries and held dense. Such a leaf
+    may have at most 4096 entries: a larger one is refused with a `ValueError` naming
+    it. Blocks of different layers are not coupled.
 
     **Arguments:**
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 
+from . import _kfac_products as compiled
 from ._checks import described
 from ._traceback import public
 
@@ -242,7 +243,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             assert jnp.allclose(F.mv(jnp.ones(8)), G @ jnp.ones(8), rtol=1e-4, atol=1e-4)
             ```
         """
-        return _products(self, self._read(vector, "vector", f"{_OWNER}.mv"))
+        return compiled.products(self, self._read(vector, "vector", f"{_OWNER}.mv"))
 
     @public
     def as_matrix(self) -> jax.Array:
@@ -261,7 +262,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             assert F.as_matrix().shape == (8, 8)
             ```
         """
-        return _dense(self)
+        return compiled.dense(self)
 
     def transpose(self) -> KroneckerFactored:
         """The operator itself: it is symmetric.
@@ -298,7 +299,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             assert jnp.allclose(F.diagonal(), jnp.diag(F.as_matrix()), atol=1e-5)
             ```
         """
-        return _diagonal(self)
+        return compiled.diagonal(self)
 
     def _damping(self, damping: Any, owner: str) -> jax.Array:
         """`damping` checked: a real scalar with every eigenvalue plus it `> 0` (where it
@@ -312,7 +313,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
                 f"{owner}: `damping` must be a scalar, got shape {jnp.shape(damping)}."
             )
         value = jnp.asarray(damping, self.dtype)
-        least = _least(self) + value
+        least = compiled.least(self) + value
         message = (
             f"{owner}: every eigenvalue plus `damping` must be > 0 (the damped operator is "
             "then positive definite); give damping > 0"
@@ -356,7 +357,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         """
         owner = f"{_OWNER}.solve"
         b = self._read(b, "b", owner, columns=True)
-        return _solve(self, b, self._damping(damping, owner))
+        return compiled.solve(self, b, self._damping(damping, owner))
 
     @public
     def logdet(self, *, damping: Any = 0.0) -> jax.Array:
@@ -377,7 +378,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             assert jnp.allclose(F.logdet(damping=0.1), jnp.linalg.slogdet(dense)[1], rtol=1e-4)
             ```
         """
-        return _logdet(self, self._damping(damping, f"{_OWNER}.logdet"))
+        return compiled.logdet(self, self._damping(damping, f"{_OWNER}.logdet"))
 
     def eigh(self) -> tuple[KroneckerEigen, ...]:
         """Each block's eigenvalues and eigenvectors, as a `KroneckerEigen`: the
@@ -432,63 +433,6 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             eigenvalues=eigenvalues,
             bases=bases,
         )
-
-
-# -- the compiled operations: each is one program, not many small ones --------------------
-
-
-def _rotated(operator: KroneckerFactored, vector: jax.Array, spectrum: Any) -> jax.Array:
-    """`Q spectrum(E) Q^T vector` block by block, `E` the eigenvalues in the basis `Q`."""
-    out = []
-    for k, matrix in enumerate(operator._matrices(vector)):
-        q_b, q_a = operator.gradient_bases[k], operator.input_bases[k]
-        out.append(q_b @ (spectrum(k) * (q_b.T @ matrix @ q_a)) @ q_a.T)
-    return operator._vector(out)
-
-
-@eqx.filter_jit
-def _products(operator: KroneckerFactored, vector: jax.Array) -> jax.Array:
-    if operator.corrected:
-        return _rotated(operator, vector, lambda k: operator.eigenvalues[k])
-    matrices = operator._matrices(vector)
-    factors = zip(matrices, operator.input_factors, operator.gradient_factors, strict=True)
-    return operator._vector([b @ matrix @ a for matrix, a, b in factors])
-
-
-@eqx.filter_jit
-def _dense(operator: KroneckerFactored) -> jax.Array:
-    identity = jnp.eye(operator._size, dtype=operator.dtype)
-    return jax.vmap(lambda vector: _products(operator, vector))(identity).T
-
-
-@eqx.filter_jit
-def _diagonal(operator: KroneckerFactored) -> jax.Array:
-    out = []
-    for q_b, q_a, values in zip(
-        operator.gradient_bases, operator.input_bases, operator.eigenvalues, strict=True
-    ):
-        out.append((q_b * q_b) @ values @ (q_a * q_a).T)
-    return operator._vector(out)
-
-
-@eqx.filter_jit
-def _least(operator: KroneckerFactored) -> jax.Array:
-    smallest = [jnp.min(values) for values in operator.eigenvalues if values.size]
-    return jnp.min(jnp.stack(smallest)) if smallest else jnp.asarray(jnp.inf, operator.dtype)
-
-
-@eqx.filter_jit
-def _solve(operator: KroneckerFactored, b: jax.Array, damping: jax.Array) -> jax.Array:
-    def one(vector: jax.Array) -> jax.Array:
-        return _rotated(operator, vector, lambda k: 1 / (operator.eigenvalues[k] + damping))
-
-    return one(b) if b.ndim == 1 else jax.vmap(one, in_axes=1, out_axes=1)(b)
-
-
-@eqx.filter_jit
-def _logdet(operator: KroneckerFactored, damping: jax.Array) -> jax.Array:
-    logs = [jnp.sum(jnp.log(values + damping)) for values in operator.eigenvalues]
-    return sum(logs, jnp.zeros((), operator.dtype))
 
 
 # -- what lineax asks of an operator, by type ------------------------------------------------

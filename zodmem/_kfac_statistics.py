@@ -5,7 +5,6 @@ layer."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +76,7 @@ def _with_targets(loss: Any, targets: Any, args: tuple, kwargs: dict) -> tuple:
 def _layer_rows(layer: trace.Layer, value: Any, gradients: Any) -> tuple:
     """A layer's inputs `(rows..., in)` (a one appended for a bias) and its output's
     gradients `(columns, rows..., out)`."""
-    inputs = trace.input_rows(layer, value)
+    inputs = trace.input_rows(layer, value, gradients.dtype)
     if layer.bias is not None:
         inputs = jnp.concatenate([inputs, jnp.ones(inputs.shape[:-1] + (1,), inputs.dtype)], -1)
     return inputs, trace.output_rows(layer, gradients)
@@ -158,7 +157,8 @@ class Statistics(eqx.Module):
         return eigenvalues
 
     def _dense(self, leaves: list, args: tuple) -> list:
-        """The exact Gauss-Newton block `J^T H J` of each leaf in no layer."""
+        """The exact Gauss-Newton block `J^T H J` of each leaf in no layer, from as many
+        products as the leaf has entries."""
         others = self.settings.program.others
         if not others:
             return []
@@ -173,17 +173,17 @@ class Statistics(eqx.Module):
         chosen = tuple(leaves[index] for index in others)
         outputs, tangent = jax.linearize(outputs_of, chosen)
         cotangent = jax.linear_transpose(tangent, chosen)
-        sizes = [leaves[index].size for index in others]
-        basis = jnp.eye(sum(sizes), dtype=self.variables.dtype)
+        zeros = [jnp.zeros_like(leaf) for leaf in chosen]
 
-        def column(unit: Any) -> Any:
-            pieces = jnp.split(unit, list(itertools.accumulate(sizes))[:-1])
-            direction = tuple(
-                p.reshape(c.shape).astype(c.dtype) for p, c in zip(pieces, chosen, strict=True)
-            )
-            product = self.loss.hessian_product(outputs, tangent(direction), *args, **self.kwargs)
-            return jnp.concatenate([jnp.ravel(p).astype(unit.dtype) for p in cotangent(product)[0]])
+        def block(k: int) -> jax.Array:
+            def column(unit: jax.Array) -> jax.Array:
+                direction = list(zeros)
+                direction[k] = unit.reshape(chosen[k].shape)
+                tangents = tangent(tuple(direction))
+                product = self.loss.hessian_product(outputs, tangents, *args, **self.kwargs)
+                return jnp.ravel(cotangent(product)[0][k])
 
-        whole = jax.vmap(column)(basis)
-        starts = [0, *itertools.accumulate(sizes)]
-        return [whole[s:e, s:e] for s, e in zip(starts[:-1], starts[1:], strict=True)]
+            units = jnp.eye(chosen[k].size, dtype=chosen[k].dtype)
+            return jax.vmap(column)(units).astype(self.variables.dtype)
+
+        return [block(k) for k in range(len(chosen))]

@@ -73,6 +73,7 @@ class Layer(NamedTuple):
     output_axes: tuple[int, ...]
     num_rows: int  # how many leading axes of the transposed input and output are rows
     patches: tuple | None  # a convolution's options, to take its input's patches
+    lookup: tuple | None = None  # a row lookup's: (index position, clipped, row axis kept)
 
     @property
     def out_size(self) -> int:
@@ -211,6 +212,37 @@ def _conv_layer(eqn: Any, leaf: int, path: tuple) -> Layer | None:
     )
 
 
+def _lookup_layer(eqn: Any, leaf: int, path: tuple) -> Layer | None:
+    """The layer of a `gather` of whole rows of a matrix weight (`eqx.nn.Embedding`,
+    `w[tokens]`): a product with the one-hot rows of the indices, or None."""
+    numbers, sizes = eqn.params["dimension_numbers"], tuple(eqn.params["slice_sizes"])
+    shape = eqn.invars[0].aval.shape
+    whole_rows = (
+        len(shape) == 2 and sizes == (1, shape[1]) and 1 not in numbers.collapsed_slice_dims
+    )
+    if not whole_rows or numbers.operand_batching_dims or 0 not in numbers.start_index_map:
+        return None
+    kept = 0 not in numbers.collapsed_slice_dims
+    offsets = tuple(numbers.offset_dims)
+    batch = tuple(d for d in range(len(eqn.outvars[0].aval.shape)) if d not in offsets)
+    rows = batch + ((offsets[0],) if kept else ())
+    clip = "CLIP" in str(eqn.params.get("mode"))
+    return Layer(
+        path=path,
+        weight=leaf,
+        bias=None,
+        weight_operand=0,
+        weight_axes=(1, 0),
+        out_shape=(shape[1],),
+        in_shape=(shape[0],),
+        input_axes=tuple(range(len(rows) + 1)),
+        output_axes=rows + (offsets[-1],),
+        num_rows=len(rows),
+        patches=None,
+        lookup=(numbers.start_index_map.index(0), clip, kept),
+    )
+
+
 def _candidate(eqn: Any, leaf_of: dict, path: tuple) -> Layer | None:
     """The layer of `eqn` if it is one: exactly one operand is a leaf, the weight."""
     name = eqn.primitive.name
@@ -222,6 +254,8 @@ def _candidate(eqn: Any, leaf_of: dict, path: tuple) -> Layer | None:
         return _dot_layer(eqn, operands[operand], operand, path)
     if name == "conv_general_dilated" and operands[1] is not None and operands[0] is None:
         return _conv_layer(eqn, operands[1], path)
+    if name == "gather" and operands[0] is not None and operands[1] is None:
+        return _lookup_layer(eqn, operands[0], path)
     return None
 
 
@@ -387,8 +421,16 @@ def rows_shape(jaxpr: Any, layer: Layer) -> tuple[int, ...]:
     return tuple(shape[d] for d in layer.output_axes[: layer.num_rows])
 
 
-def input_rows(layer: Layer, value: jax.Array) -> jax.Array:
-    """A layer's input as `(rows..., in)`: for a convolution, its patches."""
+def input_rows(layer: Layer, value: jax.Array, dtype: Any) -> jax.Array:
+    """A layer's input as `(rows..., in)`: for a convolution, its patches; for a lookup,
+    the one-hot rows of its indices (none for an index out of bounds, where the lookup
+    drops it)."""
+    if layer.lookup is not None:
+        position, clip, kept = layer.lookup
+        rows = value[..., position]
+        rows = jnp.clip(rows, 0, layer.in_size - 1) if clip else rows
+        value = jax.nn.one_hot(rows, layer.in_size, dtype=dtype)
+        value = value[..., None, :] if kept else value
     if layer.patches is not None:
         spatial, strides, padding, dilation, numbers, precision = layer.patches
         value = jax.lax.conv_general_dilated_patches(
