@@ -1,6 +1,7 @@
 """The checks of what the estimators and the structured operators are given: real
 numbers (traced ones let through, for the caller to check as the program runs),
-positive tolerances, keys, batch shapes and entries that must be finite and `>= 0`.
+positive tolerances, keys, batch shapes, entries that must be finite and `>= 0`, and
+vectors that must be in the operator's dtype.
 Every message starts with its owner, names the argument and says what is allowed."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from .._checks import as_index, check_key, described
 
 __all__ = [
+    "check_dtype",
     "check_entries",
     "check_positive",
     "check_real",
@@ -106,3 +108,21 @@ def _first(values: list, bad: np.ndarray, name: str) -> str:
     """`name[i] = value` for the first entry that `bad` marks."""
     index = int(np.flatnonzero(bad)[0])
     return f"{name}[{index}] = {values[index]!r}"
+
+
+def check_dtype(
+    vector: Any,
+    name: str,
+    dtype: Any,
+    *,
+    owner: str,
+    expected: str = "the operator is",
+    given: str = "has dtype",
+) -> None:
+    """Refuse the array `vector` unless its dtype is `dtype`, the operator's, with the
+    cast that mends it; `given` and `expected` word the message for the caller."""
+    if jnp.dtype(vector.dtype) != dtype:
+        raise TypeError(
+            f"{owner}: `{name}` {given} {vector.dtype}, but {expected} {dtype}; cast it, e.g. "
+            f"{name}.astype({dtype})."
+        )

@@ -18,7 +18,7 @@ from .._checks import check_choice, check_int, check_key
 from .._engine._sharding import _sharding_of, replicate
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator
-from ._probes import ProbeJob, run_probes
+from ._probes import AbstractColumns, ProbeJob, run_probes
 from ._random import sign_probes
 
 __all__ = ["diagonal", "trace"]
@@ -46,25 +46,14 @@ class UnitDiagonal(ProbeJob):
         return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
 
 
-class Columns(ProbeJob):
+class Columns(AbstractColumns):
     """The products with the columns of a matrix, assembled as columns."""
 
     matrix: jax.Array
-    reduce: ClassVar[bool] = False
     what: ClassVar[str] = "vectors"
-    axis: ClassVar[int] = 1
-
-    def count(self, view: FlatView) -> int:
-        return self.matrix.shape[1]
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
-        # Each column read at its own index, clamped: a block that runs past the last
-        # column (on the last of devices that do not divide the columns) keeps its
-        # other columns in place.
-        last = self.matrix.shape[1] - 1
-        indices = jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), last)
-        columns = jnp.take(self.matrix, indices, axis=1)
-        return jax.vmap(product, in_axes=1, out_axes=1)(columns)
+        return jax.vmap(product, in_axes=1, out_axes=1)(self.columns(start, size))
 
 
 class Hutchinson(ProbeJob):

@@ -26,13 +26,7 @@ from .._engine._progress import progress_bar
 from .._traceback import public
 from ._arguments import check_positive, key_or_default
 from ._flat import FlatView, symmetric_view
-from ._lanczos import (
-    lanczos_step_with_image,
-    normal_direction,
-    normal_start,
-    normalised,
-    projection,
-)
+from ._lanczos import lanczos_step, normal_direction, normal_start, normalised, projection
 from ._random import key_seed
 from ._ritz import ritz_pairs
 
@@ -121,7 +115,7 @@ def _step(state: _State, product: Callable, seed: Any, k: int) -> _State:
         return normalised(drawn - projection(state.basis, state.m - 1, drawn))
 
     vector = jax.lax.cond(state.fresh, fresh_direction, lambda state: state.vector, state)
-    basis, alpha, beta, vector, broke, norm, image = lanczos_step_with_image(
+    basis, alpha, beta, vector, broke, norm, image = lanczos_step(
         product, state.basis, j, vector, False, state.norm
     )
     coupling = jnp.where(state.locks > 0, basis[:k] @ image, 0)

@@ -22,7 +22,6 @@ from ._random import hashed_bits, key_seed
 
 __all__ = [
     "lanczos_step",
-    "lanczos_step_with_image",
     "normal_direction",
     "normal_start",
     "normalised",
@@ -101,24 +100,12 @@ def lanczos_step(
     with `fresh` true, from a new pseudo-random direction (`_direction(j)`) orthogonal
     to them instead, the way to go on once the Krylov space is exhausted.
 
-    Returns `(basis, alpha, beta, next_vector, broke, norm)`: the step's unit vector
-    stored as row `j`, the diagonal entry `alpha`, the coupling `beta` to
+    Returns `(basis, alpha, beta, next_vector, broke, norm, image)`: the step's unit
+    vector stored as row `j`, the diagonal entry `alpha`, the coupling `beta` to
     `next_vector`, whether the Krylov space broke down here (then `beta` is 0 and the
-    next step must be `fresh`), and the running estimate of the operator's norm (the
-    largest norm of a product seen).
+    next step must be `fresh`), the running estimate of the operator's norm (the
+    largest norm of a product seen), and the product of the step's vector (its image).
     """
-    return lanczos_step_with_image(product, basis, j, vector, fresh, norm)[:-1]
-
-
-def lanczos_step_with_image(
-    product: Callable,
-    basis: jax.Array,
-    j: Any,
-    vector: jax.Array,
-    fresh: Any,
-    norm: Any,
-) -> tuple:
-    """`lanczos_step`, and last the product of the step's vector (its image)."""
 
     def draw(vector):
         drawn = _direction(j, vector.shape[0], basis.dtype)

@@ -12,6 +12,7 @@ import numpy as np
 
 from .._checks import check_int, check_key, described
 from .._traceback import public
+from ._arguments import check_dtype
 from ._diagonal import diagonal as diagonal_of
 from ._eigsh import eigsh
 from ._flat import symmetric_view
@@ -116,11 +117,7 @@ def low_rank(
                 f"{owner}: `diagonal` given as an array must be the operator's diagonal, of "
                 f"shape ({n},), got shape {given.shape}."
             )
-        if given.dtype != dtype:
-            raise TypeError(
-                f"{owner}: `diagonal` has dtype {given.dtype}, but the operator is {dtype}; "
-                f"cast it, e.g. diagonal.astype({dtype})."
-            )
+        check_dtype(given, "diagonal", dtype, owner=owner)
     elif not (diagonal is None or isinstance(diagonal, str) and diagonal in _DIAGONALS):
         raise ValueError(
             f"{owner}: `diagonal` must be None, 'exact', 'estimate' or an ({n},) array of the "

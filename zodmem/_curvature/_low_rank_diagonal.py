@@ -29,7 +29,7 @@ import numpy as np
 
 from .._checks import check_key, described
 from .._traceback import public
-from ._arguments import check_entries, check_real, check_shape, is_traced
+from ._arguments import check_dtype, check_entries, check_real, check_shape, is_traced
 
 __all__ = ["LowRankDiagonal"]
 
@@ -186,11 +186,7 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
                 f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors: see "
                 f"`in_structure()`), got shape {jnp.shape(vector)}."
             )
-        if jnp.dtype(vector.dtype) != dtype:
-            raise TypeError(
-                f"{owner}: `{name}` has dtype {vector.dtype}, but the operator is {dtype}; "
-                f"cast it, e.g. {name}.astype({dtype})."
-            )
+        check_dtype(vector, name, dtype, owner=owner)
         return jnp.asarray(vector)
 
     @public

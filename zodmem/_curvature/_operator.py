@@ -28,6 +28,7 @@ import lineax as lx
 from .._checks import described
 from .._memo import memo_of, signature_of
 from .._plan._plans import MemoryBudgetError
+from ._arguments import check_dtype
 from ._options import has_aux, jit_of, recomputes, unblocked, with_strategy
 from ._vector_blocks import ProductBlocks
 
@@ -123,11 +124,8 @@ class BlockedOperator(lx.AbstractLinearOperator):
         size = sum(math.prod(leaf.shape) for leaf in leaves)
         dtype = jnp.result_type(*leaves)
         if eqx.is_array(vector) and jnp.shape(vector) == (size,):
-            if jnp.dtype(vector.dtype) != dtype:
-                raise TypeError(
-                    f"{self._owner}: `{name}` is a flat vector of dtype {vector.dtype}, but "
-                    f"the operator's input is {dtype}; cast it, e.g. {name}.astype({dtype})."
-                )
+            input_is = dict(expected="the operator's input is", given="is a flat vector of dtype")
+            check_dtype(vector, name, dtype, owner=self._owner, **input_is)
             return vector, True
         if not self.transposed:
             vector = variables_of(vector, self.x, treedef)
@@ -202,11 +200,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
                 f"{self._owner}: `matrix` must be an ({size}, k) array, one vector per "
                 f"column, got {shown}."
             )
-        if jnp.dtype(matrix.dtype) != dtype:
-            raise TypeError(
-                f"{self._owner}: `matrix` has dtype {matrix.dtype}, but the operator takes "
-                f"{dtype}; cast it, e.g. matrix.astype({dtype})."
-            )
+        check_dtype(matrix, "matrix", dtype, owner=self._owner, expected="the operator takes")
         signature = signature_of(matrix)
         if signature is not None and signature in memo:
             return memo[signature]((matrix,), {})

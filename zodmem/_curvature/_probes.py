@@ -34,7 +34,7 @@ from ._flat import FlatView
 from ._operator import BlockedOperator
 from ._vector_blocks import AbstractVectorBlocks, vector_options
 
-__all__ = ["ProbeJob", "Probes", "run_probes"]
+__all__ = ["AbstractColumns", "ProbeJob", "Probes", "run_probes"]
 
 
 class ProbeJob(eqx.Module):
@@ -66,6 +66,25 @@ class ProbeJob(eqx.Module):
         blocks done so far and the next one, or two devices' shares. By default their
         sum, whose zero (as `sums_like` shapes it) starts the merge."""
         return jax.tree_util.tree_map(jnp.add, total, part)
+
+
+class AbstractColumns(ProbeJob):
+    """A job whose probes are the columns of a given matrix, one result a column."""
+
+    matrix: eqx.AbstractVar[jax.Array]
+    reduce: ClassVar[bool] = False
+    axis: ClassVar[int] = 1
+
+    def count(self, view: FlatView) -> int:
+        return self.matrix.shape[1]
+
+    def columns(self, start: Any, size: int) -> jax.Array:
+        """Columns `start, ..., start + size - 1` of the matrix, each read at its own
+        index, clamped: a block that runs past the last column (on the last of devices
+        that do not divide the columns) keeps its other columns in place."""
+        last = self.matrix.shape[1] - 1
+        indices = jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), last)
+        return jnp.take(self.matrix, indices, axis=1)
 
 
 class Probes(AbstractVectorBlocks):

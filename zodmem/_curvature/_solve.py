@@ -17,10 +17,10 @@ from jaxtyping import Array
 
 from .._checks import check_int, described
 from .._traceback import public
-from ._arguments import check_real, is_traced
+from ._arguments import check_dtype, check_real, is_traced
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator, check_leaves, variables_of
-from ._probes import ProbeJob, run_probes
+from ._probes import AbstractColumns, run_probes
 
 __all__ = ["solve", "marginal_variances"]
 
@@ -47,11 +47,7 @@ def _read_rhs(operator: Any, view: Any, b: Any, *, owner: str) -> tuple[jax.Arra
     leaves, treedef = jax.tree_util.tree_flatten(view.structure)
     if eqx.is_array(b) and jnp.ndim(b) in (1, 2) and jnp.shape(b)[0] == n:
         if not (jnp.ndim(b) == 2 and treedef.num_leaves == 1 and b.shape == leaves[0].shape):
-            if jnp.dtype(b.dtype) != dtype:
-                raise TypeError(
-                    f"{owner}: `b` has dtype {b.dtype}, but the operator's vectors are "
-                    f"{dtype}; cast it, e.g. b.astype({dtype})."
-                )
+            check_dtype(b, "b", dtype, owner=owner, expected="the operator's vectors are")
             return jnp.asarray(b), "flat" if jnp.ndim(b) == 1 else "columns"
     if isinstance(operator, BlockedOperator):
         b = variables_of(b, operator.x, treedef)
@@ -135,7 +131,7 @@ def _damped_solve(product: Callable, b: jax.Array, damping: Any, tags: frozenset
     return solution.value, _failure_code(solution.result)
 
 
-class Solves(ProbeJob):
+class Solves(AbstractColumns):
     """The solves with the columns of a matrix of right-hand sides, in blocks of columns:
     each block's solutions as columns, and its failure codes as a row."""
 
@@ -143,23 +139,13 @@ class Solves(ProbeJob):
     damping: jax.Array
     tags: frozenset = eqx.field(static=True)
     solver: Any = eqx.field(static=True)
-    reduce: ClassVar[bool] = False
     what: ClassVar[str] = "right-hand sides"
-    axis: ClassVar[int] = 1
-
-    def count(self, view: FlatView) -> int:
-        return self.matrix.shape[1]
 
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         def one(b):
             return _damped_solve(product, b, self.damping, self.tags, self.solver)
 
-        # Each column at its own index, clamped (as `_diagonal.Columns`).
-        last = self.matrix.shape[1] - 1
-        indices = jnp.minimum(start + jnp.arange(size, dtype=jnp.int32), last)
-        values, codes = jax.vmap(one, in_axes=1, out_axes=(1, 0))(
-            jnp.take(self.matrix, indices, axis=1)
-        )
+        values, codes = jax.vmap(one, in_axes=1, out_axes=(1, 0))(self.columns(start, size))
         return values, codes[None]
 
 

@@ -65,9 +65,8 @@ def lanczos_quadrature(
 
     def body(j, carry):
         basis, alphas, betas, vector, fresh, norm = carry
-        basis, alpha, beta, vector, fresh, norm = lanczos_step(
-            product, basis, j, vector, fresh, norm
-        )
+        step = lanczos_step(product, basis, j, vector, fresh, norm)
+        basis, alpha, beta, vector, fresh, norm, _ = step
         return basis, alphas.at[j].set(alpha), betas.at[j].set(beta), vector, fresh, norm
 
     init = (
