@@ -57,3 +57,36 @@ def test_streamed_to_host_and_to_file(tmp_path):
     close(host, EXPECTED)
     close(zm.to_file(tmp_path / "gram.npy", gram, X), EXPECTED)
     close(zm.to_file(tmp_path / "gram.npy", gram, X), EXPECTED)  # finished: read back
+
+
+def _outputs(params, data):
+    return jnp.tanh(data @ params["w"] + params["b"])
+
+
+DERIVATIVES = {
+    "jacobian": zm.BatchedJacobian(_outputs, batch_size=2),
+    "hessian": zm.BatchedHessian(lambda p, d: jnp.sum(_outputs(p, d) ** 2), batch_size=2),
+    "ggn": zm.BatchedGGN(_outputs, lambda o, d: jnp.sum(o**2), batch_size=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DERIVATIVES))
+def test_derivatives_fill_one_hook_of_one_base(name):
+    """The three derivatives derive from one base and fill its one preparation hook,
+    `_prepare`; the work, the plans' block sizes and the result's specs are the base's."""
+    from zodmem._transforms._derivative import AbstractDerivative, Prepared
+
+    transform = DERIVATIVES[name]
+    assert isinstance(transform, AbstractDerivative)
+    for method in ("work", "with_block_size", "result_specs", "strategies"):
+        assert method not in vars(type(transform)), method
+    assert "_prepare" in vars(type(transform))
+
+    params = {"b": jnp.zeros(()), "w": jnp.linspace(0.1, 0.4, 3)}
+    data = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    prepared = transform._prepare(params, (data,), {}, None)
+    assert isinstance(prepared, Prepared)
+    assert prepared.n == 4 and prepared.mode in ("fwd", "rev")
+    close(prepared.fn(prepared.leaves), transform.fn(params, data))
+    rows = prepared.m if name == "jacobian" and prepared.mode == "rev" else prepared.n
+    assert transform.work(params, data).total == rows

@@ -1,35 +1,30 @@
-"""`AbstractTransform`, the base of every zodmem transform, and `AbstractDerivative`,
-the configuration and the checks that `BatchedJacobian` and `BatchedHessian` share."""
+"""`AbstractTransform`, the base of every zodmem transform, and the bases of a blocked
+transform (`AbstractBlocked`, `AbstractStreamable`, `AbstractSharded`): the contract that
+`zodmem.contract` makes public. The derivatives' own base, `AbstractDerivative`, is in
+`zodmem._transforms._derivative`."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._checks import as_index, check_block_options, check_bool, check_callable, check_choice
 from .._engine._progress import closing_bars
-from .._engine._sharding import Kept, Share, Split, check_sharding, dispatch, split_of, to_mesh
-from .._pytree import Variables
+from .._engine._sharding import Share, Split, dispatch, split_of, to_mesh
 from .._traceback import public
-from ._budget import Plan, Work, compiled_plan, make_plan
+from ._budget import compiled_plan, make_plan
 from ._compiled import bind_compiled, runs_compiled
-from ._memory import check_memory
+from ._plans import Plan, Work
 
 __all__ = [
     "AbstractTransform",
     "AbstractBlocked",
     "AbstractStreamable",
     "AbstractSharded",
-    "AbstractDerivative",
-    "product_function",
-    "split_aux",
 ]
 
 
@@ -283,204 +278,3 @@ def _sharded(transform: AbstractSharded, args: tuple, kwargs: dict, sink: Any = 
 
 
 _sharded_jit = eqx.filter_jit(_sharded)
-
-
-class AbstractDerivative(AbstractSharded):
-    """The configuration shared by `BatchedJacobian` and `BatchedHessian`.
-
-    Both differentiate `fn` with respect to its first argument, in blocks of
-    products planned from `nbatches`, `batch_size` or `max_memory`, in forward or
-    reverse mode.
-    """
-
-    fn: Callable[..., Any]
-    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    max_memory: int | str | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
-    )
-    strategy: Literal["auto", "linearize", "recompute"] = eqx.field(
-        default="auto", static=True, kw_only=True
-    )
-    mode: Literal["auto", "fwd", "rev"] = eqx.field(default="auto", static=True, kw_only=True)
-    holomorphic: bool = eqx.field(default=False, static=True, kw_only=True)
-    has_aux: bool = eqx.field(default=False, static=True, kw_only=True)
-    jit: bool = eqx.field(default=True, static=True, kw_only=True)
-    checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
-    sharding: NamedSharding | None = eqx.field(default=None, static=True, kw_only=True)
-    progress: bool = eqx.field(default=False, static=True, kw_only=True)
-
-    @public
-    def __check_init__(self):
-        owner = type(self).__name__
-        check_sharding(self.sharding, owner=owner)
-        check_callable(self.fn, "fn", owner=owner)
-        check_block_options(self.nbatches, self.batch_size, owner=owner)
-        check_memory(self.max_memory, owner=owner)
-        if self.max_memory is not None and (self.nbatches, self.batch_size) != (None, None):
-            given = "nbatches" if self.nbatches is not None else "batch_size"
-            raise ValueError(
-                f"{owner}: give at most one of `nbatches`, `batch_size` and `max_memory`, "
-                f"got {given}={getattr(self, given)} and max_memory={self.max_memory!r}."
-            )
-        if self.max_memory is not None and not self.jit:
-            raise ValueError(
-                f"{owner}: max_memory={self.max_memory!r} plans the blocks of the compiled "
-                "call, but with jit=False the call runs op by op, whose memory no plan "
-                "describes. Leave jit=True with a budget, or give nbatches or batch_size."
-            )
-        check_choice(self.strategy, "strategy", ("auto", "linearize", "recompute"), owner=owner)
-        check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
-        for name in ("holomorphic", "has_aux", "jit", "checkpoint", "progress"):
-            check_bool(getattr(self, name), name, owner=owner)
-
-    @property
-    def strategies(self) -> tuple[str, ...]:
-        # Keeping one linearisation is faster; recomputing is the way out when its
-        # residuals leave no room for a block.
-        if self.strategy != "auto":
-            return (self.strategy,)
-        return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
-
-    def with_block_size(self, size: int, strategy: Any) -> AbstractDerivative:
-        return dataclasses.replace(
-            self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
-        )
-
-    def result_specs(self, spec: PartitionSpec) -> Any:
-        return (spec, PartitionSpec()) if self.has_aux else spec
-
-    def _split_mode(self, mode: str, what: str) -> str:
-        """`mode`, the one that makes the axis `sharding` splits (rows by VJPs: `"rev"`,
-        columns by JVPs: `"fwd"`), unless the transform was given the other."""
-        if self.mode not in ("auto", mode):
-            made = "rows" if self.mode == "rev" else "columns"
-            split = "rows" if mode == "rev" else "columns"
-            raise ValueError(
-                f"{type(self).__name__}: mode={self.mode!r} makes the {what} in blocks of "
-                f"{made}, but `sharding` ({self.sharding.spec}) splits its {split} over the "
-                f"devices, and each device makes whole {split} of its share. Use "
-                f"mode={mode!r} or 'auto' with this sharding."
-            )
-        return mode
-
-    def _products(self, fn: Callable[[Any], Any], primal: Any, *, reverse: bool) -> tuple:
-        """`(out, product, aux)` of `product_function` with this transform's `has_aux`
-        and strategy (`"auto"` keeps one linearisation)."""
-        return product_function(
-            fn,
-            primal,
-            reverse=reverse,
-            has_aux=self.has_aux,
-            recompute=self.strategy == "recompute",
-        )
-
-    def _check_variables(self, variables: Variables) -> None:
-        """Refuse complex variables unless `holomorphic`, and real ones with it, as
-        `jax.jacfwd`/`jax.jacrev`/`jax.hessian` do."""
-        owner = type(self).__name__
-        for name, dtype in zip(variables.names, variables.dtypes, strict=True):
-            is_complex = jnp.issubdtype(dtype, jnp.complexfloating)
-            if self.holomorphic and not is_complex:
-                raise TypeError(
-                    f"{owner}: with holomorphic=True every variable must be complex, as in "
-                    f"jax.jacfwd(holomorphic=True), but x{name} has dtype {dtype}. Cast it "
-                    "to a complex dtype, or leave holomorphic=False."
-                )
-            if not self.holomorphic and is_complex:
-                raise TypeError(
-                    f"{owner}: x{name} has the complex dtype {dtype}. As in jax.jacfwd and "
-                    "jax.jacrev, complex variables are differentiated only with "
-                    "holomorphic=True (for holomorphic functions); for a function that is "
-                    "not holomorphic, split the variables into real and imaginary parts."
-                )
-
-    def _output_shapes(self, fn_of_flat: Callable[[Any], Any], flat: Any, what: str) -> Any:
-        """The shapes of what `fn` returns (without `aux`), checking that it returns a pair
-        `(what, aux)` when `has_aux`. Leaves that are not arrays are kept as they are."""
-        shapes = eqx.filter_eval_shape(fn_of_flat, flat)
-        if self.has_aux:
-            if not (isinstance(shapes, tuple) and len(shapes) == 2):
-                raise TypeError(
-                    f"{type(self).__name__}: with has_aux=True, `fn` must return a pair "
-                    f"({what}, aux), but it returned {shapes}."
-                )
-            shapes = shapes[0]
-        return shapes
-
-    def _check_outputs(self, outputs: Any, what: str) -> None:
-        """Refuse outputs that cannot be differentiated: integer ones, and real ones with
-        `holomorphic=True` (as `jax.jacfwd(holomorphic=True)` does)."""
-        owner = type(self).__name__
-        paths_leaves = jax.tree_util.tree_flatten_with_path(outputs)[0]
-        for path, leaf in paths_leaves:
-            where = f"{what}{jax.tree_util.keystr(path)}"
-            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                raise TypeError(
-                    f"{owner}: `fn` must return floating-point (or complex) arrays to be "
-                    f"differentiated, but one output leaf has dtype {leaf.dtype} and shape "
-                    f"{leaf.shape} ({where})."
-                )
-            if self.holomorphic and not jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-                raise TypeError(
-                    f"{owner}: with holomorphic=True `fn` must return complex arrays, as in "
-                    f"jax.jacfwd(holomorphic=True), but {where} has dtype {leaf.dtype}."
-                )
-
-
-def split_aux(fn: Callable[[Any], tuple[Any, Any]]) -> tuple[Callable, Callable]:
-    """`fn` returning `(out, aux)`, as a function whose `aux` holds only arrays (the
-    other leaves ride in its structure, as `Kept`), and the function that puts them back.
-
-    JAX's transforms and loops carry arrays only; a string, an int or `None` in `aux`
-    is returned unchanged, as `jax.jacrev` does.
-    """
-
-    def arrays_only(z):
-        result = fn(z)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            return result  # not a pair: refused by the caller, with what it returned
-        out, aux = result
-        arrays, others = eqx.partition(aux, eqx.is_array)
-        return out, (arrays, Kept(others))
-
-    def restore(aux: Any) -> Any:
-        arrays, others = aux
-        return eqx.combine(arrays, others.value)
-
-    return arrays_only, restore
-
-
-def product_function(
-    fn: Callable[[Any], Any], primal: Any, *, reverse: bool, has_aux: bool, recompute: bool
-) -> tuple[Any, Callable[[Any], Any], Any]:
-    """`(out, product, aux)`: `product(v)` is the JVP of `fn` at `primal` with the tangent
-    `v` (or, with `reverse`, its VJP with the cotangent `v`).
-
-    By default `fn` is linearised once (`jax.linearize`, `jax.vjp`) and its residuals
-    are kept for every product. With `recompute`, each product evaluates `fn` again
-    (`jax.jvp`, `jax.vjp` inside the product): nothing of `fn`'s forward pass outlives a
-    block, at the cost of one more forward pass per block; `out` is then the outputs'
-    shapes (`jax.ShapeDtypeStruct`s).
-    """
-    if not recompute:
-        if reverse:
-            if has_aux:
-                out, vjp, aux = jax.vjp(fn, primal, has_aux=True)
-            else:
-                (out, vjp), aux = jax.vjp(fn, primal), None
-            return out, lambda cotangent: vjp(cotangent)[0], aux
-        if has_aux:
-            out, jvp, aux = jax.linearize(fn, primal, has_aux=True)
-        else:
-            (out, jvp), aux = jax.linearize(fn, primal), None
-        return out, jvp, aux
-
-    def value(z):
-        return fn(z)[0] if has_aux else fn(z)
-
-    out = jax.eval_shape(value, primal)
-    aux = fn(primal)[1] if has_aux else None
-    if reverse:
-        return out, lambda cotangent: jax.vjp(value, primal)[1](cotangent)[0], aux
-    return out, lambda tangent: jax.jvp(value, (primal,), (tangent,))[1], aux

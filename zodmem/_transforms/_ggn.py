@@ -4,27 +4,24 @@ outputs, in blocks of products, with the Jacobian `J` never held."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 from beartype import beartype
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PyTree, jaxtyped
 
 from .._checks import check_callable, refuses_forward_mode, taking_jvps_of_fn
 from .._curvature._losses import AbstractLoss
 from .._curvature._operator import BlockedOperator, make_operator
-from .._engine._blocks import OutputSink, map_blocks, plan_blocks
-from .._engine._progress import label
-from .._engine._sharding import Share, Split, share_of
-from .._plan._budget import Work
-from .._plan._transform import AbstractDerivative, split_aux
-from .._pytree import Variables, basis_block, called_as, split_variables
+from .._engine._block_plans import OutputSink
+from .._engine._sharding import Split
+from .._pytree import Variables, split_variables
 from .._traceback import public
-from ._leafwise import by_leaf
+from ._derivative import AbstractDerivative, Prepared
+from ._leafwise import curvature_matrix
 
 __all__ = ["BatchedGGN", "ggn_products"]
 
@@ -127,6 +124,9 @@ class BatchedGGN(AbstractDerivative):
 
     loss: Callable[..., Any]
 
+    _result: ClassVar[str] = "Gauss-Newton matrix"
+    _square: ClassVar[str | None] = "matrix"
+
     @public
     def __check_init__(self):
         check_callable(self.loss, "loss", owner=_OWNER)
@@ -147,24 +147,37 @@ class BatchedGGN(AbstractDerivative):
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        return _ggn_share(self, x, args, kwargs, sink, share, split)
-
-    def result_specs(self, spec: PartitionSpec) -> Any:
-        if len(spec) > 2:
-            raise ValueError(
-                f"BatchedGGN: `sharding` has the spec {spec}, for {len(spec)} axes, but the "
-                "matrix has 2: split its rows, PartitionSpec('d', None), or its columns, "
-                "PartitionSpec(None, 'd')."
-            )
-        return super().result_specs(spec)
-
-    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
-        n = eqx.filter_eval_shape(lambda x: split_variables(x, owner=_OWNER)[0], x)
-        total = n.shape[0]
-        plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
-        return Work(total, "variables", "Gauss-Newton matrix", plan.block_size).per_device(
-            self._split
+        prepared = self._prepare(x, args, kwargs, split)
+        products, aux = _products(self, prepared, args, kwargs)
+        # Row i is (G e_i)^T; G is symmetric, so a block of them is a block of rows, and
+        # transposed, a block of columns.
+        matrix = curvature_matrix(
+            self,
+            prepared,
+            products,
+            lambda i: lambda units: products(units, leaf=i),
+            sink,
+            share,
+            split,
+            columns=split is not None and split.dim == 1,
         )
+        return prepared.result(matrix, aux)
+
+    def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:
+        # The mode does not follow `split`: a block of columns is a block of rows transposed.
+        flat, variables = split_variables(x, owner=_OWNER)
+        _check_variables(variables)
+        fn, outputs, restore_aux = self._function(flat, variables, args, kwargs, "outputs")
+        _check_outputs(self, outputs)
+
+        def loss_of(outputs):
+            return self.loss(outputs, *args, **kwargs)
+
+        _check_loss(loss_of, outputs)
+        if isinstance(self.loss, AbstractLoss):
+            _check_hessian_product(self.loss, outputs, args, kwargs)
+        mode = _mode_of(self.mode, variables, fn, variables.leaves_of(flat))
+        return Prepared(flat, variables, fn, outputs, restore_aux, mode)
 
     @public
     def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
@@ -211,17 +224,6 @@ class BatchedGGN(AbstractDerivative):
         return make_operator(self, ggn_products, x, args, kwargs, square=True, tags=tags)
 
 
-class _Prepared(NamedTuple):
-    """What every block needs: the variables, `fn` of their leaves (checked), the loss of
-    the outputs, and how to put `aux` back."""
-
-    flat: Any
-    variables: Variables
-    fn_of_leaves: Callable[[list], Any]
-    loss_of: Callable[[Any], Any]
-    restore_aux: Callable[[Any], Any] | None
-
-
 def _check_variables(variables: Variables) -> None:
     for name, dtype in zip(variables.names, variables.dtypes, strict=True):
         if jnp.issubdtype(dtype, jnp.complexfloating):
@@ -243,19 +245,14 @@ def _described(shapes: Any) -> str:
     return str(jax.tree_util.tree_map(one, shapes))
 
 
-def _check_outputs(shapes: Any) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"BatchedGGN: `fn` must return arrays, but its output{jax.tree_util.keystr(path)} "
-                f"is {leaf!r}. Return it in `aux` (has_aux=True) or close over it."
-            )
+def _check_outputs(transform: BatchedGGN, shapes: Any) -> None:
+    for where, leaf in transform._output_leaves(shapes):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(
-                f"BatchedGGN: `fn` must return real floating-point arrays, but its "
-                f"output{jax.tree_util.keystr(path)} has dtype {leaf.dtype} and shape "
-                f"{leaf.shape}. Integer outputs have no derivative, and complex ones are not "
-                "supported (split them into real and imaginary parts)."
+                f"BatchedGGN: `fn` must return real floating-point arrays, but its {where} "
+                f"has dtype {leaf.dtype} and shape {leaf.shape}. Integer outputs have no "
+                "derivative, and complex ones are not supported (split them into real and "
+                "imaginary parts)."
             )
 
 
@@ -309,53 +306,34 @@ def _check_hessian_product(loss: AbstractLoss, shapes: Any, args: tuple, kwargs:
         )
 
 
-def _prepare(transform: BatchedGGN, x: Any, args: tuple, kwargs: dict) -> _Prepared:
-    flat, variables = split_variables(x, owner=_OWNER)
-    _check_variables(variables)
+def _mode_of(mode: str, variables: Variables, fn: Callable, primal: list) -> str:
+    """`mode`, with `"auto"` resolved: `"rev"` for variables of one real dtype, else `"fwd"`,
+    or `"rev"` where forward mode refuses `fn` for its `jax.custom_vjp` rules."""
+    if mode != "auto":
+        return mode
+    if variables.real_and_alike:
+        # `fn`'s own VJP, and J v as its transpose: no slower than J v by JVP and its
+        # transpose on the benchmarks' models (convolutional ones included). Forward
+        # mode's J^T u is the transpose of its JVP, which needs what reverse mode needs
+        # of `fn`: reverse mode refuses no `fn` that forward mode takes.
+        return "rev"
 
-    fn = called_as(transform.fn, traced_once=transform.jit)
+    def batched_jvp(p):  # traced, JAX refuses forward mode once the products are batched
+        return jax.vmap(lambda t: jax.jvp(fn, (p,), (t,))[1])([leaf[None] for leaf in p])
 
-    def fn_of_leaves(leaves):
-        result = fn(variables.fill(leaves), *args, **kwargs)
-        if not transform.has_aux:
-            return jax.tree_util.tree_map(jnp.asarray, result)
-        if isinstance(result, tuple) and len(result) == 2:
-            return jax.tree_util.tree_map(jnp.asarray, result[0]), result[1]
-        return result  # not a pair: refused below, with what it returned
-
-    restore_aux = None
-    if transform.has_aux:
-        fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
-    shapes = transform._output_shapes(fn_of_leaves, variables.leaves_of(flat), "outputs")
-    _check_outputs(shapes)
-
-    def loss_of(outputs):
-        return transform.loss(outputs, *args, **kwargs)
-
-    _check_loss(loss_of, shapes)
-    if isinstance(transform.loss, AbstractLoss):
-        _check_hessian_product(transform.loss, shapes, args, kwargs)
-    if transform.checkpoint:
-        fn_of_leaves = jax.checkpoint(fn_of_leaves)
-    return _Prepared(flat, variables, fn_of_leaves, loss_of, restore_aux)
+    try:
+        eqx.filter_eval_shape(batched_jvp, primal)
+    except TypeError as error:
+        if not refuses_forward_mode(error):
+            raise
+        return "rev"
+    return "fwd"
 
 
 def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
-    """`(outputs, aux, jvp, vjp)` from one linearisation of `fn` at `primal`: `jvp(v)` is
-    `J v` and `vjp(u)` is `J^T u`, one of them the transpose of the other. `"auto"` is
-    `"fwd"`, or `"rev"` where forward mode refuses `fn` for its `jax.custom_vjp` rules."""
-    if mode == "auto":
-
-        def batched_jvp(p):  # traced, JAX refuses forward mode once the products are batched
-            return jax.vmap(lambda t: jax.jvp(fn, (p,), (t,))[1])([leaf[None] for leaf in p])
-
-        try:
-            eqx.filter_eval_shape(batched_jvp, primal)
-        except TypeError as error:
-            if not refuses_forward_mode(error):
-                raise
-            return _linearised(fn, primal, "rev", has_aux)
-        return _linearised(fn, primal, "fwd", has_aux)
+    """`(outputs, aux, jvp, vjp)` from one linearisation of `fn` at `primal`, in `mode`
+    (`"fwd"` or `"rev"`): `jvp(v)` is `J v` and `vjp(u)` is `J^T u`, one of them the
+    transpose of the other."""
     if mode == "fwd":
         with taking_jvps_of_fn("BatchedGGN"):
             if has_aux:
@@ -380,43 +358,31 @@ def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
     return outputs, aux, lambda v: transposed(v)[0], vjp
 
 
-def _loss_hessian(transform: BatchedGGN, prepared: _Prepared, outputs: Any, args, kwargs):
+def _loss_hessian(transform: BatchedGGN, outputs: Any, args: tuple, kwargs: dict):
     """`u -> H u`, the loss's Hessian on the outputs at `outputs` applied to `u`: in closed
     form for a `zm.losses` loss, else forward-over-reverse of one linearised gradient."""
     if isinstance(transform.loss, AbstractLoss):
         return lambda u: transform.loss.hessian_product(outputs, u, *args, **kwargs)
-    _, hvp = jax.linearize(jax.grad(prepared.loss_of), outputs)
+
+    def loss_of(outputs):
+        return transform.loss(outputs, *args, **kwargs)
+
+    _, hvp = jax.linearize(jax.grad(loss_of), outputs)
     return hvp
 
 
 def _products(
-    transform: BatchedGGN, prepared: _Prepared, args: tuple, kwargs: dict, single: bool = False
+    transform: BatchedGGN, prepared: Prepared, args: tuple, kwargs: dict, single: bool = False
 ) -> tuple[Callable[[Any], Any], Any]:
     """`(products, aux)`: `products(V)` is `G v` for each row `v` of the `(k, n)` block `V`,
     as a `(k, n)` block in the variables' dtype (with `single`, `products(v)` is `G v` for
     one flat `v`); `products(V, leaf=i)` takes `V`'s rows as vectors of leaf `i` alone,
-    `(k, *leaf_shape)`, the others zero. `aux` is `fn`'s (restored)."""
-    flat, variables = prepared.flat, prepared.variables
-    primal = variables.leaves_of(flat)
-    mode = transform.mode
-    if mode == "auto" and variables.real_and_alike:
-        # `fn`'s own VJP, and J v as its transpose: no slower than J v by JVP and its
-        # transpose on the benchmarks' models (convolutional ones included). Forward
-        # mode's J^T u is the transpose of its JVP, which needs what reverse mode needs
-        # of `fn`: reverse mode refuses no `fn` that forward mode takes.
-        mode = "rev"
-
-    def gather(pieces, count):
-        shape = (lambda size: (size,)) if count is None else (lambda size: (count, size))
-        pieces = [
-            piece.reshape(shape(size)).astype(flat.dtype)
-            for piece, size in zip(pieces, variables.sizes, strict=True)
-        ]
-        return jnp.concatenate(pieces, axis=-1)
+    `(k, *leaf_shape)`, the others zero. `aux` is `fn`'s (its arrays only)."""
+    variables, primal = prepared.variables, prepared.leaves
 
     def apply(linearised, vectors, leaf):
         outputs, _, jvp, vjp = linearised
-        hessian = _loss_hessian(transform, prepared, outputs, args, kwargs)
+        hessian = _loss_hessian(transform, outputs, args, kwargs)
         if leaf is None:
 
             def forward(v):
@@ -430,83 +396,18 @@ def _products(
                 return along(v)[0]
 
         def one(v):
-            return vjp(hessian(forward(v)))
+            return prepared.raveled(vjp(hessian(forward(v))))
 
-        if single:
-            return gather(one(vectors), None)
-        return gather(jax.vmap(one)(vectors), vectors.shape[0])
+        return one(vectors) if single else jax.vmap(one)(vectors)
+
+    def linearised():
+        return _linearised(prepared.fn, primal, prepared.mode, transform.has_aux)
 
     if transform.strategy != "recompute":
-        linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
-        aux = linearised[1]
-
-        def products(vectors, leaf=None):
-            return apply(linearised, vectors, leaf)
-
-        return products, _restored(prepared, aux)
-
-    def recomputed(vectors, leaf=None):
-        linearised = _linearised(prepared.fn_of_leaves, primal, mode, transform.has_aux)
-        return apply(linearised, vectors, leaf)
-
-    aux = prepared.fn_of_leaves(primal)[1] if transform.has_aux else None
-    return recomputed, _restored(prepared, aux)
-
-
-def _restored(prepared: _Prepared, aux: Any) -> Any:
-    return None if prepared.restore_aux is None else prepared.restore_aux(aux)
-
-
-def _ggn_share(
-    transform: BatchedGGN,
-    x: Any,
-    args: tuple,
-    kwargs: dict,
-    sink: OutputSink | None = None,
-    share: Share | None = None,
-    split: Split | None = None,
-) -> Any:
-    """The matrix, or with `share` the rows (or columns) of one device's share of it."""
-    prepared = _prepare(transform, x, args, kwargs)
-    flat, n = prepared.flat, prepared.variables.size
-    plan = plan_blocks(
-        n,
-        nbatches=transform.nbatches,
-        batch_size=transform.batch_size,
-        what="variables",
-        owner=_OWNER,
-    )
-    columns = split is not None and split.dim == 1
-    plan, offset = share_of(
-        n, plan, share, split, owner=_OWNER, what="columns" if columns else "rows"
-    )
-    products, aux = _products(transform, prepared, args, kwargs)
-
-    def every_leaf(start):
-        return products(basis_block(start + offset, plan.block_size, n, flat.dtype))
-
-    def in_leaf(i):
-        return lambda units: products(units, leaf=i)
-
-    rows_of = by_leaf(prepared.variables, plan, offset, every_leaf, in_leaf)
-
-    def block(start):
-        # Row i is (G e_i)^T; G is symmetric, so a block of them is a block of rows, and
-        # transposed, a block of columns.
-        rows = rows_of(start)
-        return rows.T if columns else rows
-
-    if n == 0:  # only empty variables: the matrix is empty
-        matrix = jnp.zeros((0, 0), flat.dtype)
-    else:
-        matrix = map_blocks(
-            block,
-            plan,
-            axis=1 if columns else 0,
-            sink=None if sink is None else sink.part([0], plan),
-            progress=label(transform),
-        )
-    return matrix if prepared.restore_aux is None else (matrix, aux)
+        kept = linearised()
+        return (lambda vectors, leaf=None: apply(kept, vectors, leaf)), kept[1]
+    aux = prepared.fn(primal)[1] if transform.has_aux else None
+    return (lambda vectors, leaf=None: apply(linearised(), vectors, leaf)), aux
 
 
 def ggn_products(
@@ -521,6 +422,6 @@ def ggn_products(
     strategy `"linearize"` (or `"auto"`), `fn` is linearised once, here, and every
     product reuses it; with `"recompute"`, each product linearises it again.
     """
-    prepared = _prepare(transform, x, args, kwargs)
+    prepared = transform._prepare(x, args, kwargs, None)
     mv, _ = _products(transform, prepared, args, kwargs, single=True)
     return prepared.flat, prepared.variables, mv

@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 from beartype import beartype
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from .._curvature._operator import BlockedOperator, make_operator
-from .._engine._blocks import OutputSink, map_blocks, plan_blocks
+from .._engine._block_plans import OutputSink
 from .._engine._layout import holds
-from .._engine._progress import label
-from .._engine._sharding import Share, Split, share_of
-from .._plan._budget import Work
-from .._plan._transform import AbstractDerivative, product_function, split_aux
-from .._pytree import Variables, basis_block, called_as, flat_function, split_variables
+from .._engine._sharding import Split
+from .._pytree import Variables
 from .._traceback import public
-from ._leafwise import by_leaf
+from ._derivative import AbstractDerivative, Prepared, product_function
+from ._leafwise import curvature_matrix
 
 __all__ = ["BatchedHessian"]
 
@@ -49,17 +45,18 @@ class BatchedHessian(AbstractDerivative):
       most one of `nbatches` and `batch_size` may be given; with neither, one block.
     - `batch_size`: the number of rows (or columns) per block.
     - `max_memory`: instead of `nbatches` or `batch_size`, a budget for the call's
-      memory: an int (bytes), a string with a unit (`"750MB"`, `"1.5GB"`,
-      `"512MiB"`) or `"auto"` (the free memory of the device, less a margin). The
-      block size (and the strategy) is planned before anything runs, as the largest
-      whose compiled call fits; `plan()` shows the plan, and a budget that cannot hold
-      one product per block raises `zm.MemoryBudgetError`. At most one of `nbatches`,
-      `batch_size` and `max_memory`.
-    - `strategy`: `"linearize"` keeps one linearisation of `fn` for every block (its
-      residuals grow with the depth of `fn`); `"recompute"` evaluates `fn` again inside
-      each block, keeping nothing between blocks, at the cost of one more forward pass
-      per block; `"auto"` (the default) linearises, and with `max_memory` recomputes
-      when the residuals leave no room for a block.
+      memory, as for `zm.BatchedJacobian`: an int (bytes), a string with a unit
+      (`"750MB"`, `"512MiB"`) or `"auto"` (the device's free memory, less a margin). The
+      block size and the strategy are planned before anything runs, as the largest whose
+      compiled call fits (`plan()` shows them); a budget that cannot hold the Hessian and
+      one row or column per block raises `zm.MemoryBudgetError`. At most one of
+      `nbatches`, `batch_size` and `max_memory`.
+    - `strategy`: `"linearize"` keeps one linearisation of the gradient of `fn` for every
+      block (its residuals grow with the depth of `fn`); `"recompute"` evaluates the
+      gradient again inside each block, keeping nothing between blocks, at the cost of
+      one more forward and backward pass of `fn` per block; `"auto"` (the default)
+      linearises, and with `max_memory` recomputes when the residuals leave no room for
+      a block.
     - `mode`: how the products are formed. `"fwd"` is forward-over-reverse:
       Hessian-vector products, JVPs of one linearisation of the gradient, written
       as blocks of columns exactly as `jax.hessian` (`jacfwd(jacrev(fn))`) forms
@@ -81,8 +78,8 @@ class BatchedHessian(AbstractDerivative):
       leaves need not be arrays).
     - `jit`: compile the whole computation with `eqx.filter_jit`. A budget
       (`max_memory`) plans the compiled call, so it needs `jit=True`.
-    - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that it is recomputed rather
-      than its intermediates stored.
+    - `checkpoint`: wrap `fn` in `jax.checkpoint`, so that the gradient recomputes
+      `fn`'s intermediates rather than storing them.
     - `sharding`: a `jax.sharding.NamedSharding` for the result, e.g.
       `NamedSharding(mesh, PartitionSpec("d", None))` (rows over the mesh axis `"d"`) or
       `PartitionSpec(None, "d")` (columns). Each device computes only the blocks of its
@@ -109,10 +106,11 @@ class BatchedHessian(AbstractDerivative):
         import zodmem as zm
 
         def loss(params, data):
-            return jnp.sum((params["w"] * data + params["b"]) ** 2)
+            return jnp.mean(jnp.tanh(data @ params["w"] + params["b"]) ** 2)
 
-        params = {"b": jnp.zeros(()), "w": jnp.ones(4)}
-        H = zm.BatchedHessian(loss, batch_size=2)(params, jnp.arange(4.0))  # (5, 5)
+        params = {"b": jnp.zeros(()), "w": jnp.full(4, 0.25)}
+        data = jnp.arange(12.0).reshape(3, 4) / 12
+        H = zm.BatchedHessian(loss, batch_size=2)(params, data)  # (5, 5): b, then w
         ```
 
     !!! warning
@@ -120,6 +118,9 @@ class BatchedHessian(AbstractDerivative):
         `fn` must return a scalar: a `(1,)`-shaped loss is refused with a
         `TypeError` naming its shape. Reduce it with `jnp.sum` or index it first.
     """
+
+    _result: ClassVar[str] = "Hessian"
+    _square: ClassVar[str | None] = "Hessian"
 
     @jaxtyped(typechecker=beartype)
     @public
@@ -131,7 +132,30 @@ class BatchedHessian(AbstractDerivative):
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        return _hessian_share(self, x, args, kwargs, sink, share, split)
+        prepared = self._prepare(x, args, kwargs, split)
+        rows = prepared.mode == "rev"
+        product, in_leaf, aux = _hessian_product(self, prepared, reverse=rows)
+        # Row i is the VJP of the gradient with e_i, H being symmetric (for a holomorphic
+        # function too: H is then complex symmetric, and JAX's VJPs transpose without
+        # conjugating). Column j is the JVP with e_j, as in `jax.hessian`: written as
+        # columns, the result matches it exactly even where rounding makes it not quite
+        # symmetric (float32 leaves among float64 ones).
+        hessian = curvature_matrix(
+            self, prepared, jax.vmap(product), in_leaf, sink, share, split, columns=not rows
+        )
+        return prepared.result(hessian, aux)
+
+    def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:
+        flat, variables = self._variables(x)
+        fn, value, restore_aux = self._function(flat, variables, args, kwargs, "value")
+        _check_scalar(self, value)
+        # The mode that makes the axis the devices split: rows by VJPs, columns by JVPs.
+        mode = self.mode
+        if split is not None and split.dim is not None:
+            mode = self._split_mode("rev" if split.dim == 0 else "fwd")
+        if mode == "auto":
+            mode = _auto_mode(variables, fn, variables.leaves_of(flat))
+        return Prepared(flat, variables, fn, value, restore_aux, mode)
 
     @public
     def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
@@ -188,21 +212,6 @@ class BatchedHessian(AbstractDerivative):
             self, _hessian_products, x, args, kwargs, square=True, tags=lx.symmetric_tag
         )
 
-    def result_specs(self, spec: PartitionSpec) -> Any:
-        if len(spec) > 2:
-            raise ValueError(
-                f"BatchedHessian: `sharding` has the spec {spec}, for {len(spec)} axes, but "
-                "the Hessian has 2: split its rows, PartitionSpec('d', None), or its "
-                "columns, PartitionSpec(None, 'd')."
-            )
-        return super().result_specs(spec)
-
-    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
-        n = eqx.filter_eval_shape(lambda x: split_variables(x, owner="BatchedHessian")[0], x)
-        total = n.shape[0]
-        plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
-        return Work(total, "variables", "Hessian", plan.block_size).per_device(self._split)
-
 
 def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:
     if not isinstance(shapes, jax.ShapeDtypeStruct) and eqx.is_array_like(shapes):
@@ -237,39 +246,10 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
     """`(flat, variables, hvp)`: the variables, raveled, and one Hessian-vector product
     with a flat vector: the VJP of the gradient (`H` is symmetric), or with
     `mode="fwd"` or variables of mixed or complex dtypes, the JVP of the gradient."""
-    flat, variables = split_variables(x, owner="BatchedHessian")
-    transform._check_variables(variables)
-    fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
-    _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
-    recompute = transform.strategy == "recompute"
-    mode = _mode_of(transform.mode, variables, fn_of_flat, flat)
-    if mode == "rev" and variables.real_and_alike:
-        # Reverse over reverse, per leaf: a product is the gradient's VJP with the
-        # vector's pieces, gathered by one concatenation (no pieces padded to `n` and
-        # added, as differentiating through the raveling would make them).
-        gradient, _ = _leaf_gradient(transform, variables, args, kwargs)
-        _, vjp, _ = product_function(
-            (lambda leaves: gradient(leaves)[0]) if transform.has_aux else gradient,
-            variables.leaves_of(flat),
-            reverse=True,
-            has_aux=False,
-            recompute=recompute,
-        )
-
-        def hvp(vector):
-            pieces = vjp(variables.leaves_of(vector))
-            return jnp.concatenate([jnp.ravel(piece).astype(flat.dtype) for piece in pieces])
-
-        return flat, variables, hvp
-
-    def value(z):
-        return fn_of_flat(z)[0] if transform.has_aux else fn_of_flat(z)
-
-    if transform.checkpoint:
-        value = jax.checkpoint(value)
-    gradient = jax.grad(value, holomorphic=transform.holomorphic)
-    _, hvp, _ = product_function(gradient, flat, reverse=False, has_aux=False, recompute=recompute)
-    return flat, variables, hvp
+    prepared = transform._prepare(x, args, kwargs, None)
+    reverse = prepared.mode == "rev" and prepared.variables.real_and_alike
+    hvp, _, _ = _hessian_product(transform, prepared, reverse=reverse)
+    return prepared.flat, prepared.variables, hvp
 
 
 # What makes reverse-over-reverse products slow: a convolution (its products are
@@ -279,138 +259,47 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
 _FORWARD_OVER_REVERSE = (jax.lax.conv_general_dilated_p, jax.lax.while_p, jax.lax.scan_p)
 
 
-def _mode_of(mode: str, variables: Variables, fn_of_flat: Any, flat: Any) -> str:
-    """`mode`, with `"auto"` resolved: reverse over reverse for variables of one real
-    dtype where `fn`'s program holds no convolution and no loop, forward over reverse
-    otherwise."""
-    if mode != "auto":
-        return mode
+def _auto_mode(variables: Variables, fn_of_leaves: Any, leaves: list) -> str:
+    """Reverse over reverse for variables of one real dtype where `fn`'s program holds no
+    convolution and no loop, forward over reverse otherwise."""
     if not variables.real_and_alike:
         return "fwd"
-    slow = holds(fn_of_flat, flat, primitives=_FORWARD_OVER_REVERSE)
+    slow = holds(fn_of_leaves, leaves, primitives=_FORWARD_OVER_REVERSE)
     return "fwd" if slow else "rev"
 
 
-def _leaf_gradient(
-    transform: BatchedHessian, variables: Variables, args: tuple, kwargs: dict
-) -> tuple[Callable[[list], Any], Any]:
-    """`(gradient, restore_aux)`: the gradient of `fn` with respect to the variables'
-    leaves (with `has_aux`, `(gradient, aux)`, and how `aux` is put back together), with
-    the transform's checkpoint."""
-    fn = called_as(transform.fn, traced_once=transform.jit)
+def _hessian_product(transform: BatchedHessian, prepared: Prepared, *, reverse: bool) -> tuple:
+    """`(product, in_leaf, aux)`: `product(v)` is `H v` for one flat `v`, as a flat vector
+    in the variables' dtype, by reverse over reverse (`reverse`) or forward over reverse.
+    In reverse, `in_leaf(i)` gives the products with a block of vectors of leaf `i` alone,
+    `(k, *leaf_shape)`, as a `(k, n)` block: the VJPs of that leaf's part of the gradient,
+    in which the other leaves' zero pieces are symbolic and cost nothing (`None` forward).
+    `aux` is `fn`'s, as the products' linearisation gives it.
 
-    def fn_of_leaves(leaves):
-        return fn(variables.fill(leaves), *args, **kwargs)
+    The gradient is taken per leaf, not of `fn` of the flat variables: a product's pieces
+    are then gathered by one concatenation instead of padded to `n` and added."""
+    gradient = jax.grad(prepared.fn, has_aux=transform.has_aux, holomorphic=transform.holomorphic)
+    leaves, leaves_of = prepared.leaves, prepared.variables.leaves_of
+    if not reverse:
+        _, jvp, aux = transform._products(
+            lambda z: gradient(leaves_of(z)), prepared.flat, reverse=False
+        )
+        return (lambda v: prepared.raveled(jvp(v))), None, aux
+    _, vjp, aux = transform._products(gradient, leaves, reverse=True)
 
-    restore_aux = None
-    if transform.has_aux:
-        fn_of_leaves, restore_aux = split_aux(fn_of_leaves)
-    if transform.checkpoint:
-        fn_of_leaves = jax.checkpoint(fn_of_leaves)
-    gradient = jax.grad(fn_of_leaves, has_aux=transform.has_aux, holomorphic=transform.holomorphic)
-    return gradient, restore_aux
+    def in_leaf(i):
+        _, vjp_of_leaf, _ = product_function(
+            lambda point: _part(gradient(point), i, transform.has_aux),
+            leaves,
+            reverse=True,
+            has_aux=False,
+            recompute=transform.strategy == "recompute",
+        )
+        return jax.vmap(lambda unit: prepared.raveled(vjp_of_leaf(unit)))
+
+    return (lambda v: prepared.raveled(vjp(leaves_of(v)))), in_leaf, aux
 
 
 def _part(gradient: Any, i: int, has_aux: bool) -> Any:
     """Leaf `i` of the gradient (of `(gradient, aux)` with `has_aux`)."""
     return (gradient[0] if has_aux else gradient)[i]
-
-
-def _sharded_mode(transform: BatchedHessian, split: Split) -> str | None:
-    """The mode that makes the split axis's items: rows by VJPs, columns by JVPs."""
-    if split.dim is None:
-        return None
-    return transform._split_mode("rev" if split.dim == 0 else "fwd", "Hessian")
-
-
-def _hessian_share(
-    transform: BatchedHessian,
-    x: Any,
-    args: tuple,
-    kwargs: dict,
-    sink: OutputSink | None = None,
-    share: Share | None = None,
-    split: Split | None = None,
-) -> Any:
-    """The Hessian, or with `share` the rows (or columns) of one device's share of it."""
-    flat, variables = split_variables(x, owner="BatchedHessian")
-    transform._check_variables(variables)
-    # Traced for its shapes only: a checkpoint here would refuse leaves of aux that are not arrays.
-    fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
-    _check_scalar(transform, transform._output_shapes(fn_of_flat, flat, "value"))
-    n = variables.size
-    plan = plan_blocks(
-        n,
-        nbatches=transform.nbatches,
-        batch_size=transform.batch_size,
-        what="variables",
-        owner="BatchedHessian",
-    )
-    what = "rows" if split is not None and split.dim == 0 else "columns"
-    plan, offset = share_of(n, plan, share, split, owner="BatchedHessian", what=what)
-
-    # Differentiated per leaf, not as `fn_of_flat`: a block's products are then gathered
-    # by one concatenation instead of padding every leaf's piece to n columns and adding.
-    gradient, restore_aux = _leaf_gradient(transform, variables, args, kwargs)
-    leaves_of = variables.leaves_of
-
-    def gather(products):
-        pieces = [
-            piece.reshape(plan.block_size, size).astype(flat.dtype)
-            for piece, size in zip(products, variables.sizes, strict=True)
-        ]
-        return jnp.concatenate(pieces, axis=1)
-
-    def basis(start):
-        return basis_block(start + offset, plan.block_size, n, flat.dtype)
-
-    mode = None if split is None else _sharded_mode(transform, split)
-    fn_of_flat = flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit)
-    mode = _mode_of(mode or transform.mode, variables, fn_of_flat, flat)
-    if mode == "rev":
-        # H is symmetric, so row i is the VJP of the gradient with e_i (for a
-        # holomorphic function too: H is then complex symmetric, and JAX's VJPs
-        # transpose without conjugating).
-        _, vjp, aux = transform._products(gradient, leaves_of(flat), reverse=True)
-
-        def every_leaf(start):
-            return gather(jax.vmap(lambda v: vjp(leaves_of(v)))(basis(start)))
-
-        def in_leaf(i):
-            # The VJP of leaf i's part of the gradient alone: a block of rows within that
-            # leaf, where the other leaves' zero pieces are symbolic and cost nothing.
-            _, vjp_of_leaf, _ = product_function(
-                lambda leaves: _part(gradient(leaves), i, transform.has_aux),
-                leaves_of(flat),
-                reverse=True,
-                has_aux=False,
-                recompute=transform.strategy == "recompute",
-            )
-            return lambda units: gather(jax.vmap(vjp_of_leaf)(units))
-
-        block = by_leaf(variables, plan, offset, every_leaf, in_leaf)
-        axis = 0
-    else:
-        _, hvp, aux = transform._products(lambda z: gradient(leaves_of(z)), flat, reverse=False)
-
-        def block(start):
-            # Column j is the JVP with e_j, as in `jax.hessian`; written as columns, the
-            # result matches it exactly even where rounding makes it not quite symmetric
-            # (float32 leaves among float64 ones).
-            return gather(jax.vmap(hvp)(basis(start))).T
-
-        axis = 1
-
-    if n == 0:  # only empty variables: nothing to run, the Hessian is empty
-        hessian = jnp.zeros((0, 0), flat.dtype)
-    else:
-        hessian = map_blocks(
-            block,
-            plan,
-            axis=axis,
-            sink=None if sink is None else sink.part([0], plan),
-            progress=label(transform),
-        )
-    if restore_aux is None:
-        return hessian
-    return hessian, restore_aux(aux)

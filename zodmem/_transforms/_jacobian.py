@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from beartype import beartype
@@ -14,13 +12,13 @@ from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from .._checks import taking_jvps_of_fn
 from .._curvature._operator import BlockedOperator, make_operator
-from .._engine._blocks import OutputSink, map_blocks, plan_blocks
+from .._engine._block_plans import OutputSink, plan_blocks
+from .._engine._blocks import map_blocks
 from .._engine._progress import label
-from .._engine._sharding import Share, Split, check_divides, share_of
-from .._plan._budget import Work
-from .._plan._transform import AbstractDerivative, product_function, split_aux
-from .._pytree import basis_block, flat_function, split_variables
+from .._engine._sharding import Split, check_divides, share_of
+from .._pytree import basis_block
 from .._traceback import public
+from ._derivative import AbstractDerivative, Prepared, product_function
 
 __all__ = ["BatchedJacobian"]
 
@@ -119,6 +117,9 @@ class BatchedJacobian(AbstractDerivative):
         outputs.
     """
 
+    _result: ClassVar[str] = "Jacobian"
+    _square: ClassVar[str | None] = None
+
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(
@@ -129,10 +130,33 @@ class BatchedJacobian(AbstractDerivative):
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        return _jacobian_share(self, x, args, kwargs, sink, share, split)
+        prepared = self._prepare(x, args, kwargs, split)
+        if prepared.mode == "rev":
+            return prepared.result(*_reverse(self, prepared, sink, share, split))
+        named = "mode='fwd'"
+        if self.mode == "auto":
+            named = (
+                f"mode='auto' (which chose forward mode for {prepared.n} variables and "
+                f"{prepared.m} output elements)"
+            )
+        with taking_jvps_of_fn("BatchedJacobian", named):
+            return prepared.result(*_forward(self, prepared, sink, share, split))
 
-    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
-        return _jacobian_work(self, x, args, kwargs)
+    def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:
+        flat, variables = self._variables(x)
+        fn, outputs, restore_aux = self._function(flat, variables, args, kwargs, "output")
+        out_leaves = _checked_outputs(self, outputs)
+        complex_outputs = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in out_leaves)
+        mode = None if split is None else _split_mode(self, split, out_leaves)
+        if mode == "rev" and complex_outputs and not self.holomorphic:
+            raise TypeError(
+                f"BatchedJacobian: `sharding` ({self.sharding.spec}) splits the rows of "
+                "the Jacobian, which reverse mode makes, but `fn` returns complex outputs and "
+                "reverse mode requires real-valued ones, as jax.jacrev does. Split the columns "
+                "instead, e.g. PartitionSpec(..., 'd') on the last axis."
+            )
+        mode = mode or _choose_mode(self, variables.size, out_leaves, complex_outputs)
+        return Prepared(flat, variables, fn, outputs, restore_aux, mode)
 
     @public
     def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
@@ -178,26 +202,32 @@ class BatchedJacobian(AbstractDerivative):
         return make_operator(self, _jacobian_products, x, args, kwargs, square=False)
 
 
-def _with_array_outputs(fn_of_flat: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-    """`fn_of_flat` with its output leaves as arrays: a constant Python number becomes a
-    scalar array, as `jax.jacfwd` treats it. `aux` is left as it is."""
+def _checked_outputs(transform: BatchedJacobian, outputs: Any) -> list[jax.ShapeDtypeStruct]:
+    """The output leaves, refused where they cannot be differentiated: integer ones, and
+    real ones with `holomorphic=True` (as `jax.jacfwd(holomorphic=True)` does)."""
+    leaves = transform._output_leaves(outputs)
+    for where, leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise TypeError(
+                "BatchedJacobian: `fn` must return floating-point (or complex) arrays to be "
+                f"differentiated, but one output leaf has dtype {leaf.dtype} and shape "
+                f"{leaf.shape} ({where})."
+            )
+        if transform.holomorphic and not jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            raise TypeError(
+                "BatchedJacobian: with holomorphic=True `fn` must return complex arrays, as in "
+                f"jax.jacfwd(holomorphic=True), but {where} has dtype {leaf.dtype}."
+            )
+    return [leaf for _, leaf in leaves]
 
-    def wrapped(flat):
-        result = fn_of_flat(flat)
-        if not has_aux:
-            return jax.tree_util.tree_map(jnp.asarray, result)
-        if isinstance(result, tuple) and len(result) == 2:
-            return jax.tree_util.tree_map(jnp.asarray, result[0]), result[1]
-        return result  # not a pair: refused below, with the shapes it returned
 
-    return wrapped
-
-
-def _choose_mode(transform: BatchedJacobian, n: int, m: int, complex_outputs: bool) -> str:
+def _choose_mode(
+    transform: BatchedJacobian, n: int, out_leaves: list, complex_outputs: bool
+) -> str:
     if transform.mode == "auto":
         if complex_outputs and not transform.holomorphic:
             return "fwd"  # the only mode that keeps the imaginary part, as jax.jacfwd
-        return "fwd" if n <= m else "rev"
+        return "fwd" if n <= sum(math.prod(o.shape) for o in out_leaves) else "rev"
     if transform.mode == "rev" and complex_outputs and not transform.holomorphic:
         raise TypeError(
             "BatchedJacobian: mode='rev' requires real-valued outputs, as jax.jacrev does "
@@ -208,71 +238,16 @@ def _choose_mode(transform: BatchedJacobian, n: int, m: int, complex_outputs: bo
     return transform.mode
 
 
-class _Prepared(NamedTuple):
-    flat: Any
-    fn_of_flat: Callable[..., Any]
-    restore_aux: Callable[[Any], Any] | None
-    n: int
-    m: int
-    mode: str
-
-
-def _prepare(
-    transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict, split: Split | None = None
-) -> _Prepared:
-    """`fn` as a function of the flat variables, checked, and the mode it is taken in."""
-    flat, variables = split_variables(x, owner="BatchedJacobian")
-    transform._check_variables(variables)
-    fn_of_flat = _with_array_outputs(
-        flat_function(transform.fn, variables, args, kwargs, traced_once=transform.jit),
-        transform.has_aux,
-    )
-    restore_aux = None
-    if transform.has_aux:
-        fn_of_flat, restore_aux = split_aux(fn_of_flat)
-    if transform.checkpoint:
-        fn_of_flat = jax.checkpoint(fn_of_flat)
-    shapes = transform._output_shapes(fn_of_flat, flat, "output")
-    transform._check_outputs(shapes, "output")
-    out_leaves = jax.tree_util.tree_leaves(shapes)
-    m = sum(math.prod(leaf.shape) for leaf in out_leaves)
-    complex_outputs = any(jnp.issubdtype(o.dtype, jnp.complexfloating) for o in out_leaves)
-    if split is None:
-        split = transform._split
-    mode = None if split is None else _split_mode(transform, split, out_leaves)
-    if mode == "rev" and complex_outputs and not transform.holomorphic:
-        raise TypeError(
-            f"BatchedJacobian: `sharding` ({transform.sharding.spec}) splits the rows of "
-            "the Jacobian, which reverse mode makes, but `fn` returns complex outputs and "
-            "reverse mode requires real-valued ones, as jax.jacrev does. Split the columns "
-            "instead, e.g. PartitionSpec(..., 'd') on the last axis."
-        )
-    mode = mode or _choose_mode(transform, variables.size, m, complex_outputs)
-    return _Prepared(flat, fn_of_flat, restore_aux, variables.size, m, mode)
-
-
 def _jacobian_products(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> tuple:
     """`(flat, variables, jvp)`: the variables, raveled, and one Jacobian-vector product
     with a flat vector (the outputs of `fn` as it returns them, without `aux`)."""
-    flat, variables = split_variables(x, owner="BatchedJacobian")
-    prepared = _prepare(transform, x, args, kwargs, split=Split(None, None, (), 1))
-    fn_of_flat = prepared.fn_of_flat
-    value = fn_of_flat if prepared.restore_aux is None else (lambda z: fn_of_flat(z)[0])
+    prepared = transform._prepare(x, args, kwargs, None)
+    of_flat = prepared.of_flat
+    value = of_flat if prepared.restore_aux is None else (lambda z: of_flat(z)[0])
     recompute = transform.strategy == "recompute"
+    flat = prepared.flat
     _, jvp, _ = product_function(value, flat, reverse=False, has_aux=False, recompute=recompute)
-    return flat, variables, jvp
-
-
-def _jacobian_work(transform: BatchedJacobian, x: Any, args: tuple, kwargs: dict) -> Work:
-    def count(x, args, kwargs):
-        prepared = _prepare(transform, x, args, kwargs)
-        return prepared.n, prepared.m, prepared.mode  # not arrays: returned as they are
-
-    n, m, mode = eqx.filter_eval_shape(count, x, args, kwargs)
-    total = n if mode == "fwd" else m
-    what = "variables" if mode == "fwd" else "output elements"
-    plan = plan_blocks(total, nbatches=transform.nbatches, batch_size=transform.batch_size)
-    return Work(total, what, "Jacobian", plan.block_size).per_device(transform._split)
+    return flat, prepared.variables, jvp
 
 
 def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> str | None:
@@ -301,46 +276,13 @@ def _split_mode(transform: BatchedJacobian, split: Split, out_leaves: list) -> s
             "the rows of others; one sharding must split the same kind of axis of each."
         )
     (mode,) = modes
-    return transform._split_mode(mode, "Jacobian")
+    return transform._split_mode(mode)
 
 
-def _jacobian_share(
-    transform: BatchedJacobian,
-    x: Any,
-    args: tuple,
-    kwargs: dict,
-    sink: OutputSink | None = None,
-    share: Share | None = None,
-    split: Split | None = None,
-) -> Any:
-    """The Jacobian, or with `share` one device's share of its rows (or columns)."""
-    flat, fn_of_flat, restore_aux, n, m, mode = _prepare(transform, x, args, kwargs, split)
-    if mode == "fwd":
-        named = "mode='fwd'"
-        if transform.mode == "auto":
-            named = (
-                f"mode='auto' (which chose forward mode for {n} variables and {m} output elements)"
-            )
-        with taking_jvps_of_fn("BatchedJacobian", named):
-            jacobian, aux = _forward(transform, fn_of_flat, flat, n, sink, share, split)
-    else:
-        jacobian, aux = _reverse(transform, fn_of_flat, flat, n, m, sink, share, split)
-    if restore_aux is None:
-        return jacobian
-    return jacobian, restore_aux(aux)
-
-
-def _forward(
-    transform: BatchedJacobian,
-    fn_of_flat,
-    flat,
-    n: int,
-    sink: OutputSink | None,
-    share: Share | None = None,
-    split: Split | None = None,
-):
-    """Columns from JVPs of one linearisation, in the outputs' dtypes (as jax.jacfwd);
-    with `share`, the columns of one device's share."""
+def _forward(transform: BatchedJacobian, prepared: Prepared, sink, share, split) -> tuple:
+    """`(jacobian, aux)`: columns from JVPs of one linearisation, in the outputs' dtypes
+    (as jax.jacfwd); with `share` (of `split`), the columns of one device's share."""
+    flat, n = prepared.flat, prepared.n
     plan = plan_blocks(
         n,
         nbatches=transform.nbatches,
@@ -352,7 +294,7 @@ def _forward(
     plan, offset = share_of(
         n, plan, share, split, owner="BatchedJacobian", what="columns (variables)"
     )
-    out, jvp, aux = transform._products(fn_of_flat, flat, reverse=False)
+    out, jvp, aux = transform._products(prepared.of_flat, flat, reverse=False)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
         return jax.tree_util.tree_map(lambda o: jnp.zeros((*o.shape, 0), o.dtype), out), aux
 
@@ -367,19 +309,11 @@ def _forward(
     return map_blocks(columns, plan, axis=-1, progress=label(transform)), aux
 
 
-def _reverse(
-    transform: BatchedJacobian,
-    fn_of_flat,
-    flat,
-    n: int,
-    m: int,
-    sink: OutputSink | None,
-    share: Share | None = None,
-    split: Split | None = None,
-):
-    """Rows from VJPs of one forward pass, output leaf by output leaf, in the variables'
-    dtype (as jax.jacrev); with `share`, the rows of one device's share of each leaf (its
-    first axis split, so a contiguous run of the leaf's rows in C order)."""
+def _reverse(transform: BatchedJacobian, prepared: Prepared, sink, share, split) -> tuple:
+    """`(jacobian, aux)`: rows from VJPs of one forward pass, output leaf by output leaf,
+    in the variables' dtype (as jax.jacrev); with `share`, the rows of one device's share
+    of each leaf (its first axis split, so a contiguous run of the leaf's rows in C order)."""
+    flat, n, m = prepared.flat, prepared.n, prepared.m
     sharded = share is not None and split.dim is not None
     if transform.mode == "auto":
         why = (
@@ -397,7 +331,7 @@ def _reverse(
         owner="BatchedJacobian",
         context=why,
     )
-    out, vjp, aux = transform._products(fn_of_flat, flat, reverse=True)
+    out, vjp, aux = transform._products(prepared.of_flat, flat, reverse=True)
     out_leaves, out_def = jax.tree_util.tree_flatten(out)
 
     jacobians = []

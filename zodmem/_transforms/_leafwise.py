@@ -2,13 +2,13 @@
 its products are taken with that leaf's piece alone.
 
 A dense curvature matrix (`BatchedHessian`, `BatchedGGN`) is built from products with
-blocks of unit vectors `e_i`. Such a block made from the loop index holds a piece for
-every leaf, most of them zeros that XLA cannot see: every product then multiplies them
-out. A block whose rows lie in one leaf can instead be given to a product function of
-that leaf alone (the VJP of that leaf's part of the gradient, the JVP along that leaf),
-where the other leaves' pieces are JAX's symbolic zeros and cost nothing. Each such leaf
-is one more branch of the loop's body to compile, so only the leaves that hold many
-blocks whole get one; the others' blocks run the product of every leaf.
+blocks of unit vectors `e_i` (`curvature_matrix`). Such a block made from the loop index
+holds a piece for every leaf, most of them zeros that XLA cannot see: every product then
+multiplies them out. A block whose rows lie in one leaf can instead be given to a product
+function of that leaf alone (the VJP of that leaf's part of the gradient, the JVP along
+that leaf), where the other leaves' pieces are JAX's symbolic zeros and cost nothing.
+Each such leaf is one more branch of the loop's body to compile, so only the leaves that
+hold many blocks whole get one; the others' blocks run the product of every leaf.
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._engine._blocks import BlockPlan
-from .._pytree import Variables
+from .._engine._block_plans import BlockPlan, OutputSink, plan_blocks
+from .._engine._blocks import map_blocks
+from .._engine._progress import label
+from .._engine._sharding import Share, Split, share_of
+from .._pytree import Variables, basis_block
+from ._derivative import AbstractDerivative, Prepared
 
-__all__ = ["LEAF_SHARE", "by_leaf", "leaves_of_their_own"]
+__all__ = ["LEAF_SHARE", "by_leaf", "curvature_matrix", "leaves_of_their_own"]
 
 # A leaf gets a branch of its own where at least 1 / LEAF_SHARE of the blocks lie wholly
 # in it: at most this many loop bodies more to compile. Each branch is one more body's
@@ -101,3 +105,57 @@ def by_leaf(
         return jax.lax.switch(index, branches, start)
 
     return block
+
+
+def curvature_matrix(
+    transform: AbstractDerivative,
+    prepared: Prepared,
+    rows: Callable[[jax.Array], jax.Array],
+    in_leaf: Callable[[int], Callable[[Any], jax.Array]] | None,
+    sink: OutputSink | None,
+    share: Share | None,
+    split: Split | None,
+    *,
+    columns: bool,
+) -> jax.Array | None:
+    """The symmetric `(n, n)` matrix of `transform` at the call `prepared`, in the blocks
+    its options give (with `share`, one device's share of its rows or columns; with `sink`,
+    each block handed to it, and `None` returned).
+
+    - `rows(V)`: the products with the rows of a `(k, n)` block of unit vectors, a `(k, n)`
+      block of the matrix's rows (its columns, transposed).
+    - `in_leaf`: `None`, or as for `by_leaf`, the same of unit vectors of one leaf alone.
+    - `columns`: write each block as columns rather than rows.
+    """
+    owner = type(transform).__name__
+    flat, n = prepared.flat, prepared.n
+    plan = plan_blocks(
+        n,
+        nbatches=transform.nbatches,
+        batch_size=transform.batch_size,
+        what="variables",
+        owner=owner,
+    )
+    what = "columns" if columns else "rows"
+    plan, offset = share_of(n, plan, share, split, owner=owner, what=what)
+
+    def every_leaf(start):
+        return rows(basis_block(start + offset, plan.block_size, n, flat.dtype))
+
+    rows_of = every_leaf
+    if in_leaf is not None:
+        rows_of = by_leaf(prepared.variables, plan, offset, every_leaf, in_leaf)
+
+    def block(start):
+        block_rows = rows_of(start)
+        return block_rows.T if columns else block_rows
+
+    if n == 0:  # only empty variables: nothing to run, the matrix is empty
+        return jnp.zeros((0, 0), flat.dtype)
+    return map_blocks(
+        block,
+        plan,
+        axis=1 if columns else 0,
+        sink=None if sink is None else sink.part([0], plan),
+        progress=label(transform),
+    )
