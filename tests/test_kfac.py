@@ -75,8 +75,11 @@ def test_shared_weights_written_by_hand_through_jit_and_checkpoint():
     inputs, targets = normal(2, (5, 4, 3)), normal(3, (5, 4, 2))
     loss = zm.losses.SquaredError()
     F = zm.KFAC(fn, loss)(params, inputs, targets)
-    assert [block.names for block in F.blocks] == [("['b']", "['w']")[::-1]]
-    close(F.as_matrix(), zm.BatchedGGN(fn, loss)(params, inputs, targets))
+    assert [block.names for block in F.blocks] == [("['w']", "['b']")]
+    G = zm.BatchedGGN(fn, loss)(params, inputs, targets)
+    close(F.as_matrix(), G)
+    # Each position a loss term of its own: EKFAC takes each row as an example, exactly.
+    close(zm.EKFAC(fn, loss)(params, inputs, targets).as_matrix(), G, atol=1e-12)
 
 
 def test_a_leaf_in_no_layer_is_its_exact_gauss_newton_block():
@@ -373,6 +376,8 @@ def test_bad_options_are_refused_by_name():
         zm.KFAC(predict, loss, microbatch_size=2, max_memory="1GB")
     with pytest.raises(TypeError, match=r"`microbatch_size` must be a positive int or None"):
         zm.KFAC(predict, loss, microbatch_size=2.0)
+    with pytest.raises(ValueError, match=r"zm.KFAC: `max_memory` must be .* got 'lots'"):
+        zm.KFAC(predict, loss, max_memory="lots")
     with pytest.raises(TypeError, match=r"SquaredError: targets=None .* no targets to draw"):
         zm.losses.SquaredError(targets=None).sample(jnp.zeros(3), jax.random.key(0))
 

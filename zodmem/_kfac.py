@@ -54,10 +54,17 @@ _DENSE_LIMIT = 4096
 
 def _example_axes(program: Callable, leaves: list, args: tuple, found: trace.Program, jaxpr: Any):
     """Per layer, which axis of its rows holds the examples, or None (each row then
-    counts as an example): the one axis that grows by one with the batch."""
+    counts as an example): the one axis that grows by one with the batch, where each
+    example's outputs are one loss term (outputs `(N,)` or `(N, C)`)."""
     none = (None,) * len(found.layers)
     batched = [leaf for leaf in jax.tree_util.tree_leaves(args) if eqx.is_array(leaf)]
     if not batched or any(leaf.ndim == 0 for leaf in batched):
+        return none
+    # With several terms an example, the square root's columns are shared by them, and
+    # an example's gradient would hold products of its terms that the matrix lacks.
+    if any(
+        leaf.ndim > 2 for leaf in jax.tree_util.tree_leaves(jax.eval_shape(program, leaves, args))
+    ):
         return none
 
     def grown(leaf: Any) -> Any:
@@ -147,6 +154,13 @@ class _KroneckerCurvature(eqx.Module):
                 f"microbatch_size={self.microbatch_size} and max_memory={self.max_memory!r}."
             )
         check_bool(self.progress, "progress", owner=owner)
+        if self.max_memory is not None:  # refused as zm.Microbatcher refuses it
+            import zodmem as zm
+
+            try:
+                zm.Microbatcher(self.fn, max_memory=self.max_memory)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{owner}: {str(error).split(': ', 1)[-1]}") from None
 
     @public
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> KroneckerFactored:
@@ -290,7 +304,10 @@ class KFAC(_KroneckerCurvature):
 
     - `fn`: the model, called as `fn(x, *args, **kwargs)`; the examples are along the
       leading axis of the data arguments `args` and of the outputs, and must not
-      interact (no batch normalisation).
+      interact (no batch normalisation). The outputs' last axis holds one loss term's
+      entries (the classes, or the features), every other axis indexes the terms, as
+      curvlinops takes them: put the features last (`(N, C)`, `(N, T, C)`), and give a
+      single example's outputs a leading axis of one.
     - `loss`: a `zm.losses.AbstractLoss`, called as `loss(outputs, *args, **kwargs)`.
       A `reduction="mean"` loss averages over the examples (over microbatches too).
     - `fisher`: whose gradients `g` are:
@@ -354,8 +371,11 @@ class EKFAC(_KroneckerCurvature):
     diagonal there in the Frobenius norm: EKFAC's blocks are then never further from
     the exact blocks than KFAC's. It costs a second pass over the data.
 
-    The examples' axis in a layer's rows is the one that grows with the batch (found by
-    tracing `fn` at one more example); where none does, each row counts as an example.
+    Where each example's outputs are one loss term (outputs `(N, C)` or `(N,)`), the
+    examples' axis in a layer's rows is the one that grows with the batch (found by
+    tracing `fn` at one more example); where none does, or where an example has
+    several terms (outputs `(N, T, C)`: the square root's columns are shared by them),
+    each row counts as an example.
     The dense blocks of leaves in no layer are KFAC's, exact. The arguments and the
     result are `zm.KFAC`'s.
 
