@@ -1,8 +1,10 @@
 """The layers of a traced program, for Kronecker-factored curvature.
 
 A layer is a weight leaf of the variables used as one operand of a `dot_general`
-(`eqx.nn.Linear`, `w @ a`, attention's projections, under `vmap` too) or as the kernel of
-a `conv_general_dilated` (`eqx.nn.Conv2d`), the layer's input being the other operand. A
+(`eqx.nn.Linear`, `w @ a`, attention's projections, under `vmap` too), as the kernel of
+a `conv_general_dilated` (`eqx.nn.Conv2d`) or as the matrix whose rows a `gather` looks up
+(`eqx.nn.Embedding`: a product with one-hot rows), the layer's input being the other
+operand. A
 bias leaf joins the layer when the layer's output reaches, through layout operations
 only (transpose, reshape, squeeze, unit axes) and no other use, an `add` whose other
 operand is the bias broadcast along the output's features: checked entry by entry on
