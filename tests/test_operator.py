@@ -265,6 +265,35 @@ def test_microbatcher_jacobian_operator():
     close(op.T.mv(W[:, 0]), J.T @ W[:, 0])
 
 
+def test_products_follow_their_transforms_options():
+    # What an operator reads of its transform: a derivative's own options, and for a
+    # Microbatcher its bar with the blocks of products of the derivative it wraps.
+    from zodmem._curvature._vector_blocks import ProductBlocks
+
+    def with_aux(params, data):
+        return loss(params, data), data
+
+    params, data = point()
+    hessian = zm.BatchedHessian(
+        with_aux, has_aux=True, batch_size=3, strategy="recompute", jit=False
+    )
+    op = hessian.operator(params, data)
+    blocks = ProductBlocks.of(op)
+    assert (blocks.batch_size, blocks.strategy, blocks.jit, blocks.progress) == (
+        3,
+        "recompute",
+        False,
+        False,
+    )
+    close(op.as_matrix(), dense_hessian()[0])  # the matrix, without aux
+    wrapped = zm.Microbatcher(hessian, microbatch_size=2, argnums=1, progress=True)
+    op = wrapped.operator(params, data)
+    blocks = ProductBlocks.of(op)
+    options = (blocks.batch_size, blocks.strategy, blocks.sharding, blocks.jit, blocks.progress)
+    assert options == (3, None, None, True, True)
+    close(op.as_matrix(), wrapped(params, data)[0], exact=True)
+
+
 def test_bad_input_is_refused_before_computing():
     params, data = point()
     op = zm.BatchedHessian(loss).operator(params, data)

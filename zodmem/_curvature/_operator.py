@@ -27,10 +27,9 @@ import lineax as lx
 
 from .._checks import described
 from .._memo import memo_of, signature_of
-from .._plan._plans import MemoryBudgetError
 from ._arguments import check_dtype
-from ._options import has_aux, jit_of, recomputes, unblocked, with_strategy
-from ._vector_blocks import ProductBlocks
+from ._options import TransformOptions, options_of, unblocked, with_strategy
+from ._vector_blocks import ProductBlocks, named_refusals
 
 __all__ = [
     "BlockedOperator",
@@ -91,6 +90,11 @@ class BlockedOperator(lx.AbstractLinearOperator):
     @property
     def _owner(self) -> str:
         return f"{type(self.transform).__name__}.operator"
+
+    @property
+    def _options(self) -> TransformOptions:
+        """The options of the transform that made the operator, that its products follow."""
+        return options_of(self.transform)
 
     def _variable_structure(self) -> Any:
         """`x` with its variables as `jax.ShapeDtypeStruct`s and `None` elsewhere."""
@@ -182,7 +186,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
         vector, is_flat = self._read(vector, "vector")
         # One product is the same whatever the blocks: one compiled product serves them all.
         single = dataclasses.replace(self, transform=unblocked(self.transform))
-        return (_product_jit if jit_of(self.transform) else _product)(single, vector, is_flat)
+        return (_product_jit if self._options.jit else _product)(single, vector, is_flat)
 
     def mm(self, matrix: Any) -> jax.Array:
         """The products with the `k` columns of `matrix`, an `(n, k)` array (`n` the
@@ -205,22 +209,18 @@ class BlockedOperator(lx.AbstractLinearOperator):
         if signature is not None and signature in memo:
             return memo[signature]((matrix,), {})
         blocks = ProductBlocks.of(self)
-        try:
+        with named_refusals(ProductBlocks, f"{self._owner}(...).mm"):
             if signature is not None:
                 bound = blocks._planned_bound((matrix,), {})[1]
                 if bound is not None:
                     memo[signature] = bound
                     return bound((matrix,), {})
             return blocks(matrix)
-        except MemoryBudgetError as error:
-            # The planner names the class it planned; the user called `mm`.
-            named = str(error).replace(f"{ProductBlocks.__name__}:", f"{self._owner}(...).mm:", 1)
-            raise MemoryBudgetError(named) from None
 
     def as_matrix(self) -> jax.Array:
         """The dense matrix, made by the transform's own blocked call."""
         result = self.transform(self.x, *self.args, **self.kwargs)
-        if has_aux(self.transform):
+        if self._options.has_aux:
             result = result[0]
         if not self.square:
             n = _flat_structure(self._variable_structure()).shape[0]
@@ -311,7 +311,7 @@ def make_operator(
         square,
         (tuple(leaves), treedef),
         frozenset(tags if isinstance(tags, (tuple, list, set, frozenset)) else (tags,)),
-        recompute=recomputes(transform),
+        recompute=options_of(transform).strategy in (None, "recompute"),
     )
 
 
@@ -327,7 +327,7 @@ def flat_product(operator: BlockedOperator, vector: jax.Array) -> jax.Array:
 def _(operator):
     if operator.recompute or operator.linear is not None:
         return operator
-    linear = (_linearised_jit if jit_of(operator.transform) else _linearised)(operator)
+    linear = (_linearised_jit if operator._options.jit else _linearised)(operator)
     return dataclasses.replace(operator, linear=linear)
 
 
@@ -344,7 +344,7 @@ _linearised_jit = eqx.filter_jit(_linearised)
 
 @lx.materialise.register(BlockedOperator)
 def _(operator):
-    blocks = (_blocks_jit if jit_of(operator.transform) else _blocks_of)(operator)
+    blocks = (_blocks_jit if operator._options.jit else _blocks_of)(operator)
     return lx.PyTreeLinearOperator(blocks, operator.out_structure(), operator.tags)
 
 

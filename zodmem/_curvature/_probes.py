@@ -29,10 +29,10 @@ from .._engine._block_plans import plan_blocks
 from .._engine._blocks import map_blocks, reduce_blocks
 from .._engine._sharding import dispatch, replicate
 from .._plan._memory import check_memory
-from .._plan._plans import MemoryBudgetError, Work
+from .._plan._plans import Work
 from ._flat import FlatView
 from ._operator import BlockedOperator
-from ._vector_blocks import AbstractVectorBlocks, vector_options
+from ._vector_blocks import AbstractVectorBlocks, named_refusals, vector_options
 
 __all__ = ["AbstractColumns", "ProbeJob", "Probes", "run_probes"]
 
@@ -232,9 +232,5 @@ def run_probes(
                 f"{owner}: `progress` must be a bool or None, got {described(progress)}."
             )
         options["progress"] = progress
-    engine = Probes(view, job=job, owner=owner, **options)
-    try:
-        return engine()
-    except MemoryBudgetError as error:
-        named = str(error).replace(f"{Probes.__name__}:", f"{owner}:", 1)
-        raise MemoryBudgetError(named) from None
+    with named_refusals(Probes, owner):
+        return Probes(view, job=job, owner=owner, **options)()

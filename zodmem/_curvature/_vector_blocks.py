@@ -7,7 +7,9 @@ with the columns of a matrix; the probes of the estimators are the other kind
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
@@ -18,14 +20,14 @@ from jax.sharding import NamedSharding
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._sharding import Split, check_divides, dispatch, split_of
-from .._plan._plans import Work
+from .._plan._plans import MemoryBudgetError, Work
 from .._plan._transform import AbstractBlocked
-from ._options import jit_of
+from ._options import options_of
 
 if TYPE_CHECKING:
     from ._operator import BlockedOperator
 
-__all__ = ["AbstractVectorBlocks", "ProductBlocks", "vector_options"]
+__all__ = ["AbstractVectorBlocks", "ProductBlocks", "named_refusals", "vector_options"]
 
 
 class AbstractVectorBlocks(AbstractBlocked):
@@ -79,18 +81,23 @@ class AbstractVectorBlocks(AbstractBlocked):
 
 def vector_options(transform: Any) -> dict[str, Any]:
     """The options of `AbstractVectorBlocks` that a transform's own give: its blocks
-    (for a transform whose options cut other work, a `Microbatcher`'s microbatches,
-    those of its `fn`), strategy, sharding, `jit` and bar; the defaults for `None`."""
-    sized = transform if hasattr(transform, "batch_size") else getattr(transform, "fn", None)
-    return dict(
-        nbatches=getattr(sized, "nbatches", None),
-        batch_size=getattr(sized, "batch_size", None),
-        max_memory=getattr(sized, "max_memory", None),
-        strategy=getattr(transform, "strategy", None),
-        sharding=getattr(transform, "sharding", None),
-        jit=jit_of(transform),
-        progress=bool(getattr(transform, "progress", False)),
-    )
+    (for a `Microbatcher`, whose options cut the batch, those of the derivative it
+    wraps), strategy, sharding, `jit` and bar; the defaults for `None`."""
+    options = options_of(transform)._asdict()
+    del options["has_aux"]  # what the transform's call returns, not how products are cut
+    return options
+
+
+@contextlib.contextmanager
+def named_refusals(blocks: type[AbstractVectorBlocks], owner: str) -> Iterator[None]:
+    """A budget refused while planning work of the class `blocks`, named for `owner`,
+    the call the user made."""
+    try:
+        yield
+    except MemoryBudgetError as error:
+        # The planner names the class it planned, which the user never called.
+        named = str(error).replace(f"{blocks.__name__}:", f"{owner}:", 1)
+        raise MemoryBudgetError(named) from None
 
 
 class ProductBlocks(AbstractVectorBlocks):
@@ -101,8 +108,7 @@ class ProductBlocks(AbstractVectorBlocks):
 
     @classmethod
     def of(cls, operator: BlockedOperator) -> ProductBlocks:
-        """The blocks that `operator`'s transform's options give (for a transform whose
-        options cut other work, a `Microbatcher`'s microbatches, those of its `fn`)."""
+        """The blocks that `operator`'s transform's options give."""
         return cls(operator, **vector_options(operator.transform))
 
     @property

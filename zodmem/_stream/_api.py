@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._plan._transform import AbstractStreamable
+from .._plan._transform import AbstractSharded, AbstractStreamable
 from .._serialise import SerialisationError
 from .._traceback import public
 from ._call import (
@@ -78,7 +78,7 @@ def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
     """
     _check_transform(transform, "to_host")
     _check_concrete(args, kwargs, "to_host")
-    if getattr(transform, "sharding", None) is not None:
+    if _is_sharded(transform):
         return _to_host_sharded(transform, args, kwargs)
     layout = _layout(transform, args, kwargs)
     planned = _planned(transform, args, kwargs)
@@ -198,7 +198,7 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
         )
     _check_concrete(args, kwargs, "to_file")
     path = os.fspath(path)
-    if getattr(transform, "sharding", None) is not None:
+    if _is_sharded(transform):
         return _to_file_sharded(path, transform, args, kwargs)
     layout = _layout(transform, args, kwargs)
     _check_arrays(
@@ -262,6 +262,11 @@ def _write_or_resume(
     return files.load()
 
 
+def _is_sharded(transform: Any) -> bool:
+    """Whether `transform` spreads its result over devices (it was given a `sharding`)."""
+    return isinstance(transform, AbstractSharded) and transform.sharding is not None
+
+
 def _check_transform(transform: Any, name: str) -> None:
     if not isinstance(transform, AbstractStreamable):
         raise TypeError(
@@ -269,5 +274,5 @@ def _check_transform(transform: Any, name: str) -> None:
             f"zm.ChunkedVmap, whose results are cut into blocks, but got {transform!r} of "
             f"type {type(transform).__name__}."
         )
-    if getattr(transform, "sharding", None) is not None:
+    if _is_sharded(transform):
         _rows_split(transform, name)
