@@ -1,7 +1,8 @@
 """What the operator code reads of the transform behind an operator, through the
-transforms' declared types: a derivative (`BatchedJacobian`, `BatchedHessian`,
-`BatchedGGN`) states its options as fields, and a `Microbatcher` around one cuts the
-batch by its own options and its products' blocks by the derivative's.
+transforms' declared types: a derivative (`AbstractDerivative`: `BatchedJacobian`,
+`BatchedHessian`, `BatchedGGN`) states its options as fields, and a `Microbatcher`
+around one cuts the batch by its own options and its products' blocks by the
+derivative's.
 
 The transforms import this package, so their classes are imported inside the functions
 that test for them."""
@@ -38,12 +39,10 @@ class TransformOptions(NamedTuple):
     progress: bool = False
 
 
-def _derivatives() -> tuple[type, ...]:
-    from .._transforms._ggn import BatchedGGN
-    from .._transforms._hessian import BatchedHessian
-    from .._transforms._jacobian import BatchedJacobian
+def _derivative() -> type:
+    from .._transforms._derivative import AbstractDerivative
 
-    return BatchedJacobian, BatchedHessian, BatchedGGN
+    return AbstractDerivative
 
 
 def _microbatcher() -> type:
@@ -55,7 +54,7 @@ def _microbatcher() -> type:
 def options_of(transform: Any) -> TransformOptions:
     """The options of the transform that made an operator (the defaults for `None`,
     the transform of no operator)."""
-    if isinstance(transform, _derivatives()):
+    if isinstance(transform, _derivative()):
         return TransformOptions(
             has_aux=transform.has_aux,
             jit=transform.jit,
@@ -70,7 +69,7 @@ def options_of(transform: Any) -> TransformOptions:
         wrapped = options_of(transform.fn)
         # Its own options cut the batch, not the vectors: the blocks of products are
         # those of the derivative it wraps (none for another Microbatcher).
-        blocks = wrapped if isinstance(transform.fn, _derivatives()) else TransformOptions()
+        blocks = wrapped if isinstance(transform.fn, _derivative()) else TransformOptions()
         return blocks._replace(
             has_aux=wrapped.has_aux,
             jit=True,
@@ -87,7 +86,7 @@ def unblocked(transform: Any) -> Any:
     a linearisation kept pays only where blocks share it, and JAX's partial evaluation
     of a loop in `fn` (a `scan`, an ODE solver's `while`) keeps the whole loop on the
     linear side, which then costs more than the product evaluated afresh."""
-    if isinstance(transform, _derivatives()):
+    if isinstance(transform, _derivative()):
         strategy = "recompute" if transform.strategy == "auto" else transform.strategy
         return dataclasses.replace(
             transform,
@@ -106,6 +105,6 @@ def unblocked(transform: Any) -> Any:
 def with_strategy(transform: Any, strategy: Any) -> Any:
     """`transform` computing its products by `strategy` (`None`, or a transform that
     has no such choice: as it is)."""
-    if strategy is not None and isinstance(transform, _derivatives()):
+    if strategy is not None and isinstance(transform, _derivative()):
         return dataclasses.replace(transform, strategy=strategy)
     return transform
