@@ -8,6 +8,7 @@ from ._approximation import (
     ApproximationError as ApproximationError,
     approximation_error as approximation_error,
 )
+from ._curvature._block_diagonal import BlockDiagonal as BlockDiagonal
 from ._curvature._covariance import covariance as covariance
 from ._curvature._diagonal import diagonal as diagonal, trace as trace
 from ._curvature._eigsh import eigsh as eigsh
@@ -18,7 +19,7 @@ from ._curvature._solve import marginal_variances as marginal_variances, solve a
 from ._curvature._spectral import spectral_density as spectral_density
 from ._kfac import EKFAC as EKFAC, KFAC as KFAC
 from ._kfac_operator import KroneckerFactored as KroneckerFactored
-from ._plan._budget import MemoryBudgetError as MemoryBudgetError, Plan as Plan
+from ._plan._plans import MemoryBudgetError as MemoryBudgetError, Plan as Plan
 from ._plan._transform import AbstractTransform as AbstractTransform
 from ._pytree import (
     hessian_to_pytree as hessian_to_pytree,
@@ -44,6 +45,7 @@ from ._transforms._vmap import ChunkedVmap as ChunkedVmap
 
 __all__ = [
     "AbstractTransform",
+    "BlockDiagonal",
     "AccumulationType",
     "Accumulator",
     "ApproximationError",

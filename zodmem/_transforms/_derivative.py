@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._checks import as_index, check_block_options, check_bool, check_callable, check_choice
+from .._curvature._block_diagonal import BlockDiagonal
 from .._engine._block_plans import plan_blocks
 from .._engine._sharding import Kept, Split, check_sharding
 from .._plan._memory import check_memory
@@ -31,6 +32,7 @@ from .._plan._plans import Work
 from .._plan._transform import AbstractSharded
 from .._pytree import Variables, called_as, split_variables
 from .._traceback import public
+from ._leaf_blocks import leaf_blocks
 
 __all__ = ["AbstractDerivative", "Prepared", "product_function", "split_aux"]
 
@@ -110,6 +112,7 @@ class AbstractDerivative(AbstractSharded):
     checkpoint: bool = eqx.field(default=False, static=True, kw_only=True)
     sharding: NamedSharding | None = eqx.field(default=None, static=True, kw_only=True)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
+    blocks: Literal["full", "leaf"] = eqx.field(default="full", static=True, kw_only=True)
 
     # The result's name in plans and messages ("Jacobian").
     _result: ClassVar[str]
@@ -140,6 +143,49 @@ class AbstractDerivative(AbstractSharded):
         check_choice(self.mode, "mode", ("auto", "fwd", "rev"), owner=owner)
         for name in ("holomorphic", "has_aux", "jit", "checkpoint", "progress"):
             check_bool(getattr(self, name), name, owner=owner)
+        check_choice(self.blocks, "blocks", ("full", "leaf"), owner=owner)
+        if self.blocks == "leaf":
+            self._check_leaf_blocks(owner)
+
+    def _check_leaf_blocks(self, owner: str) -> None:
+        """Refuse `blocks="leaf"` where it has no meaning or no implementation."""
+        if self._square is None:
+            raise ValueError(
+                f"{owner}: blocks='leaf' takes the diagonal blocks of a square matrix over "
+                "the variables (zm.BatchedHessian, zm.BatchedGGN); a Jacobian has none. "
+                "Leave blocks='full'."
+            )
+        for name in ("sharding", "holomorphic"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{owner}: blocks='leaf' makes one small block per leaf, each held whole "
+                    f"on one device and real, so it does not take {name}="
+                    f"{getattr(self, name)!r}. Use blocks='full' with {name}."
+                )
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        if self.blocks == "leaf":
+            return leaf_blocks(self, args, kwargs)
+        return super()._call(args, kwargs)
+
+    def _refuse_leaf_blocks(self) -> None:
+        """Refuse to plan or stream one call where `blocks="leaf"` makes one per leaf."""
+        if self.blocks == "leaf":
+            raise ValueError(
+                f"{type(self).__name__}: with blocks='leaf' every leaf's block is planned "
+                "and made by a call of its own, so there is no one call to plan or to "
+                "stream: call the transform (or its .operator) for the blocks, or use "
+                "blocks='full' with plan(), zm.to_host and zm.to_file."
+            )
+
+    def _streamed(self, sink: Any, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_leaf_blocks()
+        return super()._streamed(sink, *args, **kwargs)
+
+    def _leaf_operator(self, args: tuple, kwargs: dict) -> BlockDiagonal:
+        """The operator of the blocks per leaf (`blocks="leaf"`)."""
+        blocks = leaf_blocks(self, args, kwargs)
+        return BlockDiagonal(blocks[0] if self.has_aux else blocks)
 
     @abc.abstractmethod
     def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:
@@ -161,6 +207,8 @@ class AbstractDerivative(AbstractSharded):
         )
 
     def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+        self._refuse_leaf_blocks()
+
         def count(x, args, kwargs):
             prepared = self._prepare(x, args, kwargs, self._split)
             return prepared.n, prepared.m, prepared.mode  # not arrays: returned as they are

@@ -14,6 +14,7 @@ from beartype import beartype
 from jaxtyping import Array, Float, PyTree, jaxtyped
 
 from .._checks import check_callable, refuses_forward_mode, taking_jvps_of_fn
+from .._curvature._block_diagonal import BlockDiagonal
 from .._curvature._losses import AbstractLoss
 from .._curvature._operator import BlockedOperator, make_operator
 from .._engine._block_plans import OutputSink
@@ -87,6 +88,15 @@ class BatchedGGN(AbstractDerivative):
     - `progress`: show a progress bar of the blocks done on stderr.
     - `holomorphic`: taken for the shared configuration of derivatives, and refused:
       complex variables are not supported.
+    - `blocks`: `"full"` (the default) for the whole `(n, n)` matrix; `"leaf"` for its
+      diagonal blocks alone, one `(n_i, n_i)` block per variable leaf of `x` (the
+      cross-terms between leaves dropped): each is the Gauss-Newton matrix of `fn` in that leaf
+      alone, the others held fixed, computed and planned by a call of its own, so
+      the memory is that of the largest block, not of `n x n`. The call then returns
+      a tuple of the blocks in leaf order (in the dtype the whole matrix has), and
+      `.operator(...)` a `zm.BlockDiagonal` of them, with exact solves and
+      log-determinants. `plan()`, `zm.to_host` and `zm.to_file` take the whole matrix
+      only.
 
     **Returns:**
 
@@ -141,7 +151,12 @@ class BatchedGGN(AbstractDerivative):
     @public
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
-    ) -> Float[Array, "n n"] | tuple[Float[Array, "n n"], Any]:
+    ) -> (
+        Float[Array, "n n"]
+        | tuple[Float[Array, "n n"], Any]
+        | tuple[Float[Array, "_ _"], ...]
+        | tuple[tuple[Float[Array, "_ _"], ...], Any]
+    ):
         return self._call((x, *args), kwargs)
 
     def compute_share(
@@ -180,7 +195,7 @@ class BatchedGGN(AbstractDerivative):
         return Prepared(flat, variables, fn, outputs, restore_aux, mode)
 
     @public
-    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
+    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator | BlockDiagonal:
         """The Gauss-Newton matrix at `(x, *args, **kwargs)` as a `lineax` linear
         operator, never formed: each product `G v = J^T (H_loss (J v))` is one JVP of
         `fn`, one product with the loss's Hessian and one VJP.
@@ -220,6 +235,8 @@ class BatchedGGN(AbstractDerivative):
             lx.linear_solve(damped, jnp.ones(3), lx.CG(rtol=1e-8, atol=1e-8)).value
             ```
         """
+        if self.blocks == "leaf":
+            return self._leaf_operator((x, *args), kwargs)
         tags = (lx.symmetric_tag, lx.positive_semidefinite_tag)
         return make_operator(self, ggn_products, x, args, kwargs, square=True, tags=tags)
 

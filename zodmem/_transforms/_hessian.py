@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 from beartype import beartype
-from jaxtyping import Array, Inexact, PyTree, jaxtyped
+from jaxtyping import Array, Float, Inexact, PyTree, jaxtyped
 
+from .._curvature._block_diagonal import BlockDiagonal
 from .._curvature._operator import BlockedOperator, make_operator
 from .._engine._block_plans import OutputSink
 from .._engine._layout import holds
@@ -92,6 +93,15 @@ class BatchedHessian(AbstractDerivative):
     - `progress`: show a progress bar on stderr (blocks done of the total, rate, time
       left), updated from inside the compiled loop after each block. Off by default,
       and then nothing is added to the compiled program.
+    - `blocks`: `"full"` (the default) for the whole `(n, n)` matrix; `"leaf"` for its
+      diagonal blocks alone, one `(n_i, n_i)` block per variable leaf of `x` (the
+      cross-terms between leaves dropped): each is the Hessian of `fn` in that leaf
+      alone, the others held fixed, computed and planned by a call of its own, so
+      the memory is that of the largest block, not of `n x n`. The call then returns
+      a tuple of the blocks in leaf order (in the dtype the whole matrix has), and
+      `.operator(...)` a `zm.BlockDiagonal` of them, with exact solves and
+      log-determinants. `plan()`, `zm.to_host` and `zm.to_file` take the whole matrix
+      only.
 
     **Returns:**
 
@@ -126,7 +136,12 @@ class BatchedHessian(AbstractDerivative):
     @public
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
-    ) -> Inexact[Array, "n n"] | tuple[Inexact[Array, "n n"], Any]:
+    ) -> (
+        Inexact[Array, "n n"]
+        | tuple[Inexact[Array, "n n"], Any]
+        | tuple[Float[Array, "_ _"], ...]
+        | tuple[tuple[Float[Array, "_ _"], ...], Any]
+    ):
         return self._call((x, *args), kwargs)
 
     def compute_share(
@@ -158,7 +173,7 @@ class BatchedHessian(AbstractDerivative):
         return Prepared(flat, variables, fn, value, restore_aux, mode)
 
     @public
-    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator:
+    def operator(self, x: PyTree, *args: Any, **kwargs: Any) -> BlockedOperator | BlockDiagonal:
         """The Hessian at `(x, *args, **kwargs)` as a `lineax` linear operator, never
         formed: each product with a vector is one Hessian-vector product.
 
@@ -208,6 +223,8 @@ class BatchedHessian(AbstractDerivative):
             A Hessian is not known to be positive definite, so `lx.CG` needs the tag
             given, as above, where you know it is (a convex loss, a minimum).
         """
+        if self.blocks == "leaf":
+            return self._leaf_operator((x, *args), kwargs)
         return make_operator(
             self, _hessian_products, x, args, kwargs, square=True, tags=lx.symmetric_tag
         )

@@ -1,0 +1,198 @@
+"""The diagonal blocks of Hessians and Gauss-Newton matrices per variable leaf
+(`blocks="leaf"`) and their operator, `zm.BlockDiagonal`: each block equals the same
+block of `jax.hessian` (or of the whole GGN), values and dtypes, for any block option,
+under jit, vmap and grad; the operator's products, solves, log-determinants and
+eigenpairs equal dense NumPy's."""
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import zodmem as zm
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def loss(params, data):
+    hidden = jnp.tanh(data @ params["w"] + params["b"][0])
+    return jnp.sum(hidden**2) + jnp.sum(params["b"] ** 2 * jnp.sum(params["w"] ** 3))
+
+
+def problem(dtype=jnp.float64, n=5):
+    params = {
+        "b": jnp.array([0.3, -0.2], dtype),
+        "w": jnp.linspace(-1, 1, n).astype(dtype),
+        "name": "a non-array leaf",
+        "count": 3,
+    }
+    data = jnp.linspace(0, 1, 3 * n, dtype=dtype).reshape(3, n)
+    return params, data
+
+
+def dense_blocks(params, data):
+    full = jax.hessian(lambda p: loss(eqx.combine(p, static), data))
+    arrays, static = eqx.partition(params, eqx.is_inexact_array)
+    H = full(arrays)
+    return [H["b"]["b"], H["w"]["w"]]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    option=st.sampled_from(["none", "nbatches", "batch_size", "max_memory"]),
+    size=st.integers(1, 4),
+    mode=st.sampled_from(["auto", "fwd", "rev"]),
+)
+def test_blocks_equal_jax_hessians_blocks(n, option, size, mode):
+    params, data = problem(n=n)
+    kwargs = {
+        "none": {},
+        "nbatches": {"nbatches": size},
+        "batch_size": {"batch_size": size},
+        "max_memory": {"max_memory": "20MB"},
+    }[option]
+    blocks = zm.BatchedHessian(loss, blocks="leaf", mode=mode, **kwargs)(params, data)
+    assert isinstance(blocks, tuple) and len(blocks) == 2
+    for block, expected in zip(blocks, dense_blocks(params, data), strict=True):
+        assert block.dtype == expected.dtype
+        np.testing.assert_allclose(block, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_dtypes_are_the_whole_matrixs(dtype):
+    params, data = problem(dtype)
+    blocks = zm.BatchedHessian(loss, blocks="leaf")(params, data)
+    full = zm.BatchedHessian(loss)(params, data)
+    assert all(block.dtype == full.dtype == dtype for block in blocks)
+    np.testing.assert_allclose(blocks[1], full[2:, 2:], rtol=1e-5)
+
+
+def test_mixed_precision_blocks_take_the_common_dtype():
+    params = {"a": jnp.array([0.5, 1.0], jnp.float32), "b": jnp.array([0.2, 0.1, 0.4])}
+
+    def f(p):
+        return jnp.sum(p["a"] ** 3) * jnp.sum(jnp.sin(p["b"]))
+
+    full = zm.BatchedHessian(f)(params)
+    blocks = zm.BatchedHessian(f, blocks="leaf")(params)
+    assert [b.dtype for b in blocks] == [full.dtype, full.dtype] == [jnp.float64] * 2
+    np.testing.assert_allclose(blocks[0], full[:2, :2], rtol=1e-6)
+    np.testing.assert_allclose(blocks[1], full[2:, 2:], rtol=1e-12)
+
+
+def test_under_jit_vmap_and_grad():
+    params, data = problem()
+    hessian = zm.BatchedHessian(loss, blocks="leaf", batch_size=2)
+    expected = dense_blocks(params, data)
+    for block, want in zip(eqx.filter_jit(hessian)(params, data), expected, strict=True):
+        np.testing.assert_allclose(block, want, rtol=1e-10)
+    batch = jnp.stack([data, 2 * data])
+    mapped = jax.vmap(lambda d: hessian(params, d))(batch)
+    np.testing.assert_allclose(mapped[1][1], dense_blocks(params, 2 * data)[1], rtol=1e-10)
+
+    def trace_of_blocks(d):
+        return sum(jnp.trace(block) for block in hessian(params, d))
+
+    def plain(d):
+        return sum(jnp.trace(block) for block in dense_blocks(params, d))
+
+    np.testing.assert_allclose(jax.grad(trace_of_blocks)(data), jax.grad(plain)(data), rtol=1e-9)
+
+
+def test_has_aux_returns_the_blocks_and_aux():
+    params, data = problem()
+    hessian = zm.BatchedHessian(
+        lambda p, d: (loss(p, d), {"tag": "x"}), blocks="leaf", has_aux=True
+    )
+    blocks, aux = hessian(params, data)
+    assert aux == {"tag": "x"}
+    np.testing.assert_allclose(blocks[0], dense_blocks(params, data)[0], rtol=1e-10)
+
+
+def predict(model, inputs, targets):
+    return jax.vmap(model)(inputs)
+
+
+@pytest.mark.parametrize("loss_", [zm.losses.SquaredError(), zm.losses.SoftmaxCrossEntropy()])
+def test_ggn_blocks_are_the_whole_ggns_blocks(loss_):
+    model = eqx.nn.MLP(3, 4, 5, 1, key=jax.random.key(0))
+    inputs = jax.random.normal(jax.random.key(1), (7, 3))
+    targets = (
+        jnp.arange(7) % 4
+        if isinstance(loss_, zm.losses.SoftmaxCrossEntropy)
+        else (jax.random.normal(jax.random.key(2), (7, 4)))
+    )
+    whole = zm.BatchedGGN(predict, loss_)(model, inputs, targets)
+    blocks = zm.BatchedGGN(predict, loss_, blocks="leaf", batch_size=3)(model, inputs, targets)
+    start = 0
+    for block in blocks:
+        stop = start + block.shape[0]
+        np.testing.assert_allclose(block, whole[start:stop, start:stop], rtol=1e-10, atol=1e-14)
+        start = stop
+    assert start == whole.shape[0]
+
+
+def test_operator_is_the_dense_block_diagonal():
+    params, data = problem()
+    op = zm.BatchedHessian(loss, blocks="leaf").operator(params, data)
+    assert isinstance(op, zm.BlockDiagonal) and lx.is_symmetric(op)
+    expected = jax.scipy.linalg.block_diag(*dense_blocks(params, data))
+    np.testing.assert_allclose(op.as_matrix(), expected, rtol=1e-10)
+    v = jnp.linspace(-1, 2, expected.shape[0])
+    np.testing.assert_allclose(op.mv(v), expected @ v, rtol=1e-10)
+    np.testing.assert_allclose(op.diagonal(), jnp.diagonal(expected), rtol=1e-10)
+    damping = 3.0 + np.abs(np.linalg.eigvalsh(expected)).max()
+    damped = expected + damping * np.eye(len(v))
+    np.testing.assert_allclose(op.solve(v, damping=damping), np.linalg.solve(damped, v), rtol=1e-9)
+    np.testing.assert_allclose(op.logdet(damping=damping), np.linalg.slogdet(damped)[1], rtol=1e-10)
+    values, vectors = op.eigh()
+    for block, w, q in zip(dense_blocks(params, data), values, vectors, strict=True):
+        np.testing.assert_allclose(q @ jnp.diag(w) @ q.T, block, rtol=1e-9, atol=1e-12)
+    solution = lx.linear_solve(op, expected @ v, lx.SVD()).value
+    np.testing.assert_allclose(expected @ solution, expected @ v, rtol=1e-6, atol=1e-9)
+
+
+def test_an_indefinite_blocks_logdet_is_nan():
+    op = zm.BlockDiagonal([jnp.eye(2), -jnp.eye(1)])
+    assert jnp.isnan(op.logdet())
+    np.testing.assert_allclose(op.logdet(damping=2.0), 2 * np.log(3.0), rtol=1e-6)
+
+
+def test_budget_holds_every_block_made_so_far():
+    params, data = problem(n=40)
+    hessian = zm.BatchedHessian(loss, blocks="leaf", max_memory="200kB")
+    blocks = hessian(params, data)
+    np.testing.assert_allclose(blocks[1], dense_blocks(params, data)[1], rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: zm.BatchedJacobian(jnp.sin, blocks="leaf"), "a Jacobian has none"),
+        (lambda: zm.BatchedHessian(loss, blocks="rows"), "blocks"),
+        (lambda: zm.BatchedHessian(loss, blocks="leaf", holomorphic=True), "holomorphic"),
+        (lambda: zm.BlockDiagonal([jnp.ones((2, 3))]), "square"),
+        (lambda: zm.BlockDiagonal([]), "empty"),
+        (lambda: zm.BlockDiagonal([jnp.eye(2, dtype=jnp.int32)]), "floating"),
+        (lambda: zm.BlockDiagonal([jnp.eye(2), jnp.eye(2, dtype=jnp.float32)]), "one dtype"),
+    ],
+)
+def test_refusals_name_the_argument(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_plan_and_streaming_are_refused_in_words(tmp_path):
+    params, data = problem()
+    hessian = zm.BatchedHessian(loss, blocks="leaf")
+    with pytest.raises(ValueError, match="blocks='leaf'"):
+        hessian.plan(params, data)
+    with pytest.raises(ValueError, match="blocks='leaf'"):
+        zm.to_host(hessian, params, data)
+    with pytest.raises(ValueError, match="vector of the operator's 7 entries"):
+        hessian.operator(params, data).mv(jnp.ones(3))
