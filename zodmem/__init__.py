@@ -4,10 +4,12 @@ from . import (
     _traceback,  # noqa: F401  (registers zodmem's files for traceback filtering)
     losses as losses,
 )
-from ._approximation import (
+from ._approximations._error import (
     ApproximationError as ApproximationError,
     approximation_error as approximation_error,
 )
+from ._approximations._kfac import EKFAC as EKFAC, KFAC as KFAC
+from ._approximations._kfac_operator import KroneckerFactored as KroneckerFactored
 from ._curvature._block_diagonal import BlockDiagonal as BlockDiagonal
 from ._curvature._covariance import covariance as covariance
 from ._curvature._diagonal import diagonal as diagonal, trace as trace
@@ -17,8 +19,6 @@ from ._curvature._low_rank import low_rank as low_rank
 from ._curvature._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
 from ._curvature._solve import marginal_variances as marginal_variances, solve as solve
 from ._curvature._spectral import spectral_density as spectral_density
-from ._kfac import EKFAC as EKFAC, KFAC as KFAC
-from ._kfac_operator import KroneckerFactored as KroneckerFactored
 from ._plan._plans import MemoryBudgetError as MemoryBudgetError, Plan as Plan
 from ._plan._transform import AbstractTransform as AbstractTransform
 from ._pytree import (

@@ -10,5 +10,6 @@
   traces of matrix functions), `_solve` (solves, marginal variances), `_covariance`;
 - `_losses`: the losses whose Hessians the Gauss-Newton matrix takes;
 - structured approximations: `_low_rank_diagonal` (the low rank plus diagonal operator)
-  and `_low_rank` (one from a curvature's top eigenpairs).
+  and `_low_rank` (one from a curvature's top eigenpairs), `_block_diagonal` (blocks
+  along the diagonal, as `blocks="leaf"` gives them).
 """

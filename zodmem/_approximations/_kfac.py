@@ -29,8 +29,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _kfac_trace as trace
-from ._checks import (
+from .._checks import (
     as_index,
     check_bool,
     check_callable,
@@ -39,11 +38,12 @@ from ._checks import (
     check_key,
     described,
 )
+from .._curvature._losses import AbstractLoss
+from .._pytree import Variables, split_variables
+from .._traceback import public
+from . import _kfac_trace as trace
 from ._kfac_operator import KroneckerBlock, KroneckerFactored
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
-from ._pytree import Variables, split_variables
-from ._traceback import public
-from .losses import AbstractLoss
 
 __all__ = ["EKFAC", "KFAC"]
 

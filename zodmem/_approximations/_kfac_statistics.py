@@ -13,8 +13,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._pytree import Variables
 from . import _kfac_trace as trace
-from ._pytree import Variables
 
 __all__ = ["Settings", "Statistics", "traced", "variable_leaves"]
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 
-from ._checks import check_int, check_key, described
-from ._traceback import public
+from .._checks import check_int, check_key, described
+from .._traceback import public
 
 __all__ = ["ApproximationError", "approximation_error"]
 

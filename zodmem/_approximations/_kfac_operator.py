@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 
+from .._checks import described
+from .._traceback import public
 from . import _kfac_products as compiled
-from ._checks import described
-from ._traceback import public
 
 __all__ = ["KroneckerBlock", "KroneckerEigen", "KroneckerFactored"]
 
