@@ -29,7 +29,7 @@ from .._checks import described
 from .._memo import memo_of, signature_of
 from ._arguments import check_dtype
 from ._options import TransformOptions, options_of, unblocked, with_strategy
-from ._vector_blocks import ProductBlocks, named_refusals
+from ._vector_blocks import ProductBlocks
 
 __all__ = [
     "BlockedOperator",
@@ -209,13 +209,12 @@ class BlockedOperator(lx.AbstractLinearOperator):
         if signature is not None and signature in memo:
             return memo[signature]((matrix,), {})
         blocks = ProductBlocks.of(self)
-        with named_refusals(ProductBlocks, f"{self._owner}(...).mm"):
-            if signature is not None:
-                bound = blocks._planned_bound((matrix,), {})[1]
-                if bound is not None:
-                    memo[signature] = bound
-                    return bound((matrix,), {})
-            return blocks(matrix)
+        if signature is not None:
+            bound = blocks._planned_bound((matrix,), {})[1]
+            if bound is not None:
+                memo[signature] = bound
+                return bound((matrix,), {})
+        return blocks(matrix)
 
     def as_matrix(self) -> jax.Array:
         """The dense matrix, made by the transform's own blocked call."""

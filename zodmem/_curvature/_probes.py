@@ -32,7 +32,7 @@ from .._plan._memory import check_memory
 from .._plan._plans import Work
 from ._flat import FlatView
 from ._operator import BlockedOperator
-from ._vector_blocks import AbstractVectorBlocks, named_refusals, vector_options
+from ._vector_blocks import AbstractVectorBlocks, vector_options
 
 __all__ = ["AbstractColumns", "ProbeJob", "Probes", "run_probes"]
 
@@ -232,5 +232,4 @@ def run_probes(
                 f"{owner}: `progress` must be a bool or None, got {described(progress)}."
             )
         options["progress"] = progress
-    with named_refusals(Probes, owner):
-        return Probes(view, job=job, owner=owner, **options)()
+    return Probes(view, job=job, owner=owner, **options)()

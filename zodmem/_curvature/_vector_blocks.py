@@ -7,9 +7,7 @@ with the columns of a matrix; the probes of the estimators are the other kind
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
@@ -20,14 +18,14 @@ from jax.sharding import NamedSharding
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._sharding import Split, check_divides, dispatch, split_of
-from .._plan._plans import MemoryBudgetError, Work
+from .._plan._plans import Work
 from .._plan._transform import AbstractBlocked
 from ._options import options_of
 
 if TYPE_CHECKING:
     from ._operator import BlockedOperator
 
-__all__ = ["AbstractVectorBlocks", "ProductBlocks", "named_refusals", "vector_options"]
+__all__ = ["AbstractVectorBlocks", "ProductBlocks", "vector_options"]
 
 
 class AbstractVectorBlocks(AbstractBlocked):
@@ -49,7 +47,7 @@ class AbstractVectorBlocks(AbstractBlocked):
     @property
     @abc.abstractmethod
     def _owner(self) -> str:
-        """The name messages give the work."""
+        """The name messages give the work: the user's call that runs it."""
 
     @property
     def strategies(self) -> tuple[Any, ...]:
@@ -88,18 +86,6 @@ def vector_options(transform: Any) -> dict[str, Any]:
     return options
 
 
-@contextlib.contextmanager
-def named_refusals(blocks: type[AbstractVectorBlocks], owner: str) -> Iterator[None]:
-    """A budget refused while planning work of the class `blocks`, named for `owner`,
-    the call the user made."""
-    try:
-        yield
-    except MemoryBudgetError as error:
-        # The planner names the class it planned, which the user never called.
-        named = str(error).replace(f"{blocks.__name__}:", f"{owner}:", 1)
-        raise MemoryBudgetError(named) from None
-
-
 class ProductBlocks(AbstractVectorBlocks):
     """The products of an operator with the columns of a matrix, in blocks of columns."""
 
@@ -113,7 +99,8 @@ class ProductBlocks(AbstractVectorBlocks):
 
     @property
     def _owner(self) -> str:
-        return type(self.fn.transform).__name__
+        # The user called the operator's `mm`, not this class.
+        return f"{self.fn._owner}(...).mm"
 
     def work(self, matrix: Any) -> Work:
         k = matrix.shape[1]

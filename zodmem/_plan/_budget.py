@@ -212,7 +212,7 @@ class Planner:
 
     def __init__(self, transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any]):
         self.transform, self.args, self.kwargs, self.run = transform, args, kwargs, run
-        self.owner = type(transform).__name__
+        self.owner = transform._owner
         self.work = transform.work(*args, **kwargs)  # traces fn for a derivative
         self.shapes = abstract((transform, args, kwargs))  # arrays and tracers as shapes
         self.policy = policy_of(jax.default_backend())

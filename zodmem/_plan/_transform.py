@@ -84,6 +84,12 @@ class AbstractBlocked(AbstractTransform):
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
 
+    @property
+    def _owner(self) -> str:
+        """The name the planner's messages and refusals give this work: the class's, or
+        for work a transform runs on a user's behalf, the call the user made."""
+        return type(self).__name__
+
     def item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
         """The bytes of the largest value that one item of the work makes on its own, as
         far as the transform can read it from its function without compiling (`None`, the
