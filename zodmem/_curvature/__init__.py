@@ -8,7 +8,8 @@
 - estimators: `_diagonal` (diagonal, trace), `_lanczos` (the Lanczos step), `_eigsh` and
   `_ritz` (eigsh), `_spectral` (spectral density), `_logdet` (log-determinants and
   traces of matrix functions), `_solve` (solves, marginal variances), `_covariance`;
-- `_losses`: the losses whose Hessians the Gauss-Newton matrix takes;
+- `_losses`: the losses whose Hessians the Gauss-Newton matrix takes, on their base in
+  `_loss_base`;
 - structured approximations: `_low_rank_diagonal` (the low rank plus diagonal operator)
   and `_low_rank` (one from a curvature's top eigenpairs), `_block_diagonal` (blocks
   along the diagonal, as `blocks="leaf"` gives them).
