@@ -24,6 +24,7 @@ import lineax as lx
 import numpy as np
 
 from .._checks import described
+from .._curvature._tags import register_symmetric
 from .._traceback import public
 from . import _kfac_products as compiled
 
@@ -438,29 +439,4 @@ class KroneckerFactored(lx.AbstractLinearOperator):
 # -- what lineax asks of an operator, by type ------------------------------------------------
 
 
-@lx.is_symmetric.register(KroneckerFactored)
-@lx.is_positive_semidefinite.register(KroneckerFactored)
-def _(operator):
-    return True
-
-
-@lx.is_negative_semidefinite.register(KroneckerFactored)
-@lx.has_unit_diagonal.register(KroneckerFactored)
-@lx.is_diagonal.register(KroneckerFactored)
-@lx.is_tridiagonal.register(KroneckerFactored)
-@lx.is_lower_triangular.register(KroneckerFactored)
-@lx.is_upper_triangular.register(KroneckerFactored)
-def _(operator):
-    return False
-
-
-@lx.linearise.register(KroneckerFactored)
-@lx.materialise.register(KroneckerFactored)
-@lx.conj.register(KroneckerFactored)
-def _(operator):
-    return operator
-
-
-@lx.diagonal.register(KroneckerFactored)
-def _(operator):
-    return operator.diagonal()
+register_symmetric(KroneckerFactored, positive_semidefinite=True)

@@ -18,6 +18,7 @@ import lineax as lx
 import numpy as np
 
 from .._traceback import public
+from ._tags import register_symmetric
 
 __all__ = ["BlockDiagonal"]
 
@@ -268,41 +269,9 @@ def _symmetric(block: jax.Array) -> jax.Array:
     return (block + block.T) / 2
 
 
-@lx.is_symmetric.register(BlockDiagonal)
-def _(operator):
-    return True
-
-
-@lx.is_positive_semidefinite.register(BlockDiagonal)
-@lx.is_negative_semidefinite.register(BlockDiagonal)
-@lx.has_unit_diagonal.register(BlockDiagonal)
-def _(operator):
-    return False
-
-
-@lx.is_diagonal.register(BlockDiagonal)
-def _(operator):
-    return max(operator.sizes) == 1
-
-
-@lx.is_tridiagonal.register(BlockDiagonal)
-def _(operator):
-    return max(operator.sizes) <= 2
-
-
-@lx.is_lower_triangular.register(BlockDiagonal)
-@lx.is_upper_triangular.register(BlockDiagonal)
-def _(operator):
-    return max(operator.sizes) == 1
-
-
-@lx.linearise.register(BlockDiagonal)
-@lx.materialise.register(BlockDiagonal)
-@lx.conj.register(BlockDiagonal)
-def _(operator):
-    return operator
-
-
-@lx.diagonal.register(BlockDiagonal)
-def _(operator):
-    return operator.diagonal()
+register_symmetric(
+    BlockDiagonal,
+    positive_semidefinite=False,
+    diagonal=lambda operator: max(operator.sizes) == 1,
+    tridiagonal=lambda operator: max(operator.sizes) <= 2,
+)

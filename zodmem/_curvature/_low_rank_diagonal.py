@@ -30,6 +30,7 @@ import numpy as np
 from .._checks import check_key, described
 from .._traceback import public
 from ._arguments import check_dtype, check_entries, check_real, check_shape, is_traced
+from ._tags import register_symmetric
 
 __all__ = ["LowRankDiagonal"]
 
@@ -445,41 +446,10 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return (normals - ((normals @ basis) * pull) @ basis.T) / root
 
 
-# -- what lineax asks of an operator, by type ------------------------------------------------
-
-
-@lx.is_symmetric.register(LowRankDiagonal)
-@lx.is_positive_semidefinite.register(LowRankDiagonal)
-def _(operator):
-    return True
-
-
-@lx.is_negative_semidefinite.register(LowRankDiagonal)
-@lx.has_unit_diagonal.register(LowRankDiagonal)
-def _(operator):
-    return False
-
-
 # With no low-rank part, the operator is its diagonal.
-@lx.is_diagonal.register(LowRankDiagonal)
-@lx.is_tridiagonal.register(LowRankDiagonal)
-@lx.is_lower_triangular.register(LowRankDiagonal)
-@lx.is_upper_triangular.register(LowRankDiagonal)
-def _(operator):
-    return operator.U.shape[1] == 0
-
-
-# Its products are already cheap, and real.
-@lx.linearise.register(LowRankDiagonal)
-@lx.materialise.register(LowRankDiagonal)
-@lx.conj.register(LowRankDiagonal)
-def _(operator):
-    return operator
-
-
-@lx.diagonal.register(LowRankDiagonal)
-def _(operator):
-    return operator.diagonal()
+register_symmetric(
+    LowRankDiagonal, positive_semidefinite=True, diagonal=lambda operator: operator.U.shape[1] == 0
+)
 
 
 @lx.tridiagonal.register(LowRankDiagonal)
