@@ -6,6 +6,12 @@ call compiled as it is, of `jax.grad` of a scalar of it, and of `jax.vmap` of it
 few inputs, beside the same for the plain JAX transform. Compiled only: nothing runs, so
 each figure is what XLA plans, the same in any process.
 
+- `chunked-vmap`: `zm.ChunkedVmap(f, chunk_size=2)` of `problems.outer_tanh` over 32
+  vectors of 1,000 float32 (4 MB of intermediate per element), against `jax.vmap(f)`;
+  the scalar is the sum.
+- `batched-hessian`: `zm.BatchedHessian(loss, nbatches=50)` of a 1,000-variable loss,
+  against `jax.hessian(loss)`; the scalar is the trace.
+
     python benchmarks/budget_transformed.py
 
 Results go to `benchmarks/results/budget_transformed.json`.
@@ -13,81 +19,87 @@ Results go to `benchmarks/results/budget_transformed.json`.
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import sys
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-import zodmem as zm
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness  # noqa: E402
+
+import report  # noqa: E402
 
 MAPPED = 4  # inputs mapped at once by jax.vmap
 
 
-def peak(fn, *args):
+def _peak(fn: Any, *args: Any) -> int:
+    """XLA's count of `fn`'s buffers, compiled: its temporaries and output."""
+    import jax
+
     analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
     return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
 
 
-def heavy(x):
-    """36 MB of temporaries per element at 3,000: a map that needs its chunks."""
-    return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
+def _compiled_case(description: str, call: Any, plain: Any, scalar: Any) -> report.Case:
+    """The peaks of `call(s)` and `plain(s)` for a scale `s`: alone, under `jax.grad` of
+    `scalar` of them, and under `jax.vmap` over `MAPPED` scales; nothing runs."""
+    import jax
+    import jax.numpy as jnp
+
+    one, many = jnp.float32(1.0), jnp.linspace(0.5, 1.5, MAPPED, dtype=jnp.float32)
+    figures = {}
+    for which, fn in (("call", call), ("plain", plain)):
+        figures[which] = {
+            "alone": _peak(fn, one),
+            "grad": _peak(jax.grad(lambda s, fn=fn: scalar(fn(s))), one),
+            "vmap": _peak(jax.vmap(fn), many),
+        }
+    return report.Case(None, {"description": description, "mapped": MAPPED, **figures})
 
 
-def loss(w, data):
-    return jnp.sum(jnp.tanh(data @ w) ** 2) + jnp.sum(w**4)
+def chunked_vmap(args: argparse.Namespace) -> report.Case:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import problems
 
+    import zodmem as zm
 
-def cases():
     xs = jnp.asarray(np.random.default_rng(0).normal(size=(32, 1000)), jnp.float32)
+    chunked = zm.ChunkedVmap(problems.outer_tanh, chunk_size=2)
+    return _compiled_case(
+        "ChunkedVmap(chunk_size=2) of a 4 MB-per-element map over 32",
+        lambda s: chunked(xs * s),
+        lambda s: jax.vmap(problems.outer_tanh)(xs * s),
+        jnp.sum,
+    )
+
+
+def batched_hessian(args: argparse.Namespace) -> report.Case:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import zodmem as zm
+
+    def loss(w, data):
+        return jnp.sum(jnp.tanh(data @ w) ** 2) + jnp.sum(w**4)
+
     w = jnp.linspace(-1, 1, 1000, dtype=jnp.float32)
     data = jnp.asarray(np.random.default_rng(1).normal(size=(64, 1000)), jnp.float32)
-    chunked = zm.ChunkedVmap(heavy, chunk_size=2)
     blocked = zm.BatchedHessian(loss, nbatches=50)
-    plain_hessian = jax.hessian(loss)
-    return {
-        "ChunkedVmap(chunk_size=2) of a 4 MB-per-element map over 32": dict(
-            call=lambda s: chunked(xs * s),
-            plain=lambda s: jax.vmap(heavy)(xs * s),
-            scalar=lambda out: jnp.sum(out),
-        ),
-        "BatchedHessian(nbatches=50) of 1,000 variables": dict(
-            call=lambda s: blocked(w * s, data),
-            plain=lambda s: plain_hessian(w * s, data),
-            scalar=lambda out: jnp.trace(out),
-        ),
-    }
+    plain = jax.hessian(loss)
+    return _compiled_case(
+        "BatchedHessian(nbatches=50) of 1,000 variables",
+        lambda s: blocked(w * s, data),
+        lambda s: plain(w * s, data),
+        jnp.trace,
+    )
 
 
-def measure():
-    rows, results = [], []
-    one, many = jnp.float32(1.0), jnp.linspace(0.5, 1.5, MAPPED, dtype=jnp.float32)
-    for name, case in cases().items():
-        figures = {}
-        for which in ("call", "plain"):
-            fn, scalar = case[which], case["scalar"]
-            figures[which] = {
-                "alone": peak(fn, one),
-                "grad": peak(jax.grad(lambda s, fn=fn, scalar=scalar: scalar(fn(s))), one),
-                "vmap": peak(jax.vmap(fn), many),
-            }
-        c, p = figures["call"], figures["plain"]
-        results.append({"case": name, "mapped": MAPPED, **figures})
-        rows.append(
-            [
-                name,
-                f"{c['alone'] / 1e6:.1f}",
-                f"{c['grad'] / 1e6:.1f} ({c['grad'] / c['alone']:.1f}x)",
-                f"{c['vmap'] / 1e6:.1f} ({c['vmap'] / c['alone']:.1f}x)",
-                f"{p['alone'] / 1e6:.1f}",
-                f"{p['grad'] / 1e6:.1f}",
-            ]
-        )
+CASES = {"chunked-vmap": chunked_vmap, "batched-hessian": batched_hessian}
+
+
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     headers = [
         "case",
         "call (MB)",
@@ -96,12 +108,25 @@ def measure():
         "plain JAX (MB)",
         "plain JAX under grad (MB)",
     ]
-    return rows, headers, results
+
+    def row(r: dict[str, Any]) -> list[Any] | None:
+        c, p = r["info"]["call"], r["info"]["plain"]
+        return [
+            r["info"]["description"],
+            report.megabytes(c["alone"], ".1f"),
+            f"{report.megabytes(c['grad'], '.1f')} ({c['grad'] / c['alone']:.1f}x)",
+            f"{report.megabytes(c['vmap'], '.1f')} ({c['vmap'] / c['alone']:.1f}x)",
+            report.megabytes(p["alone"], ".1f"),
+            report.megabytes(p["grad"], ".1f"),
+        ]
+
+    return report.case_table(results, headers, row)
 
 
 if __name__ == "__main__":
-    rows, headers, results = measure()
-    print(_harness.markdown_table(headers, rows))
-    _harness.RESULTS_DIR.mkdir(exist_ok=True)
-    out = _harness.RESULTS_DIR / "budget_transformed.json"
-    out.write_text(json.dumps({"machine": _harness.machine_info(), "results": results}, indent=2))
+    report.main(
+        name="budget_transformed",
+        description=__doc__.splitlines()[0],
+        cases=CASES,
+        report=report_text,
+    )

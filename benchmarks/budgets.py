@@ -4,7 +4,7 @@ A budget bounds the call's own buffers as XLA counts them (output and temporarie
 `memory_analysis()` of the compiled call), per device, less 2% for the allocator; the
 host memory the compiler takes is reported apart, as `Plan.compile_bytes`. This script
 checks that contract on a few problems, each case in its own process (see
-`_harness.py`), each group with a `floor` case that holds the same imports and inputs
+`report.py`), each group with a `floor` case that holds the same imports and inputs
 and computes nothing big:
 
 - `hessian`: the reference Hessian (`problems.mlp`: an `eqx.nn.MLP(32, 1, 96, 2)`,
@@ -69,9 +69,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
+import report  # noqa: E402
 
-_MB = 1e6
+_MB = report.MB
 
 HESSIAN_BUDGETS = {
     "0.65GB": 0.65e9,
@@ -104,18 +104,6 @@ TIME_VS_BEST_KNOB = 1.15
 FIRST_CALL_VS_BEST_KNOB = 1.15
 # A refusal writes the budget it names with three significant digits, rounded up.
 NAMED_ROUNDING = 1.01
-
-
-def _status_bytes(field: str) -> int | None:
-    """A memory figure of this process from `/proc/self/status` (`VmHWM`, `VmRSS`)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _budget(label: str, budgets: dict[str, float | None], scale: float) -> int | str:
@@ -184,7 +172,7 @@ def _budgeted_case(
     args: argparse.Namespace,
     jit: bool = False,
     refusal: Any = None,
-) -> _harness.Case:
+) -> report.Case:
     """A case whose first call plans (timed on its own) and then runs on the cached plan;
     with `jit`, both under `eqx.filter_jit`. A refused budget runs nothing, and is
     checked by `refusal(error)` once the calls are timed."""
@@ -217,7 +205,7 @@ def _budgeted_case(
                 return np.zeros(1)
             info["plan_s"] = time.perf_counter() - start
             # What planning alone left: the process's peak, before the call allocates.
-            info["peak_after_plan_bytes"] = _status_bytes("VmHWM")
+            info["peak_after_plan_bytes"] = report.status_bytes("VmHWM")
             info.update(_plan_info(plan))
             planned.append(plan)
         # The harness samples entries of arrays with at least one axis: a loss's scalar
@@ -233,7 +221,7 @@ def _budgeted_case(
             if refusal is not None:
                 info.update(refusal(refused[0]))
 
-    return _harness.Case(compute, info, repeats=args.steady_calls, after=after)
+    return report.Case(compute, info, repeats=args.steady_calls, after=after)
 
 
 def _with_an_axis(leaf: Any) -> Any:
@@ -242,7 +230,7 @@ def _with_an_axis(leaf: Any) -> Any:
 
 def _knob_case(
     transform: Any, call_args: tuple, info: dict[str, Any], args: argparse.Namespace
-) -> _harness.Case:
+) -> report.Case:
     """A hand-picked knob: its calls timed, then (untimed) XLA's count of its call."""
 
     info["tool"] = "knob"
@@ -250,7 +238,7 @@ def _knob_case(
     def after():
         info["xla_peak_bytes"] = _xla_bytes(transform, call_args)
 
-    return _harness.Case(lambda: transform(*call_args), info, args.steady_calls, after)
+    return report.Case(lambda: transform(*call_args), info, args.steady_calls, after)
 
 
 # ----------------------------------------------------------------------------------
@@ -264,20 +252,10 @@ def _hessian_problem(args: argparse.Namespace, group: str) -> dict[str, Any]:
     import jax
     import problems
 
-    import zodmem as zm
-
-    if group == "small" and not args.quick:
-        model_key, x_key, y_key = jax.random.split(jax.random.key(0), 3)
-        model = eqx.nn.MLP(32, 1, SMALL_WIDTH, 2, key=model_key)
-        inputs = jax.random.normal(x_key, (256, 32))
-        targets = jax.random.normal(y_key, (256,))[:, None]
-        info = {"width": SMALL_WIDTH, "depth": 2, "points": 256}
-        loss = zm.losses.SquaredError(weights=2.0, reduction="mean")
-        problem = problems.Problem(
-            "mlp", "small", model, inputs, targets, lambda m, x: jax.vmap(m)(x), loss, info
-        )
+    if args.quick:
+        problem = problems.mlp("quick")
     else:
-        problem = problems.mlp("quick" if args.quick else "cpu")
+        problem = problems.mlp("cpu", SMALL_WIDTH if group == "small" else None)
     call = (problem.model, problem.inputs, problem.targets)
     # Touch the backend once, as every case does, so the floor holds JAX's runtime.
     jax.block_until_ready(eqx.filter_jit(problem.loss)(*call))
@@ -287,11 +265,11 @@ def _hessian_problem(args: argparse.Namespace, group: str) -> dict[str, Any]:
     return {"loss": problem.loss, "call": call, "info": info, "scale": n * n * 4 / full}
 
 
-def hessian_floor(args: argparse.Namespace, group: str) -> _harness.Case:
-    return _harness.Case(None, {**_hessian_problem(args, group)["info"], "tool": "floor"})
+def hessian_floor(args: argparse.Namespace, group: str) -> report.Case:
+    return report.Case(None, {**_hessian_problem(args, group)["info"], "tool": "floor"})
 
 
-def hessian_budget(args: argparse.Namespace, label: str, group: str) -> _harness.Case:
+def hessian_budget(args: argparse.Namespace, label: str, group: str) -> report.Case:
     import zodmem as zm
 
     p = _hessian_problem(args, group)
@@ -306,7 +284,7 @@ def hessian_budget(args: argparse.Namespace, label: str, group: str) -> _harness
     return _budgeted_case(transform, p["call"], info, args, refusal=refusal)
 
 
-def hessian_knob(args: argparse.Namespace, nbatches: int, group: str) -> _harness.Case:
+def hessian_knob(args: argparse.Namespace, nbatches: int, group: str) -> report.Case:
     import zodmem as zm
 
     p = _hessian_problem(args, group)
@@ -324,25 +302,21 @@ def hessian_knob(args: argparse.Namespace, nbatches: int, group: str) -> _harnes
 def _map_problem(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
+    import problems
 
     import zodmem  # noqa: F401  (imported by every case, so the floor holds it too)
 
-    size, batch = (600, 16) if args.quick else (3000, 64)
-    xs = jax.random.normal(jax.random.key(0), (batch, size), jnp.float32) / jnp.sqrt(size)
-
-    def f(x):
-        return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
-
+    f, xs, info = problems.map_problem(args.quick)
     jax.block_until_ready(jax.jit(jnp.sum)(xs))
-    info = {"group": "map", "size": size, "batch": batch, "intermediate_bytes": size * size * 4}
-    return {"f": f, "xs": xs, "info": info, "scale": size * size * 4 / _FULL_MAP_INTERMEDIATE_BYTES}
+    scale = info["intermediate_bytes"] / _FULL_MAP_INTERMEDIATE_BYTES
+    return {"f": f, "xs": xs, "info": {"group": "map", **info}, "scale": scale}
 
 
-def map_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_map_problem(args)["info"], "tool": "floor"})
+def map_floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_map_problem(args)["info"], "tool": "floor"})
 
 
-def map_budget(args: argparse.Namespace, label: str) -> _harness.Case:
+def map_budget(args: argparse.Namespace, label: str) -> report.Case:
     import zodmem as zm
 
     p = _map_problem(args)
@@ -352,7 +326,7 @@ def map_budget(args: argparse.Namespace, label: str) -> _harness.Case:
     return _budgeted_case(transform, (p["xs"],), info, args)
 
 
-def map_knob(args: argparse.Namespace, chunk: int) -> _harness.Case:
+def map_knob(args: argparse.Namespace, chunk: int) -> report.Case:
     import zodmem as zm
 
     p = _map_problem(args)
@@ -385,11 +359,11 @@ def _microbatch_problem(args: argparse.Namespace) -> dict[str, Any]:
     return {"loss": loss, "call": (weights, xs), "info": info}
 
 
-def microbatch_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_microbatch_problem(args)["info"], "tool": "floor"})
+def microbatch_floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_microbatch_problem(args)["info"], "tool": "floor"})
 
 
-def microbatch_budget(args: argparse.Namespace) -> _harness.Case:
+def microbatch_budget(args: argparse.Namespace) -> report.Case:
     import zodmem as zm
 
     p = _microbatch_problem(args)
@@ -401,8 +375,7 @@ def microbatch_budget(args: argparse.Namespace) -> _harness.Case:
 def _sharded_problem(args: argparse.Namespace) -> dict[str, Any]:
     """A Hessian with its columns over 4 CPU devices: the devices are made by XLA's flag,
     which must be set before JAX starts its backend, as this case's process does here."""
-    flag = f"--xla_force_host_platform_device_count={SHARDED_DEVICES}"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    report.force_cpu_devices(SHARDED_DEVICES)
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -428,11 +401,11 @@ def _sharded_problem(args: argparse.Namespace) -> dict[str, Any]:
     return {"loss": loss, "call": (w, data), "sharding": columns, "info": info}
 
 
-def sharded_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_sharded_problem(args)["info"], "tool": "floor"})
+def sharded_floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_sharded_problem(args)["info"], "tool": "floor"})
 
 
-def sharded_budget(args: argparse.Namespace) -> _harness.Case:
+def sharded_budget(args: argparse.Namespace) -> report.Case:
     import zodmem as zm
 
     p = _sharded_problem(args)
@@ -481,26 +454,6 @@ def _above_floor(r: dict[str, Any], by_case: dict[str, Any], peak: int | None = 
     return peak - floor["peak_rss_bytes"] if floor and peak is not None else None
 
 
-def _mb(value: float | None) -> str:
-    """Bytes as MB, or in kB or B where that is under 1 MB (the small budgets' calls)."""
-    if value is None:
-        return ""
-    size = abs(value)
-    if size >= 10 * _MB:
-        return f"{value / _MB:,.0f}"
-    if size >= _MB:
-        return f"{value / _MB:.3g}"
-    return f"{value / 1e3:.3g} kB" if size >= 1e3 else f"{value:.0f} B"
-
-
-def _seconds(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}"
-
-
-def _mark(ok: bool) -> str:
-    return "ok" if ok else "MISSED"
-
-
 def _fits(r: dict[str, Any], budget: int) -> bool:
     return r["info"].get("xla_peak_bytes") is not None and r["info"]["xla_peak_bytes"] <= budget
 
@@ -520,12 +473,12 @@ def _best_knob(group: str, budget: int, by_case: dict[str, Any], by: str) -> dic
 
 
 def _budget_label(info: dict[str, Any]) -> str:
-    text = _mb(info.get("budget_bytes"))
+    text = report.small_bytes(info.get("budget_bytes"))
     return f"auto: {text}" if info.get("max_memory") == "auto" else text
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    by_case = {r["case"]: r for r in results if "error" not in r}
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by_case = report.succeeded(results)
     failed = [r for r in results if "error" in r]
     planned = [r for r in by_case.values() if r["info"].get("tool") == "budget"]
     knobs = [r for r in by_case.values() if r["info"].get("tool") == "knob"]
@@ -575,15 +528,15 @@ def _budget_table(planned: list[dict[str, Any]], by_case: dict[str, Any]) -> str
                 _budget_label(info),
                 blocks,
                 info.get("compiles", ""),
-                _mb(predicted),
-                _mb(xla),
-                _mark(held),
-                _mb(_above_floor(r, by_case)),
-                _mb(_above_floor(r, by_case, info.get("peak_after_plan_bytes"))),
-                _mb(info.get("compile_bytes")),
+                report.small_bytes(predicted),
+                report.small_bytes(xla),
+                report.met(held),
+                report.small_bytes(_above_floor(r, by_case)),
+                report.small_bytes(_above_floor(r, by_case, info.get("peak_after_plan_bytes"))),
+                report.small_bytes(info.get("compile_bytes")),
             ]
         )
-    return _harness.markdown_table(headers, rows)
+    return report.markdown_table(headers, rows)
 
 
 _BUDGET_NOTE = (
@@ -612,15 +565,15 @@ def _knob_table(knobs: list[dict[str, Any]], by_case: dict[str, Any]) -> str:
         [
             r["case"],
             f"{r['info']['num_blocks']} x {r['info']['block_size']}",
-            _mb(r["info"].get("xla_peak_bytes")),
-            _mb(_above_floor(r, by_case)),
-            _seconds(r.get("time_s")),
-            _seconds(r.get("steady_min_s")),
-            _seconds(r.get("steady_cpu_min_s")),
+            report.small_bytes(r["info"].get("xla_peak_bytes")),
+            report.small_bytes(_above_floor(r, by_case)),
+            report.number(r.get("time_s")),
+            report.number(r.get("steady_min_s")),
+            report.number(r.get("steady_cpu_min_s")),
         ]
         for r in knobs
     ]
-    return _harness.markdown_table(headers, rows)
+    return report.markdown_table(headers, rows)
 
 
 _KNOB_NOTE = (
@@ -648,16 +601,16 @@ def _refusal_table(refused: list[dict[str, Any]]) -> str:
         rows.append(
             [
                 r["case"],
-                _mb(info.get("max_memory")),
+                report.small_bytes(info.get("max_memory")),
                 info.get("named", "(none)"),
-                _mark(bool(info.get("named_plans"))),
-                _mb(info.get("one_item_peak_bytes")),
-                _mb(least),
-                _mark(bool(info.get("least_plans"))),
-                _mark(tight),
+                report.met(bool(info.get("named_plans"))),
+                report.small_bytes(info.get("one_item_peak_bytes")),
+                report.small_bytes(least),
+                report.met(bool(info.get("least_plans"))),
+                report.met(tight),
             ]
         )
-    return _harness.markdown_table(headers, rows)
+    return report.markdown_table(headers, rows)
 
 
 _REFUSAL_NOTE = (
@@ -689,10 +642,10 @@ def _time_table(planned: list[dict[str, Any]], by_case: dict[str, Any]) -> str:
         budget, group = r["info"]["budget_bytes"], _group(r["case"])
         row = [
             r["case"],
-            _seconds(r["info"].get("plan_s")),
-            _seconds(r.get("time_s")),
-            _seconds(r.get("steady_min_s")),
-            _seconds(r.get("steady_cpu_min_s")),
+            report.number(r["info"].get("plan_s")),
+            report.number(r.get("time_s")),
+            report.number(r.get("steady_min_s")),
+            report.number(r.get("steady_cpu_min_s")),
         ]
         for key, target, named in (
             ("steady_min_s", TIME_VS_BEST_KNOB, True),
@@ -706,9 +659,9 @@ def _time_table(planned: list[dict[str, Any]], by_case: dict[str, Any]) -> str:
                 row += ["", ""]
                 continue
             ratio = r[key] / knob[key]
-            row += [f"{ratio:.2f}", _mark(ratio <= target)]
+            row += [f"{ratio:.2f}", report.met(ratio <= target)]
         rows.append(row)
-    return _harness.markdown_table(headers, rows)
+    return report.markdown_table(headers, rows)
 
 
 def _time_note(args: argparse.Namespace) -> str:
@@ -761,17 +714,11 @@ def _problem_lines(by_case: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--steady-calls", type=int, default=2, help="timed calls after the first (default 2)"
-    )
-
-
 if __name__ == "__main__":
-    _harness.main(
+    report.main(
         name="budgets",
         description=__doc__.splitlines()[0],
         cases=CASES,
-        report=report,
-        add_arguments=_add_arguments,
+        report=report_text,
+        steady_calls=2,
     )

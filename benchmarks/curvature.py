@@ -1,8 +1,8 @@
 """Curvature products and the dense GGN: zodmem against JAX and curvlinops.
 
-The reference problem of `hessian_memory.py`: an `eqx.nn.MLP(32, 1, 96, 2)` with a
+The reference problem (`problems.reference()`): an `eqx.nn.MLP(32, 1, 96, 2)` with a
 mean-squared loss over 256 points (n = 12,577, float32, CPU). Each case runs in its
-own process (see `_harness.py`):
+own process (see `report.py`):
 
 - `floor`: the imports, model, data and the 64 vectors; nothing computed.
 - `zodmem-hvp-block`: 64 Hessian-vector products,
@@ -29,10 +29,10 @@ own process (see `_harness.py`):
 - `jax-ggn-jacobian`: the dense GGN the way its shape allows here, for scale: the
   `(N, n)` Jacobian of the predictions by `jax.jacrev` (N = 256 outputs, far fewer than
   n), then `(2 / N) J^T J`, under `jax.jit`.
-- `torch-floor`, `curvlinops-hessian` and `curvlinops-ggn`: the same MLP (the
-  Equinox weights copied into a `torch.nn.Sequential` of `Linear` and `ReLU`,
-  `eqx.nn.MLP`'s default activation; its final activation is the identity), the same
-  data and `torch.nn.MSELoss()`: `HessianLinearOperator(...) @ V` and
+- `torch-floor`, `curvlinops-hessian` and `curvlinops-ggn`: the same MLP in torch
+  (`problems.torch_problem`: `Linear` layers with ReLU between them, `eqx.nn.MLP`'s
+  default activation, the Equinox weights copied), the same data and
+  `torch.nn.MSELoss()`: `HessianLinearOperator(...) @ V` and
   `GGNLinearOperator(...) @ V` of curvlinops-for-pytorch on the CPU, for the same 64
   vectors. Their peak is taken above `torch-floor` (the same process with torch
   imported and the model built).
@@ -61,46 +61,48 @@ Results go to `benchmarks/results/curvature.json`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
-import hessian_memory  # noqa: E402
+import report  # noqa: E402
 
-_MB = 1e6
 _DENSE_MEMORY = "1GB"
 _DENSE_MEMORY_BYTES = 1e9
 
 
-def _problem(args: argparse.Namespace) -> dict[str, Any]:
-    """The reference problem, its predictions, the GGN's loss and the vectors."""
+@dataclasses.dataclass
+class _Setup:
+    """The reference problem, the GGN's loss, the vectors and what to record of them."""
+
+    reference: Any
+    ggn_loss: Any
+    vectors: Any
+    info: dict[str, Any]
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
     import jax
     import jax.numpy as jnp
+    import problems
 
     import zodmem as zm
 
-    p = hessian_memory._problem(args)
-    points = p["xs"].shape[0]
-
-    def predict(model, xs, ys):
-        return jax.vmap(model)(xs)[:, 0]
-
+    r = problems.reference(quick=args.quick)
     # Half the weighted squared error with weights 2 / N is mean((prediction - y)**2).
-    ggn_loss = zm.losses.SquaredError(weights=jnp.asarray(2.0 / points, p["flat"].dtype))
-    vectors = jax.random.normal(
-        jax.random.key(1), (p["flat"].size, args.vectors), dtype=p["flat"].dtype
-    )
+    ggn_loss = zm.losses.SquaredError(weights=jnp.asarray(2.0 / r.xs.shape[0], r.flat.dtype))
+    vectors = jax.random.normal(jax.random.key(1), (r.flat.size, args.vectors), r.flat.dtype)
     jax.block_until_ready(vectors)
     info = {
-        **p["info"],
+        **r.info,
         "vectors": args.vectors,
         "operator_max_memory": args.operator_memory,
         "dense_max_memory": _DENSE_MEMORY,
     }
-    return {**p, "predict": predict, "ggn_loss": ggn_loss, "vectors": vectors, "info": info}
+    return _Setup(r, ggn_loss, vectors, info)
 
 
 def _bytes(text: str) -> float:
@@ -116,32 +118,44 @@ def _bytes(text: str) -> float:
 # -- the JAX cases --------------------------------------------------------------------
 
 
-def floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_problem(args)["info"], "tool": "floor"})
+def floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_setup(args).info, "tool": "floor"})
 
 
-def _hvp_operator(p: dict[str, Any], args: argparse.Namespace) -> Any:
+def _hvp_operator(s: _Setup, max_memory: str) -> Any:
     import zodmem as zm
 
-    transform = zm.BatchedHessian(p["loss"], max_memory=args.operator_memory)
-    return transform.operator(p["model"], p["xs"], p["ys"])
+    r = s.reference
+    return zm.BatchedHessian(r.loss, max_memory=max_memory).operator(r.model, r.xs, r.ys)
 
 
-def _ggn_operator(p: dict[str, Any], max_memory: str) -> Any:
+def _ggn_operator(s: _Setup, max_memory: str) -> Any:
     import zodmem as zm
 
-    transform = zm.BatchedGGN(p["predict"], p["ggn_loss"], max_memory=max_memory)
-    return transform.operator(p["model"], p["xs"], p["ys"])
+    r = s.reference
+    transform = zm.BatchedGGN(r.predict, s.ggn_loss, max_memory=max_memory)
+    return transform.operator(r.model, r.xs, r.ys)
 
 
-def _jax_hvp(p: dict[str, Any], constants: bool = False) -> Any:
-    """The JAX anchor's block of HVPs, `V -> H V`: compiled with the raveled weights and
-    the data as its arguments, as a user whose weights change calls it; with
-    `constants`, closed over them, so that XLA folds the whole forward pass into the
-    program when it compiles it (a program for one set of weights only)."""
+def _anchor(block: Any, s: _Setup, constants: bool) -> Any:
+    """`V -> block(flat, xs, ys, V)` under `jax.jit`, the weights and data its arguments
+    (as a user whose weights change calls it) or, with `constants`, constants of the
+    program, so that XLA folds the whole forward pass into it when it compiles it (a
+    program for one set of weights only)."""
     import jax
 
-    loss = _of_flat(p, p["loss"])
+    r = s.reference
+    if constants:
+        return jax.jit(lambda vectors: block(r.flat, r.xs, r.ys, vectors))
+    compiled = jax.jit(block)
+    return lambda vectors: compiled(r.flat, r.xs, r.ys, vectors)
+
+
+def _jax_hvp(s: _Setup, constants: bool = False) -> Any:
+    """The JAX anchor's block of HVPs, `V -> H V`, on the raveled parameters."""
+    import jax
+
+    loss = s.reference.loss_of_flat
 
     def block(flat, xs, ys, vectors):
         def product(v):
@@ -149,46 +163,15 @@ def _jax_hvp(p: dict[str, Any], constants: bool = False) -> Any:
 
         return jax.vmap(product, in_axes=1, out_axes=1)(vectors)
 
-    return _anchor(block, p, constants)
+    return _anchor(block, s, constants)
 
 
-def _anchor(block: Any, p: dict[str, Any], constants: bool) -> Any:
-    """`V -> block(flat, xs, ys, V)` under `jax.jit`, the weights and data its arguments
-    or (with `constants`) constants of the program."""
-    import jax
-
-    flat, xs, ys = p["flat"], p["xs"], p["ys"]
-    if constants:
-        return jax.jit(lambda vectors: block(flat, xs, ys, vectors))
-    compiled = jax.jit(block)
-    return lambda vectors: compiled(flat, xs, ys, vectors)
-
-
-def _of_flat(p: dict[str, Any], fn: Any) -> Any:
-    """`(flat, xs, ys) -> fn(model, xs, ys)`, the model rebuilt from its raveled
-    parameters `flat`."""
-    import equinox as eqx
-    from jax.flatten_util import ravel_pytree
-
-    params, static = eqx.partition(p["model"], eqx.is_inexact_array)
-    _, unravel = ravel_pytree(params)
-
-    def of_flat(flat, xs, ys):
-        return fn(eqx.combine(unravel(flat), static), xs, ys)
-
-    return of_flat
-
-
-def _outputs_of_flat(p: dict[str, Any]) -> Any:
-    """The predictions as a function of the raveled parameters and the data."""
-    return _of_flat(p, p["predict"])
-
-
-def _jax_ggn(p: dict[str, Any], constants: bool = False) -> Any:
+def _jax_ggn(s: _Setup, constants: bool = False) -> Any:
     """The JAX anchor's block of GGN products, `V -> J^T (2 / N) J V`, as `_jax_hvp`."""
     import jax
 
-    outputs, scale = _outputs_of_flat(p), 2.0 / p["xs"].shape[0]
+    r = s.reference
+    outputs, scale = r.of_flat(r.predict), 2.0 / r.xs.shape[0]
 
     def block(flat, xs, ys, vectors):
         def predictions(w):
@@ -202,172 +185,119 @@ def _jax_ggn(p: dict[str, Any], constants: bool = False) -> Any:
 
         return jax.vmap(product, in_axes=1, out_axes=1)(vectors)
 
-    return _anchor(block, p, constants)
+    return _anchor(block, s, constants)
 
 
-def zodmem_hvp_block(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    operator = _hvp_operator(p, args)
-    return _harness.Case(
-        lambda: operator.mm(p["vectors"]), {**p["info"], "tool": "zodmem"}, args.steady_calls
-    )
+def _block_case(args: argparse.Namespace, make: Any, tool: str) -> report.Case:
+    """A block of products `make(setup)(V)`, timed over `--steady-calls` further calls."""
+    s = _setup(args)
+    products = make(s)
+    return report.Case(lambda: products(s.vectors), {**s.info, "tool": tool}, args.steady_calls)
 
 
-def zodmem_ggn_block(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    operator = _ggn_operator(p, args.operator_memory)
-    return _harness.Case(
-        lambda: operator.mm(p["vectors"]), {**p["info"], "tool": "zodmem"}, args.steady_calls
-    )
+def zodmem_hvp_block(args: argparse.Namespace) -> report.Case:
+    return _block_case(args, lambda s: _hvp_operator(s, args.operator_memory).mm, "zodmem")
 
 
-def jax_hvp_vmap(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    anchor = _jax_hvp(p)
-    return _harness.Case(
-        lambda: anchor(p["vectors"]), {**p["info"], "tool": "jax"}, args.steady_calls
-    )
+def zodmem_ggn_block(args: argparse.Namespace) -> report.Case:
+    return _block_case(args, lambda s: _ggn_operator(s, args.operator_memory).mm, "zodmem")
 
 
-def jax_ggn_vmap(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    anchor = _jax_ggn(p)
-    return _harness.Case(
-        lambda: anchor(p["vectors"]), {**p["info"], "tool": "jax"}, args.steady_calls
-    )
+def jax_hvp_vmap(args: argparse.Namespace) -> report.Case:
+    return _block_case(args, _jax_hvp, "jax")
 
 
-def jax_hvp_vmap_const(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    anchor = _jax_hvp(p, constants=True)
-    return _harness.Case(
-        lambda: anchor(p["vectors"]), {**p["info"], "tool": "jax"}, args.steady_calls
-    )
+def jax_ggn_vmap(args: argparse.Namespace) -> report.Case:
+    return _block_case(args, _jax_ggn, "jax")
 
 
-def jax_ggn_vmap_const(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    anchor = _jax_ggn(p, constants=True)
-    return _harness.Case(
-        lambda: anchor(p["vectors"]), {**p["info"], "tool": "jax"}, args.steady_calls
-    )
+def jax_hvp_vmap_const(args: argparse.Namespace) -> report.Case:
+    return _block_case(args, lambda s: _jax_hvp(s, constants=True), "jax")
 
 
-def zodmem_ggn_dense(args: argparse.Namespace) -> _harness.Case:
+def jax_ggn_vmap_const(args: argparse.Namespace) -> report.Case:
+    return _block_case(args, lambda s: _jax_ggn(s, constants=True), "jax")
+
+
+def _dense_case(args: argparse.Namespace, which: str) -> report.Case:
     import zodmem as zm
 
-    p = _problem(args)
-    transform = zm.BatchedGGN(p["predict"], p["ggn_loss"], max_memory=_DENSE_MEMORY)
-    return _harness.Case(
-        lambda: transform(p["model"], p["xs"], p["ys"]),
-        {**p["info"], "tool": "zodmem"},
+    s = _setup(args)
+    r = s.reference
+    if which == "ggn":
+        transform = zm.BatchedGGN(r.predict, s.ggn_loss, max_memory=_DENSE_MEMORY)
+    else:
+        transform = zm.BatchedHessian(r.loss, max_memory=_DENSE_MEMORY)
+    return report.Case(
+        lambda: transform(r.model, r.xs, r.ys),
+        {**s.info, "tool": "zodmem"},
         args.dense_steady_calls,
     )
 
 
-def _jax_ggn_jacobian(p: dict[str, Any]) -> Any:
+def zodmem_ggn_dense(args: argparse.Namespace) -> report.Case:
+    return _dense_case(args, "ggn")
+
+
+def zodmem_hessian_dense(args: argparse.Namespace) -> report.Case:
+    return _dense_case(args, "hessian")
+
+
+def _jax_ggn_jacobian(s: _Setup) -> Any:
     import jax
 
-    outputs, scale = _outputs_of_flat(p), 2.0 / p["xs"].shape[0]
+    r = s.reference
+    outputs, scale = r.of_flat(r.predict), 2.0 / r.xs.shape[0]
 
     def dense(flat):
-        jacobian = jax.jacrev(outputs)(flat, p["xs"], p["ys"])
+        jacobian = jax.jacrev(outputs)(flat, r.xs, r.ys)
         return scale * (jacobian.T @ jacobian)
 
     return jax.jit(dense)
 
 
-def jax_ggn_jacobian(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    dense = _jax_ggn_jacobian(p)
-    return _harness.Case(
-        lambda: dense(p["flat"]), {**p["info"], "tool": "jax"}, args.dense_steady_calls
-    )
-
-
-def zodmem_hessian_dense(args: argparse.Namespace) -> _harness.Case:
-    import zodmem as zm
-
-    p = _problem(args)
-    transform = zm.BatchedHessian(p["loss"], max_memory=_DENSE_MEMORY)
-    return _harness.Case(
-        lambda: transform(p["model"], p["xs"], p["ys"]),
-        {**p["info"], "tool": "zodmem"},
-        args.dense_steady_calls,
+def jax_ggn_jacobian(args: argparse.Namespace) -> report.Case:
+    s = _setup(args)
+    dense = _jax_ggn_jacobian(s)
+    return report.Case(
+        lambda: dense(s.reference.flat), {**s.info, "tool": "jax"}, args.dense_steady_calls
     )
 
 
 # -- curvlinops ----------------------------------------------------------------------
 
 
-def _torch_problem(p: dict[str, Any]) -> dict[str, Any]:
-    """The same MLP, data and loss in PyTorch, or the reason there is none."""
+def _curvlinops(s: _Setup) -> tuple[Any, dict[str, Any]]:
+    """curvlinops' operators on the same MLP, data and loss in PyTorch, and what to
+    record of them; or None and the reason there are none."""
+    import problems
+
     try:
-        import curvlinops
-        import torch
+        c = problems.curvlinops_operators(s.reference.problem)
     except ImportError as error:
-        return {"missing": f"torch or curvlinops-for-pytorch not installed ({error})"}
+        missing = f"torch or curvlinops-for-pytorch not installed ({error})"
+        return None, {**s.info, "tool": "curvlinops", "missing": missing}
+    return c, {**s.info, "tool": "curvlinops", **c.info}
+
+
+def _torch_vectors(s: _Setup) -> Any:
     import numpy as np
+    import torch
 
-    torch.manual_seed(0)
-    layers: list[Any] = []
-    mlp = p["model"]
-    for i, linear in enumerate(mlp.layers):
-        out_size, in_size = linear.weight.shape
-        layer = torch.nn.Linear(in_size, out_size, bias=linear.bias is not None)
-        with torch.no_grad():
-            layer.weight.copy_(torch.from_numpy(np.array(linear.weight)))
-            if linear.bias is not None:
-                layer.bias.copy_(torch.from_numpy(np.array(linear.bias)))
-        layers.append(layer)
-        if i < len(mlp.layers) - 1:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers)
-    xs = torch.from_numpy(np.array(p["xs"]))
-    ys = torch.from_numpy(np.array(p["ys"]))[:, None]
-    params = [q for q in model.parameters() if q.requires_grad]
-    vectors = torch.from_numpy(np.array(p["vectors"]))
-    kwargs = dict(check_deterministic=False, num_data=xs.shape[0])
-    loss = torch.nn.MSELoss(reduction="mean")
-    operators = {
-        "hessian": curvlinops.HessianLinearOperator(model, loss, params, [(xs, ys)], **kwargs),
-        "ggn": curvlinops.GGNLinearOperator(model, loss, params, [(xs, ys)], **kwargs),
-    }
-    return {
-        "operators": operators,
-        "vectors": vectors,
-        "versions": {"torch": torch.__version__, "curvlinops": _version("curvlinops-for-pytorch")},
-        "threads": torch.get_num_threads(),
-    }
+    return torch.from_numpy(np.array(s.vectors))
 
 
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
+def torch_floor(args: argparse.Namespace) -> report.Case:
+    _, info = _curvlinops(_setup(args))
+    return report.Case(None, {**info, "tool": "floor"})
 
 
-def _torch_info(t: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
-    if "missing" in t:
-        return {**p["info"], "tool": "curvlinops", "missing": t["missing"]}
-    return {**p["info"], "tool": "curvlinops", **t["versions"], "torch_threads": t["threads"]}
-
-
-def torch_floor(args: argparse.Namespace) -> _harness.Case:
-    p = _problem(args)
-    t = _torch_problem(p)
-    return _harness.Case(None, {**_torch_info(t, p), "tool": "floor"})
-
-
-def _curvlinops_case(args: argparse.Namespace, which: str) -> _harness.Case:
-    p = _problem(args)
-    t = _torch_problem(p)
-    if "missing" in t:
-        raise SystemExit(t["missing"])
-    operator, vectors = t["operators"][which], t["vectors"]
+def _curvlinops_case(args: argparse.Namespace, which: str) -> report.Case:
+    s = _setup(args)
+    c, info = _curvlinops(s)
+    if c is None:
+        raise SystemExit(info["missing"])
+    operator, vectors = c.operators[which], _torch_vectors(s)
 
     def compute():
         import torch
@@ -375,62 +305,55 @@ def _curvlinops_case(args: argparse.Namespace, which: str) -> _harness.Case:
         with torch.no_grad():
             return (operator @ vectors).numpy()
 
-    return _harness.Case(compute, _torch_info(t, p), args.steady_calls)
+    return report.Case(compute, info, args.steady_calls)
 
 
-def curvlinops_hessian(args: argparse.Namespace) -> _harness.Case:
+def curvlinops_hessian(args: argparse.Namespace) -> report.Case:
     return _curvlinops_case(args, "hessian")
 
 
-def curvlinops_ggn(args: argparse.Namespace) -> _harness.Case:
+def curvlinops_ggn(args: argparse.Namespace) -> report.Case:
     return _curvlinops_case(args, "ggn")
 
 
 # -- correctness ---------------------------------------------------------------------
 
 
-def _relative(a: Any, b: Any) -> float:
-    """Largest |a - b| over the whole arrays, relative to the largest |b|."""
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-
-
-def verify(args: argparse.Namespace) -> _harness.Case:
+def verify(args: argparse.Namespace) -> report.Case:
     """Every block of products in one process, compared on the whole arrays."""
     import jax
     import numpy as np
 
-    p = _problem(args)
-    vectors = p["vectors"]
-    hvp = np.asarray(_hvp_operator(p, args).mm(vectors))
-    ggn = np.asarray(_ggn_operator(p, args.operator_memory).mm(vectors))
-    jax_hvp = np.asarray(_jax_hvp(p)(vectors))
-    jax_ggn = np.asarray(_jax_ggn(p)(vectors))
-    dense = _ggn_operator(p, _DENSE_MEMORY).as_matrix()
+    s = _setup(args)
+    vectors = s.vectors
+    hvp = np.asarray(_hvp_operator(s, args.operator_memory).mm(vectors))
+    ggn = np.asarray(_ggn_operator(s, args.operator_memory).mm(vectors))
+    jax_hvp = np.asarray(_jax_hvp(s)(vectors))
+    jax_ggn = np.asarray(_jax_ggn(s)(vectors))
+    dense = _ggn_operator(s, _DENSE_MEMORY).as_matrix()
     times = jax.jit(lambda g, v: g @ v)
     dense_times = np.asarray(times(dense, vectors))
     del dense
-    jacobian_times = np.asarray(times(_jax_ggn_jacobian(p)(p["flat"]), vectors))
+    jacobian_times = np.asarray(times(_jax_ggn_jacobian(s)(s.reference.flat), vectors))
+    relative = report.relative_difference
     checks = {
-        "zodmem-hvp-block vs jax-hvp-vmap": _relative(hvp, jax_hvp),
-        "zodmem-ggn-block vs jax-ggn-vmap": _relative(ggn, jax_ggn),
-        "zodmem-ggn-dense @ V vs zodmem-ggn-block": _relative(dense_times, ggn),
-        "jax-ggn-jacobian @ V vs zodmem-ggn-block": _relative(jacobian_times, ggn),
+        "zodmem-hvp-block vs jax-hvp-vmap": relative(hvp, jax_hvp),
+        "zodmem-ggn-block vs jax-ggn-vmap": relative(ggn, jax_ggn),
+        "zodmem-ggn-dense @ V vs zodmem-ggn-block": relative(dense_times, ggn),
+        "jax-ggn-jacobian @ V vs zodmem-ggn-block": relative(jacobian_times, ggn),
     }
-    t = _torch_problem(p)
-    if "missing" in t:
-        checks["curvlinops"] = t["missing"]
+    c, info = _curvlinops(s)
+    if c is None:
+        checks["curvlinops"] = info["missing"]
     else:
         import torch
 
         with torch.no_grad():
-            torch_hvp = (t["operators"]["hessian"] @ t["vectors"]).numpy()
-            torch_ggn = (t["operators"]["ggn"] @ t["vectors"]).numpy()
-        checks["curvlinops-hessian vs zodmem-hvp-block"] = _relative(torch_hvp, hvp)
-        checks["curvlinops-ggn vs zodmem-ggn-block"] = _relative(torch_ggn, ggn)
-    return _harness.Case(lambda: hvp, {**p["info"], "tool": "check", "checks": checks})
+            torch_hvp = (c.operators["hessian"] @ _torch_vectors(s)).numpy()
+            torch_ggn = (c.operators["ggn"] @ _torch_vectors(s)).numpy()
+        checks["curvlinops-hessian vs zodmem-hvp-block"] = relative(torch_hvp, hvp)
+        checks["curvlinops-ggn vs zodmem-ggn-block"] = relative(torch_ggn, ggn)
+    return report.Case(lambda: hvp, {**s.info, "tool": "check", "checks": checks})
 
 
 CASES = {
@@ -463,16 +386,7 @@ _KIND = {
 # set of weights only).
 _CONSTANT_ANCHORS = {"jax-hvp-vmap-const": "hvp", "jax-ggn-vmap-const": "ggn"}
 _REFERENCE = {
-    **{
-        name: "jax-hvp-vmap"
-        for name, kind in {**_KIND, **_CONSTANT_ANCHORS}.items()
-        if kind == "hvp"
-    },
-    **{
-        name: "jax-ggn-vmap"
-        for name, kind in {**_KIND, **_CONSTANT_ANCHORS}.items()
-        if kind == "ggn"
-    },
+    **{name: f"jax-{kind}-vmap" for name, kind in {**_KIND, **_CONSTANT_ANCHORS}.items()},
     "zodmem-ggn-dense": "jax-ggn-jacobian",
     "jax-ggn-jacobian": "jax-ggn-jacobian",
 }
@@ -481,15 +395,10 @@ _REFERENCE = {
 # -- the report ----------------------------------------------------------------------
 
 
-def _floor_of(name: str, by_case: dict[str, Any]) -> int | None:
+def _above(name: str, by_case: dict[str, Any]) -> float | None:
+    """The case's peak above `floor` (above `torch-floor` for curvlinops)."""
     floor_case = by_case.get("torch-floor" if name.startswith("curvlinops") else "floor")
-    return floor_case.get("peak_rss_bytes") if floor_case else None
-
-
-def _above(name: str, by_case: dict[str, Any]) -> int | None:
-    base = _floor_of(name, by_case)
-    r = by_case.get(name)
-    return None if base is None or r is None else r["peak_rss_bytes"] - base
+    return report.above(by_case.get(name), floor_case)
 
 
 def _per_vector(r: dict[str, Any]) -> float | None:
@@ -498,15 +407,8 @@ def _per_vector(r: dict[str, Any]) -> float | None:
     return r["steady_min_s"] / r["info"]["vectors"]
 
 
-def _verdict(what: str, value: float, limit: float, unit: str = "") -> str:
-    ok = value <= limit
-    return f"{what} {value:.3g}{unit} {'<=' if ok else '>'} {limit:.3g}{unit}: " + (
-        "met" if ok else "MISSED"
-    )
-
-
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    by_case = {r["case"]: r for r in results if "error" not in r}
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by_case = report.succeeded(results)
     info = next((r["info"] for r in by_case.values()), {})
     headers = [
         "case",
@@ -517,44 +419,28 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "peak - floor (MB)",
         "check",
     ]
-    rows = []
-    for r in results:
+
+    def row(r: dict[str, Any]) -> list[Any] | None:
         name = r["case"]
-        if "error" in r:
-            reason = "; ".join(r.get("stderr_tail", [])[-1:]) or r["error"]
-            rows.append([name, "failed: " + reason] + [""] * (len(headers) - 2))
-            continue
         if name == "verify":
-            continue
-        above = _above(name, by_case)
+            return None
         per_vector = _per_vector(r)
-        check = ""
-        reference = by_case.get(_REFERENCE.get(name, ""))
-        if reference is r:
-            check = "reference"
-        elif reference is not None and "check" in r:
-            r["max_rel_diff_vs_reference"] = _harness.compare_fingerprints(
-                r["check"], reference["check"]
-            )
-            check = f"{r['max_rel_diff_vs_reference']:.1e}"
-        rows.append(
-            [
-                name,
-                f"{r['time_s']:.2f}" if "time_s" in r else "",
-                f"{r['steady_min_s']:.3f}" if "steady_min_s" in r else "",
-                f"{per_vector * 1e3:.2f}" if per_vector is not None else "",
-                f"{r['peak_rss_bytes'] / _MB:.0f}",
-                f"{above / _MB:.0f}" if above is not None and name != "floor" else "",
-                check,
-            ]
-        )
+        return [
+            name,
+            report.number(r.get("time_s")),
+            report.number(r.get("steady_min_s"), ".3f"),
+            report.number(None if per_vector is None else per_vector * 1e3),
+            report.megabytes(r["peak_rss_bytes"]),
+            "" if name == "floor" else report.megabytes(_above(name, by_case)),
+            report.check_cell(r, by_case.get(_REFERENCE.get(name, ""))),
+        ]
+
     lines = [
-        f"Curvature of an eqx.nn.MLP(32, 1, {info.get('width')}, {info.get('depth')}) "
-        f"mean-squared loss over {info.get('points')} points: n = {info.get('n', 0):,}, "
-        f"{info.get('vectors')} vectors; operators at max_memory="
+        report.describe_mlp(info, "Curvature")
+        + f"; {info.get('vectors')} vectors; operators at max_memory="
         f"{info.get('operator_max_memory')}, dense matrices at max_memory={_DENSE_MEMORY}.",
         "",
-        _harness.markdown_table(headers, rows),
+        report.case_table(results, headers, row),
         "",
         "first call: wall time, tracing, compiling and planning included; steady: the "
         "fastest of the further calls; per vector: steady / vectors; peak - floor: peak "
@@ -564,31 +450,20 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "same matrix for the dense GGN), relative "
         "to the largest sampled |entry|.",
     ]
-    lines += torch_lines(by_case)
+    if "torch-floor" in by_case:
+        lines += ["", report.curvlinops_line(by_case["torch-floor"]["info"])]
     checks = by_case.get("verify", {}).get("info", {}).get("checks")
     if checks:
         lines += ["", "Correctness, whole (n, vectors) arrays (max |a - b| / max |b|):"]
         for what, value in checks.items():
             shown = f"{value:.1e}" if isinstance(value, float) else value
             lines.append(f"- {what}: {shown}")
-    lines += _targets(by_case, args)
+    lines += report.section("Targets:", _targets(by_case, args))
     return "\n".join(lines)
 
 
-def torch_lines(by_case: dict[str, Any], remark: str = "") -> list[str]:
-    """The report's lines on the torch cases: why they did not run, or the versions
-    and threads they ran with, then `remark` (formatted with the torch case's info)."""
-    torch_floor = by_case.get("torch-floor")
-    if torch_floor is None:
-        return []
-    info = torch_floor["info"]
-    if "missing" in info:
-        return ["", f"curvlinops cases not run: {info['missing']}."]
-    return [
-        "",
-        f"curvlinops-for-pytorch {info.get('curvlinops')}, torch {info.get('torch')}, "
-        f"{info.get('torch_threads')} threads{remark.format(**info)}.",
-    ]
+def _verdict(what: str, value: float, limit: float, unit: str) -> str:
+    return report.verdict(what, value, limit, unit, form=".3g")
 
 
 def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -621,8 +496,8 @@ def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
             verdicts.append(
                 _verdict(
                     f"peak - floor vs max_memory={args.operator_memory}",
-                    above / _MB,
-                    budget / _MB,
+                    above / report.MB,
+                    budget / report.MB,
                     " MB",
                 )
             )
@@ -643,8 +518,8 @@ def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
             verdicts.append(
                 _verdict(
                     f"peak - floor vs max_memory={_DENSE_MEMORY}",
-                    above / _MB,
-                    _DENSE_MEMORY_BYTES / _MB,
+                    above / report.MB,
+                    _DENSE_MEMORY_BYTES / report.MB,
                     " MB",
                 )
             )
@@ -665,21 +540,13 @@ def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
                 " x the steady time of jax-ggn-jacobian)"
             )
         lines.append("- zodmem-ggn-dense: " + "; ".join(verdicts))
-    return ["", "Targets:"] + lines if lines else []
+    return lines
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    hessian_memory._add_arguments(parser)
     parser.add_argument("--vectors", type=int, default=64, help="vectors in each block")
     parser.add_argument(
         "--operator-memory", default="200MB", help="max_memory of the two operators"
-    )
-    parser.add_argument(
-        "--steady-calls",
-        type=int,
-        default=30,
-        help="further calls of each block case (a block takes milliseconds: the fastest "
-        "of many is steadier than of few)",
     )
     parser.add_argument(
         "--dense-steady-calls", type=int, default=2, help="further calls of each dense case"
@@ -687,10 +554,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    _harness.main(
+    report.main(
         name="curvature",
         description=__doc__.splitlines()[0],
         cases=CASES,
-        report=report,
+        report=report_text,
         add_arguments=_add_arguments,
+        # A block takes milliseconds: the fastest of many calls is steadier than of few.
+        steady_calls=30,
     )

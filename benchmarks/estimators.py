@@ -1,17 +1,17 @@
 """Curvature estimators: top eigenvalues, Hutchinson's trace and the exact diagonal.
 
 zodmem's estimators (`zm.eigsh`, `zm.trace`, `zm.diagonal`) on the reference problem
-of `curvature.py` (an `eqx.nn.MLP(32, 1, 96, 2)` with a mean-squared loss over 256
+(`problems.reference()`: an `eqx.nn.MLP(32, 1, 96, 2)` with a mean-squared loss over 256
 points: n = 12,577 float32, a dense Hessian of 633 MB), against matfree, curvlinops
 and the dense Hessian. Every zodmem case takes its products from
 `op = zm.BatchedHessian(loss, max_memory=...).operator(model, xs, ys)`, with
 `--operator-memory` (default "100MB") as the budget, `--trace-memory` (default "150MB")
-for the traces. A tenth of the dense Hessian, 63 MB, is refused on a CPU: the planner
-keeps 75 to 105 MB for compiling beside the blocks, as it measured them here. Each case
-runs in its own process (see `_harness.py`):
+for the traces; the targets of a tenth of the dense Hessian (63 MB) are held on the peak
+measured above the floor, not on the budget. Each case runs in its own process (see
+`report.py`):
 
-- `floor`, `torch-floor`: as in `curvature.py` (the imports, model and data; with torch
-  imported and its model built).
+- `floor`, `torch-floor`: the imports, model and data; the same with torch imported,
+  its model built and curvlinops' operators made.
 - The top 5 eigenvalues of the Hessian to a relative tolerance of 1e-6:
 
   * `zodmem-eigsh`: `zm.eigsh(op, 5, tol=1e-6)` (Lanczos with full
@@ -26,9 +26,8 @@ runs in its own process (see `_harness.py`):
     `H` curvlinops' `HessianLinearOperator(...).to_scipy()`, its own SciPy
     `LinearOperator` (ARPACK in float64 over float32 products in torch);
   * `dense-eigh`, with `--dense` only: the dense Hessian of `zodmem-hessian-dense`, then
-    `jnp.linalg.eigvalsh`. It took 156 s and 2.5 GB above the floor on this machine
-    (`results/estimators_dense.json`; an earlier measurement, 136 s and 6.7 GB), which the
-    full run cannot afford; without `--dense` it is left out.
+    `jnp.linalg.eigvalsh`. It takes minutes and GBs (`results/estimators_dense.json`),
+    which the full run cannot afford; without `--dense` it is left out.
 
 - Hutchinson's trace from 100 Rademacher probes:
 
@@ -94,52 +93,63 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
-import curvature  # noqa: E402
-import hessian_memory  # noqa: E402
-from curvature import (  # noqa: E402
-    _MB,
-    _above,
-    _problem,
-    _relative,
-    _torch_info,
-    _torch_problem,
-    _verdict,
-)
+import report  # noqa: E402
 
-_DENSE_MEMORY = curvature._DENSE_MEMORY
+_DENSE_MEMORY = "1GB"
+_MB = report.MB
 
 
-def _eigsh() -> Any:
-    """zodmem's `eigsh`, or the reason it cannot be had."""
+def _problem(args: argparse.Namespace) -> Any:
+    """The reference problem, its budgets in its record."""
+    import problems
+
+    r = problems.reference(quick=args.quick)
+    r.info.update(operator_max_memory=args.operator_memory, trace_max_memory=args.trace_memory)
+    return r
+
+
+def _operator(r: Any, args: argparse.Namespace, max_memory: str | None = None) -> Any:
+    """zodmem's Hessian operator at `--operator-memory` (or at `max_memory`)."""
     import zodmem as zm
 
-    eigsh = getattr(zm, "eigsh", None)
-    if eigsh is not None:
-        return eigsh
-    try:
-        from zodmem._lanczos import eigsh
-    except ImportError as error:
-        return f"zodmem has no eigsh yet ({error})"
-    return eigsh
-
-
-def _operator(p: dict[str, Any], args: argparse.Namespace, max_memory: str | None = None) -> Any:
-    """zodmem's Hessian operator at `--operator-memory` (or at `max_memory`)."""
     budget = args.operator_memory if max_memory is None else max_memory
-    return curvature._hvp_operator(p, argparse.Namespace(operator_memory=budget))
+    return zm.BatchedHessian(r.loss, max_memory=budget).operator(r.model, r.xs, r.ys)
 
 
-def _hvp(p: dict[str, Any]) -> Any:
+def _hvp(r: Any) -> Any:
     """One Hessian-vector product on the raveled parameters, the plain JAX way."""
     import jax
 
-    f, flat = p["loss_of_flat"], p["flat"]
-    return lambda v: jax.jvp(jax.grad(f), (flat,), (v,))[1]
+    def f(flat):
+        return r.loss_of_flat(flat, r.xs, r.ys)
+
+    return lambda v: jax.jvp(jax.grad(f), (r.flat,), (v,))[1]
 
 
-def _info(p: dict[str, Any], tool: str, **more: Any) -> dict[str, Any]:
-    return {**p["info"], "tool": tool, **more}
+def _info(r: Any, tool: str, **more: Any) -> dict[str, Any]:
+    return {**r.info, "tool": tool, **more}
+
+
+def _curvlinops(r: Any) -> tuple[Any, dict[str, Any]]:
+    """curvlinops' operators on the same MLP, data and loss in PyTorch, and what to
+    record of them; or None and the reason there are none."""
+    import problems
+
+    try:
+        c = problems.curvlinops_operators(r.problem)
+    except ImportError as error:
+        missing = f"torch or curvlinops-for-pytorch not installed ({error})"
+        return None, _info(r, "curvlinops", missing=missing)
+    return c, _info(r, "curvlinops", **c.info)
+
+
+def floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, _info(_problem(args), "floor"))
+
+
+def torch_floor(args: argparse.Namespace) -> report.Case:
+    _, info = _curvlinops(_problem(args))
+    return report.Case(None, {**info, "tool": "floor"})
 
 
 def _noted(compute: Any, info: dict[str, Any], note: Any) -> Any:
@@ -170,30 +180,29 @@ def _estimate(result: Any) -> dict[str, Any]:
 # -- top eigenvalues -------------------------------------------------------------------
 
 
-def zodmem_eigsh(args: argparse.Namespace) -> _harness.Case:
-    eigsh = _eigsh()
-    if isinstance(eigsh, str):
-        raise SystemExit(eigsh)
+def zodmem_eigsh(args: argparse.Namespace) -> report.Case:
+    import zodmem as zm
+
     p = _problem(args)
     op = _operator(p, args)
     info = _info(p, "zodmem", k=args.k, tol=args.tol)
 
     def compute():
-        values, _, report = eigsh(op, args.k, tol=args.tol, return_info=True)
-        return values, report
+        values, _, found = zm.eigsh(op, args.k, tol=args.tol, return_info=True)
+        return values, found
 
     def note(result):
-        values, report = result
+        values, found = result
         return {
             **_values(values),
-            "num_products": int(report.num_products),
-            "converged": bool(report.converged),
+            "num_products": int(found.num_products),
+            "converged": bool(found.converged),
         }
 
-    return _harness.Case(_noted(compute, info, note), info, args.steady_calls)
+    return report.Case(_noted(compute, info, note), info, args.steady_calls)
 
 
-def _matfree_top(p: dict[str, Any], args: argparse.Namespace) -> Any:
+def _matfree_top(p: Any, args: argparse.Namespace) -> Any:
     """The `k` largest Ritz values of matfree's Lanczos tridiagonalisation, compiled,
     with the tridiagonal matrix and its last residual (for `verify`)."""
     import jax
@@ -208,49 +217,54 @@ def _matfree_top(p: dict[str, Any], args: argparse.Namespace) -> Any:
         result = tridiagonalise(hvp, start)
         return jnp.linalg.eigvalsh(result.J_small)[-args.k :], result
 
-    start = jax.random.normal(jax.random.key(0), p["flat"].shape, p["flat"].dtype)
+    start = jax.random.normal(jax.random.key(0), p.flat.shape, p.flat.dtype)
     return top, start
 
 
-def matfree_lanczos(args: argparse.Namespace) -> _harness.Case:
+def matfree_lanczos(args: argparse.Namespace) -> report.Case:
     p = _problem(args)
     try:
         top, start = _matfree_top(p, args)
     except ImportError as error:
         raise SystemExit(f"matfree not installed ({error})") from None
-    info = _info(p, "matfree", k=args.k, num_products=args.matfree_steps, **_versions("matfree"))
+    info = _info(
+        p,
+        "matfree",
+        k=args.k,
+        num_products=args.matfree_steps,
+        **report.package_versions("matfree"),
+    )
     compute = _noted(lambda: top(start)[0], info, _values)
-    return _harness.Case(compute, info, args.steady_calls)
+    return report.Case(compute, info, args.steady_calls)
 
 
-def curvlinops_eigsh(args: argparse.Namespace) -> _harness.Case:
+def curvlinops_eigsh(args: argparse.Namespace) -> report.Case:
     import numpy as np
     import scipy
     from scipy.sparse.linalg import eigsh
 
-    p = _problem(args)
-    t = _torch_problem(p)
-    if "missing" in t:
-        raise SystemExit(t["missing"])
+    c, info = _curvlinops(_problem(args))
+    if c is None:
+        raise SystemExit(info["missing"])
     # curvlinops' own SciPy view of its operator: products in torch, ARPACK in float64.
-    hessian = t["operators"]["hessian"].to_scipy()
+    hessian = c.operators["hessian"].to_scipy()
 
     def compute():
         return np.sort(eigsh(hessian, k=args.k, which="LA", tol=args.tol)[0])
 
-    info = {**_torch_info(t, p), "k": args.k, "tol": args.tol, "scipy": scipy.__version__}
+    info.update(k=args.k, tol=args.tol, scipy=scipy.__version__)
     info["arpack_dtype"] = str(hessian.dtype)
-    return _harness.Case(_noted(compute, info, _values), info, args.steady_calls)
+    return report.Case(_noted(compute, info, _values), info, args.steady_calls)
 
 
-def _dense_hessian(p: dict[str, Any]) -> Any:
+def _dense_hessian(r: Any) -> Any:
     import zodmem as zm
 
-    transform = zm.BatchedHessian(p["loss"], max_memory=_DENSE_MEMORY)
-    return lambda: transform(p["model"], p["xs"], p["ys"])
+    transform = zm.BatchedHessian(r.loss, max_memory=_DENSE_MEMORY)
+    return lambda: transform(r.model, r.xs, r.ys)
 
 
-def dense_eigh(args: argparse.Namespace) -> _harness.Case:
+def dense_eigh(args: argparse.Namespace) -> report.Case:
     import jax
     import jax.numpy as jnp
 
@@ -259,13 +273,13 @@ def dense_eigh(args: argparse.Namespace) -> _harness.Case:
     top = jax.jit(lambda matrix: jnp.linalg.eigvalsh(matrix)[-args.k :])
     info = _info(p, "zodmem", k=args.k, max_memory=_DENSE_MEMORY)
     compute = _noted(lambda: top(dense()), info, _values)
-    return _harness.Case(compute, info, args.dense_steady_calls)
+    return report.Case(compute, info, args.dense_steady_calls)
 
 
 # -- Hutchinson's trace ------------------------------------------------------------------
 
 
-def _zodmem_trace(args: argparse.Namespace, method: str) -> _harness.Case:
+def _zodmem_trace(args: argparse.Namespace, method: str) -> report.Case:
     import jax
     import jax.numpy as jnp
 
@@ -279,25 +293,25 @@ def _zodmem_trace(args: argparse.Namespace, method: str) -> _harness.Case:
         return jnp.stack([estimate, error])
 
     info = _info(p, "zodmem", probes=args.probes, method=method, max_memory=args.trace_memory)
-    return _harness.Case(_noted(compute, info, _estimate), info, args.steady_calls)
+    return report.Case(_noted(compute, info, _estimate), info, args.steady_calls)
 
 
-def zodmem_trace_hutchinson(args: argparse.Namespace) -> _harness.Case:
+def zodmem_trace_hutchinson(args: argparse.Namespace) -> report.Case:
     return _zodmem_trace(args, "hutchinson")
 
 
-def zodmem_trace_hutchpp(args: argparse.Namespace) -> _harness.Case:
+def zodmem_trace_hutchpp(args: argparse.Namespace) -> report.Case:
     return _zodmem_trace(args, "hutch++")
 
 
-def _matfree_trace(p: dict[str, Any], probes: int, mapped: bool) -> Any:
+def _matfree_trace(p: Any, probes: int, mapped: bool) -> Any:
     """matfree's Hutchinson estimate and its standard error, compiled: the probes
     vmapped all at once, or one probe per key under `jax.lax.map`."""
     import jax
     import jax.numpy as jnp
     from matfree import stochtrace
 
-    hvp, flat = _hvp(p), p["flat"]
+    hvp, flat = _hvp(p), p.flat
     integrand = stochtrace.monte_carlo_trace()
     if not mapped:
         sampler = stochtrace.sampler_signs(flat, num=probes)
@@ -313,7 +327,7 @@ def _matfree_trace(p: dict[str, Any], probes: int, mapped: bool) -> Any:
     return jax.jit(estimate_mapped)
 
 
-def _matfree_trace_case(args: argparse.Namespace, mapped: bool) -> _harness.Case:
+def _matfree_trace_case(args: argparse.Namespace, mapped: bool) -> report.Case:
     import jax
 
     p = _problem(args)
@@ -322,29 +336,28 @@ def _matfree_trace_case(args: argparse.Namespace, mapped: bool) -> _harness.Case
     except ImportError as error:
         raise SystemExit(f"matfree not installed ({error})") from None
     key = jax.random.key(0)
-    info = _info(p, "matfree", probes=args.probes, **_versions("matfree"))
-    return _harness.Case(_noted(lambda: estimate(key), info, _estimate), info, args.steady_calls)
+    info = _info(p, "matfree", probes=args.probes, **report.package_versions("matfree"))
+    return report.Case(_noted(lambda: estimate(key), info, _estimate), info, args.steady_calls)
 
 
-def matfree_trace_vmap(args: argparse.Namespace) -> _harness.Case:
+def matfree_trace_vmap(args: argparse.Namespace) -> report.Case:
     return _matfree_trace_case(args, mapped=False)
 
 
-def matfree_trace_map(args: argparse.Namespace) -> _harness.Case:
+def matfree_trace_map(args: argparse.Namespace) -> report.Case:
     return _matfree_trace_case(args, mapped=True)
 
 
-def curvlinops_trace(args: argparse.Namespace) -> _harness.Case:
+def curvlinops_trace(args: argparse.Namespace) -> report.Case:
     import numpy as np
 
-    p = _problem(args)
-    t = _torch_problem(p)
-    if "missing" in t:
-        raise SystemExit(t["missing"])
+    c, info = _curvlinops(_problem(args))
+    if c is None:
+        raise SystemExit(info["missing"])
     import curvlinops
     import torch
 
-    hessian = t["operators"]["hessian"]
+    hessian = c.operators["hessian"]
     torch.manual_seed(0)
 
     def compute():
@@ -354,8 +367,8 @@ def curvlinops_trace(args: argparse.Namespace) -> _harness.Case:
     def note(result):
         return {"estimate": float(result[0])}
 
-    info = {**_torch_info(t, p), "probes": args.probes}
-    return _harness.Case(_noted(compute, info, note), info, args.steady_calls)
+    info["probes"] = args.probes
+    return report.Case(_noted(compute, info, note), info, args.steady_calls)
 
 
 # -- the exact diagonal ----------------------------------------------------------------
@@ -365,9 +378,9 @@ def _diagonal_plan(op: Any) -> dict[str, Any]:
     """The blocks `zm.diagonal(op)` is planned into, read from zodmem's probe engine (a
     private interface: should it have moved, the record says why there is no plan)."""
     try:
-        from zodmem._diagonal import UnitDiagonal
-        from zodmem._flat import flat_view
-        from zodmem._probes import Probes
+        from zodmem._curvature._diagonal import UnitDiagonal
+        from zodmem._curvature._flat import flat_view
+        from zodmem._curvature._probes import Probes
 
         engine = Probes(
             flat_view(op, "zm.diagonal"),
@@ -386,20 +399,20 @@ def _diagonal_plan(op: Any) -> dict[str, Any]:
     }
 
 
-def zodmem_diagonal_exact(args: argparse.Namespace) -> _harness.Case:
+def zodmem_diagonal_exact(args: argparse.Namespace) -> report.Case:
     import zodmem as zm
 
     p = _problem(args)
     op = _operator(p, args)
-    return _harness.Case(lambda: zm.diagonal(op), _info(p, "zodmem"), args.steady_calls)
+    return report.Case(lambda: zm.diagonal(op), _info(p, "zodmem"), args.steady_calls)
 
 
-def zodmem_hessian_dense(args: argparse.Namespace) -> _harness.Case:
+def zodmem_hessian_dense(args: argparse.Namespace) -> report.Case:
     import jax.numpy as jnp
 
     p = _problem(args)
     dense = _dense_hessian(p)
-    return _harness.Case(
+    return report.Case(
         lambda: jnp.diag(dense()),
         _info(p, "zodmem", max_memory=_DENSE_MEMORY),
         args.dense_steady_calls,
@@ -409,7 +422,7 @@ def zodmem_hessian_dense(args: argparse.Namespace) -> _harness.Case:
 # -- correctness -----------------------------------------------------------------------
 
 
-def verify(args: argparse.Namespace) -> _harness.Case:
+def verify(args: argparse.Namespace) -> report.Case:
     """The estimates of every tool once, in one process, against each other and the
     exact figures."""
     import jax
@@ -420,21 +433,17 @@ def verify(args: argparse.Namespace) -> _harness.Case:
 
     p = _problem(args)
     op = _operator(p, args)
+    relative = report.relative_difference
     checks: dict[str, Any] = {}
-    eigsh = _eigsh()
-    values = None
-    if isinstance(eigsh, str):
-        checks["zodmem-eigsh"] = eigsh
-    else:
-        values, _, report = eigsh(op, args.k, tol=args.tol, return_info=True)
-        values = np.asarray(values, np.float64)
-        bound = args.tol * np.abs(values)
-        checks["zodmem-eigsh top values"] = [float(v) for v in values]
-        checks["zodmem-eigsh products"] = int(report.num_products)
-        checks["zodmem-eigsh converged"] = bool(report.converged)
-        checks["zodmem-eigsh largest residual / (tol |value|)"] = float(
-            np.max(np.asarray(report.residual_norms) / bound)
-        )
+    values, _, found = zm.eigsh(op, args.k, tol=args.tol, return_info=True)
+    values = np.asarray(values, np.float64)
+    bound = args.tol * np.abs(values)
+    checks["zodmem-eigsh top values"] = [float(v) for v in values]
+    checks["zodmem-eigsh products"] = int(found.num_products)
+    checks["zodmem-eigsh converged"] = bool(found.converged)
+    checks["zodmem-eigsh largest residual / (tol |value|)"] = float(
+        np.max(np.asarray(found.residual_norms) / bound)
+    )
     try:
         top, start = _matfree_top(p, args)
     except ImportError as error:
@@ -449,15 +458,14 @@ def verify(args: argparse.Namespace) -> _harness.Case:
         checks["matfree-lanczos largest residual / (tol |value|)"] = float(
             np.max(residuals / (args.tol * np.abs(ritz[-args.k :])))
         )
-        if values is not None:
-            checks["zodmem-eigsh vs matfree-lanczos"] = _relative(values, matfree_values)
-    t = _torch_problem(p)
-    if "missing" in t:
-        checks["curvlinops"] = t["missing"]
-    elif values is not None:
+        checks["zodmem-eigsh vs matfree-lanczos"] = relative(values, matfree_values)
+    c, info = _curvlinops(p)
+    if c is None:
+        checks["curvlinops"] = info["missing"]
+    else:
         from scipy.sparse.linalg import LinearOperator, eigsh as scipy_eigsh
 
-        hessian = t["operators"]["hessian"].to_scipy()
+        hessian = c.operators["hessian"].to_scipy()
         count = [0]
 
         def counted(v):
@@ -467,7 +475,7 @@ def verify(args: argparse.Namespace) -> _harness.Case:
         counting = LinearOperator(hessian.shape, matvec=counted, dtype=hessian.dtype)
         scipy_values = scipy_eigsh(counting, k=args.k, which="LA", tol=args.tol)[0]
         checks["curvlinops-eigsh products"] = count[0]
-        checks["zodmem-eigsh vs curvlinops-eigsh"] = _relative(values, np.sort(scipy_values))
+        checks["zodmem-eigsh vs curvlinops-eigsh"] = relative(values, np.sort(scipy_values))
 
     exact_diagonal = np.asarray(zm.diagonal(op), np.float64)
     exact_trace = float(np.sum(exact_diagonal))
@@ -484,23 +492,19 @@ def verify(args: argparse.Namespace) -> _harness.Case:
     checks["zodmem-diagonal-exact plan"] = _diagonal_plan(op)
     dense = _dense_hessian(p)()
     dense_diagonal = np.asarray(jnp.diag(dense), np.float64)
-    checks["zodmem-diagonal-exact vs diag(zodmem-hessian-dense)"] = _relative(
+    checks["zodmem-diagonal-exact vs diag(zodmem-hessian-dense)"] = relative(
         exact_diagonal, dense_diagonal
     )
-    if args.dense and values is not None:
+    if args.dense:
         exact_values = np.asarray(jnp.linalg.eigvalsh(dense)[-args.k :], np.float64)
-        checks["zodmem-eigsh vs dense-eigh"] = _relative(values, exact_values)
+        checks["zodmem-eigsh vs dense-eigh"] = relative(values, exact_values)
     del dense
-    return _harness.Case(lambda: jnp.asarray(exact_diagonal), _info(p, "check", checks=checks))
-
-
-def _versions(*packages: str) -> dict[str, Any]:
-    return {package: curvature._version(package) for package in packages}
+    return report.Case(lambda: jnp.asarray(exact_diagonal), _info(p, "check", checks=checks))
 
 
 CASES = {
-    "floor": curvature.floor,
-    "torch-floor": curvature.torch_floor,
+    "floor": floor,
+    "torch-floor": torch_floor,
     "zodmem-eigsh": zodmem_eigsh,
     "matfree-lanczos": matfree_lanczos,
     "curvlinops-eigsh": curvlinops_eigsh,
@@ -554,25 +558,36 @@ def _result(r: dict[str, Any], exact_trace: float | None) -> str:
 
 def _check(name: str, r: dict[str, Any], by_case: dict[str, Any]) -> str:
     """Agreement with zodmem's case of the same task (the dense route for the diagonal)."""
-    import numpy as np
-
     for task, (zodmem_case, others) in _TASKS.items():
         reference = by_case.get("zodmem-hessian-dense" if task == "exact diagonal" else zodmem_case)
         if name not in (zodmem_case, *others) or reference is None or reference is r:
             continue
         if "values" in r["info"] and "values" in reference["info"]:
-            return f"{_relative(np.asarray(r['info']['values']), reference['info']['values']):.1e}"
+            difference = report.relative_difference(
+                r["info"]["values"], reference["info"]["values"]
+            )
+            return f"{difference:.1e}"
         if task == "exact diagonal" and "check" in r and "check" in reference:
-            return f"{_harness.compare_fingerprints(r['check'], reference['check']):.1e}"
+            return f"{report.compare_fingerprints(r['check'], reference['check']):.1e}"
     return ""
 
 
 def _seconds(value: float | None) -> str:
-    return "" if value is None else f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    return report.number(value, ".3f" if value is not None and value < 10 else ".1f")
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    by_case = {r["case"]: r for r in results if "error" not in r}
+def _above(name: str, by_case: dict[str, Any]) -> float | None:
+    """The case's peak above `floor` (above `torch-floor` for curvlinops)."""
+    floor_case = by_case.get("torch-floor" if name.startswith("curvlinops") else "floor")
+    return report.above(by_case.get(name), floor_case)
+
+
+def _verdict(what: str, value: float, limit: float, unit: str) -> str:
+    return report.verdict(what, value, limit, unit, form=".3g")
+
+
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by_case = report.succeeded(results)
     info = next((r["info"] for r in by_case.values()), {})
     checks = by_case.get("verify", {}).get("info", {}).get("checks", {})
     exact_trace = checks.get("exact trace")
@@ -586,39 +601,30 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "result",
         "check",
     ]
-    rows = []
-    for r in results:
+
+    def row(r: dict[str, Any]) -> list[Any] | None:
         name = r["case"]
-        if name == "verify" and "error" not in r:
-            continue
-        if "error" in r:
-            reason = "; ".join(r.get("stderr_tail", [])[-1:]) or r["error"]
-            rows.append([name, "failed: " + reason] + [""] * (len(headers) - 2))
-            continue
-        above = _above(name, by_case)
-        rows.append(
-            [
-                name,
-                _seconds(r.get("time_s")),
-                "" if name.startswith("curvlinops") else _seconds(r.get("compile_s")),
-                _seconds(r.get("steady_min_s")),
-                f"{r['peak_rss_bytes'] / _MB:.0f}",
-                f"{above / _MB:.0f}" if above is not None and "floor" not in name else "",
-                _result(r, exact_trace),
-                _check(name, r, by_case),
-            ]
-        )
-    hessian_mb = info.get("hessian_bytes", 0) / _MB
+        if name == "verify":
+            return None
+        return [
+            name,
+            _seconds(r.get("time_s")),
+            "" if name.startswith("curvlinops") else _seconds(r.get("compile_s")),
+            _seconds(r.get("steady_min_s")),
+            report.megabytes(r["peak_rss_bytes"]),
+            "" if "floor" in name else report.megabytes(_above(name, by_case)),
+            _result(r, exact_trace),
+            _check(name, r, by_case),
+        ]
+
     lines = [
-        f"Estimators on the Hessian of an eqx.nn.MLP(32, 1, {info.get('width')}, "
-        f"{info.get('depth')}) mean-squared loss over {info.get('points')} points: "
-        f"n = {info.get('n', 0):,}, dense Hessian {hessian_mb:.0f} MB; zodmem's operator "
+        report.describe_mlp(info, "Estimators on the Hessian") + f"; zodmem's operator "
         f"at max_memory={args.operator_memory} (traces: {args.trace_memory}); top {args.k} "
         f"eigenvalues to tol={args.tol}, "
         f"traces from {args.probes} probes, matfree's Lanczos with "
         f"{args.matfree_steps} products.",
         "",
-        _harness.markdown_table(headers, rows),
+        report.case_table(results, headers, row),
         "",
         "first call: wall time, tracing, compiling and planning included (compile: the "
         "part JAX spent tracing and compiling); steady: the fastest of the further calls; "
@@ -631,14 +637,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     if "dense-eigh" not in {r["case"] for r in results}:
         lines += [
             "",
-            "dense-eigh not run (it needs --dense): with it, on this machine, 156 s and "
-            "2.5 GB above the floor.",
+            "dense-eigh not run: it needs --dense, and takes minutes and GBs.",
         ]
-    lines += curvature.torch_lines(
-        by_case,
-        "; curvlinops {curvlinops} has no exact Hessian diagonal (only the estimators "
-        "hutchinson_diag and xdiag), so no curvlinops-diagonal case",
-    )
+    if "torch-floor" in by_case:
+        torch_info = by_case["torch-floor"]["info"]
+        remark = (
+            f"; curvlinops {torch_info.get('curvlinops')} has no exact Hessian diagonal (only "
+            "the estimators hutchinson_diag and xdiag), so no curvlinops-diagonal case"
+        )
+        lines += ["", report.curvlinops_line(torch_info, remark)]
     if checks:
         lines += ["", "Correctness (verify, one process):"]
         for what, value in checks.items():
@@ -649,11 +656,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             elif isinstance(value, dict):
                 value = ", ".join(f"{k} {v}" for k, v in value.items())
             lines.append(f"- {what}: {value}")
-    lines += _targets(by_case, args)
+    lines += _targets(by_case)
     return "\n".join(lines)
 
 
-def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def _targets(by_case: dict[str, Any]) -> list[str]:
     info = next((r["info"] for r in by_case.values()), {})
     share = _PEAK_SHARE_OF_HESSIAN * info.get("hessian_bytes", 0) / _MB
     lines = []
@@ -727,7 +734,7 @@ def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
         "Each case against zodmem's of the same task (time / zodmem's time) and against the "
         f"budget (peak - floor / 0.1 x H = {share:.1f} MB):",
         "",
-        _harness.markdown_table(
+        report.markdown_table(
             ["case", "first call / zodmem", "steady / zodmem", "peak - floor / (0.1 x H)"],
             ratios,
         ),
@@ -735,9 +742,6 @@ def _targets(by_case: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    hessian_memory._add_arguments(parser)
-    # curvature.py's problem draws a block of vectors that no estimator here uses.
-    parser.set_defaults(vectors=1)
     parser.add_argument(
         "--operator-memory",
         default="100MB",
@@ -752,7 +756,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--matfree-steps", type=int, default=80, help="products of matfree's Lanczos"
     )
     parser.add_argument("--probes", type=int, default=100, help="probes of the traces")
-    parser.add_argument("--steady-calls", type=int, default=3, help="further calls of each case")
     parser.add_argument(
         "--dense-steady-calls", type=int, default=1, help="further calls of the dense cases"
     )
@@ -769,10 +772,11 @@ def _selected_cases(argv: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _harness.main(
+    report.main(
         name="estimators",
         description=__doc__.splitlines()[0],
         cases=_selected_cases(sys.argv[1:]),
-        report=report,
+        report=report_text,
         add_arguments=_add_arguments,
+        steady_calls=3,
     )

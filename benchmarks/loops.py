@@ -1,6 +1,6 @@
 """Peak memory and time of maps, microbatches and scans, against the tools they replace.
 
-Four problems, each case in its own process (see `_harness.py`), each with a `floor`
+Four problems, each case in its own process (see `report.py`), each with a `floor`
 case that holds the same imports and inputs and computes nothing big:
 
 - `map`: `f(x) = sum(tanh(outer(x, x)) @ x)` over 64 vectors of 3,000 float32, so
@@ -39,9 +39,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
-
-_GB = 1e9
+import report  # noqa: E402
 
 
 def _touch(*arrays: Any) -> None:
@@ -57,8 +55,8 @@ def _touch(*arrays: Any) -> None:
     jax.block_until_ready([jnp.sum(a) for a in arrays])
 
 
-def _case(compute: Any, info: dict[str, Any], args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(compute, info, repeats=args.steady_calls)
+def _case(compute: Any, info: dict[str, Any], args: argparse.Namespace) -> report.Case:
+    return report.Case(compute, info, repeats=args.steady_calls)
 
 
 # ----------------------------------------------------------------------------------
@@ -66,30 +64,18 @@ def _case(compute: Any, info: dict[str, Any], args: argparse.Namespace) -> _harn
 
 
 def _map_problem(args: argparse.Namespace) -> dict[str, Any]:
-    import jax
-    import jax.numpy as jnp
+    import problems
 
-    size, batch = (600, 16) if args.quick else (3000, 64)
-    xs = jax.random.normal(jax.random.key(0), (batch, size), jnp.float32) / jnp.sqrt(size)
-
-    def f(x):
-        return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
-
+    f, xs, info = problems.map_problem(args.quick)
     _touch(xs)
-    info = {
-        "group": "map",
-        "size": size,
-        "batch": batch,
-        "intermediate_bytes": size * size * 4,
-    }
-    return dict(f=f, xs=xs, info=info)
+    return dict(f=f, xs=xs, info={"group": "map", **info})
 
 
-def map_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_map_problem(args)["info"], "tool": "floor"})
+def map_floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_map_problem(args)["info"], "tool": "floor"})
 
 
-def map_vmap(args: argparse.Namespace) -> _harness.Case:
+def map_vmap(args: argparse.Namespace) -> report.Case:
     import jax
 
     p = _map_problem(args)
@@ -97,7 +83,7 @@ def map_vmap(args: argparse.Namespace) -> _harness.Case:
     return _case(lambda: mapped(p["xs"]), {**p["info"], "tool": "jax.vmap"}, args)
 
 
-def map_lax_map(args: argparse.Namespace, chunk: int) -> _harness.Case:
+def map_lax_map(args: argparse.Namespace, chunk: int) -> report.Case:
     import jax
 
     p = _map_problem(args)
@@ -106,7 +92,7 @@ def map_lax_map(args: argparse.Namespace, chunk: int) -> _harness.Case:
     return _case(lambda: mapped(p["xs"]), info, args)
 
 
-def map_powerpax(args: argparse.Namespace, chunk: int) -> _harness.Case:
+def map_powerpax(args: argparse.Namespace, chunk: int) -> report.Case:
     import jax
     import powerpax
 
@@ -116,7 +102,7 @@ def map_powerpax(args: argparse.Namespace, chunk: int) -> _harness.Case:
     return _case(lambda: mapped(p["xs"]), info, args)
 
 
-def map_optax(args: argparse.Namespace, chunk: int) -> _harness.Case:
+def map_optax(args: argparse.Namespace, chunk: int) -> report.Case:
     import jax
     from optax import microbatching
 
@@ -126,7 +112,7 @@ def map_optax(args: argparse.Namespace, chunk: int) -> _harness.Case:
     return _case(lambda: mapped(p["xs"]), info, args)
 
 
-def map_zodmem(args: argparse.Namespace, chunk: int) -> _harness.Case:
+def map_zodmem(args: argparse.Namespace, chunk: int) -> report.Case:
     import zodmem as zm
 
     p = _map_problem(args)
@@ -170,11 +156,11 @@ def _microbatch_problem(args: argparse.Namespace) -> dict[str, Any]:
     return dict(grad=jax.grad(loss), params=params, xs=xs, ys=ys, info=info)
 
 
-def microbatch_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_microbatch_problem(args)["info"], "tool": "floor"})
+def microbatch_floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_microbatch_problem(args)["info"], "tool": "floor"})
 
 
-def microbatch_grad(args: argparse.Namespace) -> _harness.Case:
+def microbatch_grad(args: argparse.Namespace) -> report.Case:
     import jax
 
     p = _microbatch_problem(args)
@@ -183,7 +169,7 @@ def microbatch_grad(args: argparse.Namespace) -> _harness.Case:
     return _case(lambda: grad(p["params"], p["xs"], p["ys"]), info, args)
 
 
-def microbatch_optax(args: argparse.Namespace, size: int) -> _harness.Case:
+def microbatch_optax(args: argparse.Namespace, size: int) -> report.Case:
     import jax
     from optax import microbatching
 
@@ -200,7 +186,7 @@ def microbatch_optax(args: argparse.Namespace, size: int) -> _harness.Case:
     return _case(lambda: grad(p["params"], p["xs"], p["ys"]), info, args)
 
 
-def microbatch_zodmem(args: argparse.Namespace, size: int) -> _harness.Case:
+def microbatch_zodmem(args: argparse.Namespace, size: int) -> report.Case:
     import zodmem as zm
 
     p = _microbatch_problem(args)
@@ -237,11 +223,11 @@ def _scan_problem(args: argparse.Namespace, steps: int) -> dict[str, Any]:
     return dict(step=step, x0=x0, steps=steps, info=info)
 
 
-def scan_floor(args: argparse.Namespace, steps: int) -> _harness.Case:
-    return _harness.Case(None, {**_scan_problem(args, steps)["info"], "tool": "floor"})
+def scan_floor(args: argparse.Namespace, steps: int) -> report.Case:
+    return report.Case(None, {**_scan_problem(args, steps)["info"], "tool": "floor"})
 
 
-def scan_lax(args: argparse.Namespace, steps: int) -> _harness.Case:
+def scan_lax(args: argparse.Namespace, steps: int) -> report.Case:
     import jax
 
     p = _scan_problem(args, steps)
@@ -255,7 +241,7 @@ def scan_lax(args: argparse.Namespace, steps: int) -> _harness.Case:
     return _case(lambda: run(p["x0"]), info, args)
 
 
-def scan_powerpax(args: argparse.Namespace, steps: int) -> _harness.Case:
+def scan_powerpax(args: argparse.Namespace, steps: int) -> report.Case:
     import jax
     import powerpax
 
@@ -269,7 +255,7 @@ def scan_powerpax(args: argparse.Namespace, steps: int) -> _harness.Case:
     return _case(lambda: run(p["x0"]), {**p["info"], "tool": "powerpax"}, args)
 
 
-def scan_zodmem(args: argparse.Namespace, steps: int) -> _harness.Case:
+def scan_zodmem(args: argparse.Namespace, steps: int) -> report.Case:
     import zodmem as zm
 
     p = _scan_problem(args, steps)
@@ -317,11 +303,11 @@ def _nested_problem(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def nested_floor(args: argparse.Namespace) -> _harness.Case:
-    return _harness.Case(None, {**_nested_problem(args)["info"], "tool": "floor"})
+def nested_floor(args: argparse.Namespace) -> report.Case:
+    return report.Case(None, {**_nested_problem(args)["info"], "tool": "floor"})
 
 
-def nested_jax(args: argparse.Namespace) -> _harness.Case:
+def nested_jax(args: argparse.Namespace) -> report.Case:
     import jax
 
     p = _nested_problem(args)
@@ -330,7 +316,7 @@ def nested_jax(args: argparse.Namespace) -> _harness.Case:
     return _case(lambda: hessians(p["flat"], p["xs"], p["ys"]), info, args)
 
 
-def nested_zodmem(args: argparse.Namespace, chunk: int, nbatches: int) -> _harness.Case:
+def nested_zodmem(args: argparse.Namespace, chunk: int, nbatches: int) -> report.Case:
     import zodmem as zm
 
     p = _nested_problem(args)
@@ -405,12 +391,8 @@ def _steady(r: dict[str, Any]) -> float | None:
     return r.get("steady_min_s", r.get("run_s"))
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a is not None and b else ""
-
-
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    by_case = {r["case"]: r for r in results if "error" not in r}
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by_case = report.succeeded(results)
     headers = [
         "case",
         "peak RSS (GB)",
@@ -424,59 +406,42 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "output (MB)",
         "check",
     ]
-    rows = []
-    for r in results:
+
+    def row(r: dict[str, Any]) -> list[Any] | None:
         name = r["case"]
-        if "error" in r:
-            rows.append([name, "failed: " + r["error"]] + [""] * (len(headers) - 2))
-            continue
-        floor = by_case.get(_floor_of(name))
-        reference = by_case.get(REFERENCES.get(_group(name), ""))
         peak = r["peak_rss_bytes"]
         if "time_s" not in r:  # a floor
-            rows.append([name, f"{peak / _GB:.2f}"] + [""] * (len(headers) - 2))
-            continue
-        check = ""
-        if reference is r:
-            check = "reference"
-        elif reference is not None and "check" in r:
-            r["max_rel_diff_vs_reference"] = _harness.compare_fingerprints(
-                r["check"], reference["check"]
-            )
-            check = f"{r['max_rel_diff_vs_reference']:.1e}"
-        other = reference is not None and reference is not r
-        rows.append(
-            [
-                name,
-                f"{peak / _GB:.2f}",
-                f"{(peak - floor['peak_rss_bytes']) / _GB:.2f}" if floor else "",
-                _ratio(peak, reference["peak_rss_bytes"]) if other else "",
-                f"{r['time_s']:.2f}",
-                f"{r['steady_min_s']:.2f}" if "steady_min_s" in r else "",
-                f"{r['steady_median_s']:.2f}" if "steady_median_s" in r else "",
-                f"{r['steady_cpu_min_s']:.2f}" if "steady_cpu_min_s" in r else "",
-                _ratio(_steady(r), _steady(reference)) if other else "",
-                f"{r['output_bytes'] / 1e6:.1f}",
-                check,
-            ]
-        )
+            return [name, report.gigabytes(peak)] + [""] * (len(headers) - 2)
+        reference = by_case.get(REFERENCES.get(_group(name), ""))
+        other = reference if reference is not r else None
+        return [
+            name,
+            report.gigabytes(peak),
+            report.gigabytes(report.above(r, by_case.get(_floor_of(name)))),
+            report.ratio(peak, other and other["peak_rss_bytes"]),
+            report.number(r["time_s"]),
+            report.number(r.get("steady_min_s")),
+            report.number(r.get("steady_median_s")),
+            report.number(r.get("steady_cpu_min_s")),
+            report.ratio(_steady(r), other and _steady(other)),
+            report.megabytes(r["output_bytes"], ".1f"),
+            report.check_cell(r, reference),
+        ]
+
     lines = [
         _problem_lines(by_case),
         "",
-        _harness.markdown_table(headers, rows),
+        report.case_table(results, headers, row),
         "",
         "first call: wall time of the first call, tracing and compilation included. "
-        f"steady: the fastest and the median of {args.steady_calls} further calls of the "
-        "compiled function"
-        + (f" in each of {args.repeat} runs" if getattr(args, "repeat", 1) > 1 else "")
-        + "; steady CPU: the least CPU time (user and system, all threads) of those "
+        f"steady: the fastest and the median of {report.further_calls(args)}"
+        "; steady CPU: the least CPU time (user and system, all threads) of those "
         "calls. ref: "
         + ", ".join(f"{REFERENCES[g]} for {g}" for g in REFERENCES)
-        + ". check: largest difference from ref over 256 sampled entries and the sum, "
-        "relative to the largest sampled |entry|.",
+        + f". check: largest difference from ref {report.CHECK_NOTE}.",
     ]
     if not args.quick:  # smoke-test sizes take milliseconds: their ratios say nothing
-        lines += _targets(by_case) + _nested_bounds(by_case)
+        lines += report.section("Targets:", _targets(by_case)) + _nested_bounds(by_case)
     return "\n".join(lines)
 
 
@@ -530,17 +495,17 @@ def _targets(by_case: dict[str, Any]) -> list[str]:
             if other is None or "steady_min_s" not in other:
                 continue
             ratio = r["steady_min_s"] / other["steady_min_s"]
-            verdicts.append(_verdict(f"steady/{anchor}", ratio, TIME_SLACK))
+            verdicts.append(report.verdict(f"steady/{anchor}", ratio, TIME_SLACK))
             slack = max(PEAK_SLACK, 1 + PEAK_SLACK_BYTES / other["peak_rss_bytes"])
             ratio = r["peak_rss_bytes"] / other["peak_rss_bytes"]
-            verdicts.append(_verdict(f"peak/{anchor}", ratio, slack))
+            verdicts.append(report.verdict(f"peak/{anchor}", ratio, slack))
         if name == "map/zodmem-4" and "map/jax.vmap" in by_case:
             vmap = by_case["map/jax.vmap"]
             ratio = r["steady_min_s"] / vmap["steady_min_s"]
-            verdicts.append(_verdict("steady/jax.vmap", ratio, MAP_VS_VMAP))
+            verdicts.append(report.verdict("steady/jax.vmap", ratio, MAP_VS_VMAP))
         if verdicts:
             lines.append(f"- {name}: " + ", ".join(verdicts))
-    return ["", "Targets:"] + lines if lines else []
+    return lines
 
 
 def _nested_bounds(by_case: dict[str, Any]) -> list[str]:
@@ -571,29 +536,18 @@ def _nested_bounds(by_case: dict[str, Any]) -> list[str]:
         measured = r["peak_rss_bytes"] - floor["peak_rss_bytes"]
         lines.append(
             f"- {name} (chunk_size={chunk}, nbatches={nbatches}): peak - floor "
-            f"{measured / _GB:.2f} GB; expected {output / _GB:.2f} + {chunk} x "
+            f"{measured / report.GB:.2f} GB; expected {output / report.GB:.2f} + {chunk} x "
             f"({hessian / 1e6:.1f} MB + {columns} columns x {per_column / 1e3:.0f} kB) = "
-            f"{expected / _GB:.2f} GB; unchunked {(working + output) / _GB:.2f} GB."
+            f"{expected / report.GB:.2f} GB; unchunked {(working + output) / report.GB:.2f} GB."
         )
     return lines
 
 
-def _verdict(what: str, value: float, limit: float) -> str:
-    ok = value <= limit
-    return f"{what} {value:.2f} {'<=' if ok else '>'} {limit:.2f} " + ("ok" if ok else "MISSED")
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--steady-calls", type=int, default=3, help="timed calls after the first (default 3)"
-    )
-
-
 if __name__ == "__main__":
-    _harness.main(
+    report.main(
         name="loops",
         description=__doc__.splitlines()[0],
         cases=CASES,
-        report=report,
-        add_arguments=_add_arguments,
+        report=report_text,
+        steady_calls=3,
     )

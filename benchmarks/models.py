@@ -4,7 +4,7 @@ The five problems of `problems.py` (an MLP, a ResNet-style CNN with GroupNorm, a
 nanoGPT-style transformer, a GRU through `lax.scan`, a neural ODE through diffrax),
 each a loss `loss(model, inputs, targets)` (the mean over the examples) and
 `predict(model, inputs)` with a loss of `zm.losses` (`reduction="mean"`) for the
-Gauss-Newton matrix. Every case runs in its own process (see `_harness.py`), is called
+Gauss-Newton matrix. Every case runs in its own process (see `report.py`), is called
 once (its first call: tracing, compiling and planning included) and then
 `--steady-calls` more times (steady: the fastest of them; one more time only where the
 first call took over `--long-call` seconds, 60), and reports its peak resident memory
@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -85,9 +84,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
+import report  # noqa: E402
 
-_MB = 1e6
+_MB = report.MB
 _NAME = "models"
 MODELS = ("mlp", "cnn", "gpt", "rnn", "physics")
 _K = 5  # eigenvalues wanted
@@ -221,7 +220,7 @@ def _case(
     args: argparse.Namespace,
     note: Callable[[Any], dict[str, Any]] | None = None,
     after: Callable[[], dict[str, Any]] | None = None,
-) -> _harness.Case:
+) -> report.Case:
     """A harness case whose `info` also gets `note(result)` after each call and
     `after()`'s figures (and the device's peak) once the calls are timed.
 
@@ -233,7 +232,7 @@ def _case(
     info = {**s["info"], "tool": tool}
     if compute is None:
         info["device_peak_bytes"] = _device_peak()
-        return _harness.Case(None, info)
+        return report.Case(None, info)
     inner, calls = compute, []
 
     def timed():
@@ -252,7 +251,7 @@ def _case(
         if after is not None:
             info.update(after())
 
-    case = _harness.Case(timed, info, args.steady_calls, finish)
+    case = report.Case(timed, info, args.steady_calls, finish)
     return case
 
 
@@ -288,25 +287,25 @@ def _ggn_operator(s: dict[str, Any], args: argparse.Namespace) -> Any:
 # -- zodmem ------------------------------------------------------------------------------
 
 
-def floor(model: str, args: argparse.Namespace) -> _harness.Case:
+def floor(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
     return _case(s, None, "floor", args)
 
 
-def zm_hessian_mm(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_hessian_mm(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
     compute = _once(lambda: _hessian_operator(s, args), lambda op: op.mm(s["vectors"]))
     return _case(s, compute, "zodmem", args)
 
 
-def zm_hessian_mv(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_hessian_mv(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
     vector = s["vectors"][:, 0]
     compute = _once(lambda: _hessian_operator(s, args), lambda op: op.mv(vector))
     return _case(s, compute, "zodmem", args)
 
 
-def zm_ggn_mm(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_ggn_mm(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
     compute = _once(lambda: _ggn_operator(s, args), lambda op: op.mm(s["vectors"]))
     return _case(s, compute, "zodmem", args)
@@ -318,7 +317,7 @@ def _eigenvalues(result: Any) -> dict[str, Any]:
     return {"eigenvalues": [float(v) for v in np.sort(np.asarray(result[0], np.float64))]}
 
 
-def zm_eigsh(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_eigsh(model: str, args: argparse.Namespace) -> report.Case:
     import zodmem as zm
 
     s = _setup(model, args)
@@ -344,7 +343,7 @@ def _estimate(result: Any) -> dict[str, Any]:
     return {"estimate": float(estimate), "standard_error": float(error)}
 
 
-def zm_trace(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_trace(model: str, args: argparse.Namespace) -> report.Case:
     import jax
     import jax.numpy as jnp
 
@@ -361,7 +360,7 @@ def zm_trace(model: str, args: argparse.Namespace) -> _harness.Case:
     return _case(s, compute, "zodmem", args, _estimate)
 
 
-def zm_diagonal(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_diagonal(model: str, args: argparse.Namespace) -> report.Case:
     import zodmem as zm
 
     s = _setup(model, args)
@@ -369,7 +368,7 @@ def zm_diagonal(model: str, args: argparse.Namespace) -> _harness.Case:
     return _case(s, compute, "zodmem", args)
 
 
-def zm_dense_hessian(model: str, args: argparse.Namespace) -> _harness.Case:
+def zm_dense_hessian(model: str, args: argparse.Namespace) -> report.Case:
     import zodmem as zm
 
     s = _setup(model, args)
@@ -432,7 +431,7 @@ def _compiled(s: dict[str, Any], fn: Callable[..., Any], *rest: Any) -> Callable
     return lambda: compiled(flat, p.inputs, p.targets, *rest)
 
 
-def jax_hessian_mm(model: str, args: argparse.Namespace) -> _harness.Case:
+def jax_hessian_mm(model: str, args: argparse.Namespace) -> report.Case:
     import jax
 
     s = _setup(model, args)
@@ -440,12 +439,12 @@ def jax_hessian_mm(model: str, args: argparse.Namespace) -> _harness.Case:
     return _case(s, _compiled(s, block, s["vectors"]), "jax", args)
 
 
-def jax_hessian_mv(model: str, args: argparse.Namespace) -> _harness.Case:
+def jax_hessian_mv(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
     return _case(s, _compiled(s, _hvp(s), s["vectors"][:, 0]), "jax", args)
 
 
-def jax_ggn_mm(model: str, args: argparse.Namespace) -> _harness.Case:
+def jax_ggn_mm(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
     return _case(s, _compiled(s, _ggn_block(s), s["vectors"]), "jax", args)
 
@@ -453,7 +452,7 @@ def jax_ggn_mm(model: str, args: argparse.Namespace) -> _harness.Case:
 # -- matfree ------------------------------------------------------------------------------
 
 
-def matfree_eigsh(model: str, args: argparse.Namespace) -> _harness.Case:
+def matfree_eigsh(model: str, args: argparse.Namespace) -> report.Case:
     import jax
     import jax.numpy as jnp
     from matfree import decomp
@@ -476,7 +475,7 @@ def matfree_eigsh(model: str, args: argparse.Namespace) -> _harness.Case:
     )
 
 
-def matfree_trace(model: str, args: argparse.Namespace) -> _harness.Case:
+def matfree_trace(model: str, args: argparse.Namespace) -> report.Case:
     import jax
     import jax.numpy as jnp
     from matfree import stochtrace
@@ -505,56 +504,28 @@ def matfree_trace(model: str, args: argparse.Namespace) -> _harness.Case:
 # -- curvlinops ----------------------------------------------------------------------------
 
 
-def _torch_setup(s: dict[str, Any]) -> dict[str, Any]:
-    """The torch problem, curvlinops' two operators on it and the vectors in torch."""
-    import curvlinops
-    import numpy as np
+def _torch_setup(s: dict[str, Any]) -> Any:
+    """curvlinops' two operators on the torch problem, their record in `s["info"]`."""
     import problems
-    import torch
 
-    t = problems.torch_problem(s["problem"])
-    data = [(t.inputs, t.targets)]
-    options = dict(check_deterministic=False, num_data=t.inputs.shape[0], progressbar=False)
-    operators = {
-        "hessian": curvlinops.HessianLinearOperator(
-            t.model, t.loss_function, t.params, data, **options
-        ),
-        "ggn": curvlinops.GGNLinearOperator(t.model, t.loss_function, t.params, data, **options),
-    }
-    versions = {
-        "torch": torch.__version__,
-        "curvlinops": _version("curvlinops-for-pytorch"),
-        "torch_threads": torch.get_num_threads(),
-        "copied_weights_max_error": t.flat_error,
-    }
-    vectors = torch.from_numpy(np.array(s["vectors"]))
-    return {"torch": t, "operators": operators, "vectors": vectors, "versions": versions}
+    c = problems.curvlinops_operators(s["problem"])
+    s["info"].update(c.info)
+    return c
 
 
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def torch_floor(model: str, args: argparse.Namespace) -> _harness.Case:
+def torch_floor(model: str, args: argparse.Namespace) -> report.Case:
     s = _setup(model, args)
-    t = _torch_setup(s)
-    s["info"].update(t["versions"])
+    _torch_setup(s)
     return _case(s, None, "floor", args)
 
 
-def _curvlinops(model: str, args: argparse.Namespace, which: str) -> _harness.Case:
+def _curvlinops(model: str, args: argparse.Namespace, which: str) -> report.Case:
     import numpy as np
     import torch
 
     s = _setup(model, args)
-    t = _torch_setup(s)
-    s["info"].update(t["versions"])
-    operator, vectors = t["operators"][which], t["vectors"]
+    operator = _torch_setup(s).operators[which]
+    vectors = torch.from_numpy(np.array(s["vectors"]))
     products: list[Any] = []
 
     def compute():
@@ -576,7 +547,7 @@ def _curvlinops(model: str, args: argparse.Namespace, which: str) -> _harness.Ca
 
 # -- the cases, the report and the command line ---------------------------------------------
 
-_BUILDERS: dict[str, Callable[[str, argparse.Namespace], _harness.Case]] = {
+_BUILDERS: dict[str, Callable[[str, argparse.Namespace], report.Case]] = {
     "floor": floor,
     "torch-floor": torch_floor,
     "zm/hessian-mm": zm_hessian_mm,
@@ -595,7 +566,7 @@ _BUILDERS: dict[str, Callable[[str, argparse.Namespace], _harness.Case]] = {
     "zm/dense-hessian": zm_dense_hessian,
 }
 
-CASES: dict[str, Callable[[argparse.Namespace], _harness.Case]] = {
+CASES: dict[str, Callable[[argparse.Namespace], report.Case]] = {
     f"{model}:{case}": functools.partial(_BUILDERS[case], model)
     for model in MODELS
     for case in cases_of(model)
@@ -604,22 +575,6 @@ CASES: dict[str, Callable[[argparse.Namespace], _harness.Case]] = {
 
 def _floor_of(case: str) -> str:
     return "torch-floor" if case.startswith("curvlinops/") else "floor"
-
-
-def _above(r: dict[str, Any], floor: dict[str, Any] | None, key: str) -> float | None:
-    if floor is None or r.get(key) is None or floor.get(key) is None:
-        return None
-    return r[key] - floor[key]
-
-
-def _seconds(value: float | None) -> str:
-    return "" if value is None else f"{value:.3g}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b <= 0:
-        return ""
-    return f"{a / b:.2f}"
 
 
 def _check(case: str, r: dict[str, Any], anchor: dict[str, Any] | None) -> str:
@@ -637,7 +592,7 @@ def _check(case: str, r: dict[str, Any], anchor: dict[str, Any] | None) -> str:
         worst = max(abs(a - b) for a, b in zip(info["eigenvalues"], other, strict=True))
         return f"{top}, {worst / scale:.1e} vs anchor"
     if anchor is not None and anchor is not r and "check" in r and "check" in anchor:
-        return f"{_harness.compare_fingerprints(r['check'], anchor['check']):.1e}"
+        return f"{report.compare_fingerprints(r['check'], anchor['check']):.1e}"
     return ""
 
 
@@ -660,33 +615,34 @@ def _table(model: str, results: list[dict[str, Any]]) -> str:
         if case in ("floor", "torch-floor"):
             continue
         if "error" in r:
-            reason = "; ".join(r.get("stderr_tail", [])[-1:]) or r["error"]
-            rows.append([case, f"failed: {reason[:60]}"] + [""] * (len(headers) - 2))
+            rows.append(report.failed_row(r, len(headers), shown=case))
             continue
         floor = by_case.get(_floor_of(case))
         floor = floor if floor is not None and "error" not in floor else None
-        above = _above(r, floor, "peak_rss_bytes")
+        above = report.above(r, floor)
         anchor = by_case.get(ANCHOR.get(case, ""))
         anchor = anchor if anchor is not None and "error" not in anchor else None
         anchor_above = None
         if anchor is not None:
-            anchor_above = _above(
-                anchor, by_case.get(_floor_of(anchor["case"].split(":")[1])), "peak_rss_bytes"
+            anchor_above = report.above(
+                anchor, by_case.get(_floor_of(anchor["case"].split(":")[1]))
             )
         row = [
             case,
-            _seconds(r["time_s"]),
-            _seconds(r.get("steady_min_s")),
-            f"{above / _MB:.0f}" if above is not None else "",
-            _ratio(r.get("steady_min_s"), anchor.get("steady_min_s") if anchor else None),
-            _ratio(above, anchor_above),
+            report.number(r["time_s"], ".3g"),
+            report.number(r.get("steady_min_s"), ".3g"),
+            report.megabytes(above),
+            report.ratio(r.get("steady_min_s"), anchor.get("steady_min_s") if anchor else None),
+            report.ratio(above, anchor_above),
             _check(case, r, anchor),
         ]
         if device:
-            device_above = _above(r["info"], floor["info"] if floor else None, "device_peak_bytes")
-            row.insert(4, f"{device_above / _MB:.0f}" if device_above is not None else "")
+            device_above = report.above(
+                r["info"], floor["info"] if floor else None, "device_peak_bytes"
+            )
+            row.insert(4, report.megabytes(device_above))
         rows.append(row)
-    return _harness.markdown_table(headers, rows)
+    return report.markdown_table(headers, rows)
 
 
 def _describe(info: dict[str, Any]) -> str:
@@ -710,7 +666,7 @@ def _describe(info: dict[str, Any]) -> str:
     )
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = []
     for model in MODELS:
         mine = [r for r in results if r["case"].startswith(model + ":")]
@@ -720,12 +676,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         lines += [_describe(infos[0]) if infos else f"**{model}**", "", _table(model, mine), ""]
         torch_info = next((r["info"] for r in mine if r["case"].endswith(":torch-floor")), None)
         if torch_info and "curvlinops" in torch_info:
-            lines += [
-                f"curvlinops-for-pytorch {torch_info['curvlinops']}, torch "
-                f"{torch_info['torch']}, {torch_info['torch_threads']} threads; copied "
-                f"weights equal to {torch_info['copied_weights_max_error']:.1e}.",
-                "",
-            ]
+            remark = f"; copied weights equal to {torch_info['copied_weights_max_error']:.1e}"
+            lines += [report.curvlinops_line(torch_info, remark), ""]
     lines.append(
         "first call: wall time with tracing, compiling and planning; steady: the fastest of "
         "the further calls; peak - floor: peak resident memory above the model's floor "
@@ -757,7 +709,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vectors", type=int, default=8, help="columns of V in the blocks")
     parser.add_argument("--probes", type=int, default=None, help="Hutchinson probes (all models)")
     parser.add_argument("--lanczos-steps", type=int, default=None, help="products of eigsh")
-    parser.add_argument("--steady-calls", type=int, default=3, help="further calls after the first")
     parser.add_argument(
         "--long-call",
         type=float,
@@ -829,83 +780,27 @@ def _value(argv: list[str], option: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--child" in argv:
-        _harness.main(
-            name=_NAME,
-            description=__doc__.splitlines()[0],
-            cases=CASES,
-            report=report,
-            add_arguments=_add_arguments,
-            argv=argv,
-        )
-        return
-    names, options = _selected(argv)
-    if not names:
-        raise SystemExit("models.py: no case selected.")
-    run = _without(argv, "--cases") + ["--cases", ",".join(names)]
-    quick = "--quick" in argv
-    if options.gpu and _value(argv, "--save-as") is None:
-        run += ["--save-as", "models_gpu" + ("_quick" if quick else "")]
-    if options.gpu and _value(argv, "--timeout") is None:
-        run += ["--timeout", "150"]  # so that one stuck case cannot spend a GPU's lease
-    start, source = time.perf_counter(), _source()
-    _harness.main(
+    options = dict(
         name=_NAME,
         description=__doc__.splitlines()[0],
         cases=CASES,
-        report=report,
+        report=report_text,
         add_arguments=_add_arguments,
-        argv=run,
+        steady_calls=3,
     )
-    elapsed = time.perf_counter() - start
-    print(f"{len(names)} cases in {elapsed / 60:.1f} minutes", file=sys.stderr)
-    source = {"start": source, "end": _source()}
-    if source["start"]["zodmem_commit"] != source["end"]["zodmem_commit"]:
-        print(f"zodmem changed during the run: {source}", file=sys.stderr)
-    _record_command(argv, run, elapsed, source)
-
-
-def _source() -> dict[str, Any]:
-    """The last commit of `zodmem/`, the checkout's, and whether `zodmem/` has changes
-    beside them: others may change it while a long run goes on, so it is read at the
-    start and at the end."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*command: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", *command], cwd=root, capture_output=True, text=True, check=True
-            )
-        except (OSError, subprocess.CalledProcessError):
-            return None
-        return done.stdout.strip()
-
-    return {
-        "zodmem_commit": git("log", "-1", "--format=%H", "--", "zodmem"),
-        "checkout": git("rev-parse", "HEAD"),
-        "zodmem_changed": bool(git("status", "--porcelain", "--", "zodmem")),
-    }
-
-
-def _record_command(
-    argv: list[str], run: list[str], elapsed: float, source: dict[str, Any]
-) -> None:
-    """Put the command as typed (not the expanded `--cases`), the run's wall time and
-    zodmem's source into the results file."""
-    if "--no-save" in argv:
+    if "--child" in argv:
+        report.main(**options, argv=argv)
         return
-    name = _value(run, "--save-as") or _NAME + ("_quick" if "--quick" in argv else "")
-    path = _harness.RESULTS_DIR / f"{name}.json"
-    if not path.exists():
-        return
-    payload = json.loads(path.read_text())
-    payload["command"] = " ".join(["python", "benchmarks/models.py", *argv])
-    payload["cases_run"] = [r["case"] for r in payload["results"]]
-    payload["elapsed_s"] = elapsed
-    payload["source"] = source
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    names, selected = _selected(argv)
+    if not names:
+        raise SystemExit("models.py: no case selected.")
+    run = _without(argv, "--cases") + ["--cases", ",".join(names)]
+    if selected.gpu and _value(argv, "--save-as") is None:
+        run += ["--save-as", "models_gpu" + ("_quick" if "--quick" in argv else "")]
+    if selected.gpu and _value(argv, "--timeout") is None:
+        run += ["--timeout", "150"]  # so that one stuck case cannot spend a GPU's lease
+    # The command recorded is the one typed, not its expanded `--cases`.
+    report.main(**options, argv=run, command=argv)
 
 
 if __name__ == "__main__":

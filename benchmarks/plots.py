@@ -5,7 +5,7 @@
     python benchmarks/plots.py --out /tmp/x   # somewhere else
 
 Each figure is drawn from one results file written by a benchmark script (see
-`_harness.py` for the schema: a `results` list with one entry per case, holding
+`report.py` for the schema: a `results` list with one entry per case, holding
 `case`, `info`, `peak_rss_bytes`, `time_s`, ...). A missing file, or one without the
 cases a figure needs, is reported and its figure skipped, so the script never fails
 for want of results.
@@ -24,7 +24,7 @@ for want of results.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -32,10 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report  # noqa: E402
+
+ROOT = report.ROOT
 IMAGES_DIR = ROOT / "docs" / "images"
-_GB = 1e9
+_GB = report.GB
 
 # One colour and marker per tool, so a tool looks the same in every figure.
 _STYLES = {
@@ -55,27 +58,6 @@ def _style(series: str, index: int) -> dict[str, Any]:
         if series == prefix or series.startswith(prefix + ".") or series.startswith(prefix + "-"):
             return dict(_STYLES[prefix])
     return {"color": _FALLBACK_COLOURS[index % len(_FALLBACK_COLOURS)], "marker": "x"}
-
-
-def load_results(path: Path) -> list[dict[str, Any]] | None:
-    """The successful cases of a results file, or None (with a message) if there are none."""
-    if not path.exists():
-        print(f"skip {path.name}: not found (run the benchmark that writes it)", file=sys.stderr)
-        return None
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        print(f"skip {path.name}: cannot be read ({error})", file=sys.stderr)
-        return None
-    results = payload.get("results") if isinstance(payload, dict) else None
-    if not isinstance(results, list):
-        print(f"skip {path.name}: no `results` list", file=sys.stderr)
-        return None
-    failed = [r.get("case") for r in results if isinstance(r, dict) and "error" in r]
-    if failed:
-        print(f"note {path.name}: leaving out failed cases {failed}", file=sys.stderr)
-    ok = [r for r in results if isinstance(r, dict) and "error" not in r and "case" in r]
-    return ok or None
 
 
 def _split_case(name: str) -> tuple[str, int | None]:
@@ -146,7 +128,7 @@ def _reference_line(
 
 
 def plot_hessian_memory(results_dir: Path, out_dir: Path, suffix: str) -> bool:
-    results = load_results(results_dir / f"hessian_memory{suffix}.json")
+    results = report.read_results(results_dir / f"hessian_memory{suffix}.json")
     if results is None:
         return False
     series: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
@@ -257,7 +239,7 @@ _SIZE_NAMES = {"chunk_size": "chunk size", "microbatch_size": "microbatch size"}
 
 
 def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
-    results = load_results(results_dir / f"loops{suffix}.json")
+    results = report.read_results(results_dir / f"loops{suffix}.json")
     if results is None:
         return False
     # group -> tool -> [(chunk, result)]; tools without a chunk are drawn as references.
@@ -336,8 +318,17 @@ def plot_loops(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     return True
 
 
+# The budgets figure's groups: the microbatch's and the sharded Hessian's calls hold a few
+# kB, far off this scale (their figures are in the budgets tables).
+_BUDGET_GROUPS = {
+    "hessian": ("BatchedHessian", "zodmem"),
+    "small": ("BatchedHessian (small)", "zodmem-compat"),
+    "map": ("ChunkedVmap", "powerpax"),
+}
+
+
 def plot_budgets(results_dir: Path, out_dir: Path, suffix: str) -> bool:
-    results = load_results(results_dir / f"budgets{suffix}.json")
+    results = report.read_results(results_dir / f"budgets{suffix}.json")
     if results is None:
         return False
     floors = {
@@ -349,6 +340,8 @@ def plot_budgets(results_dir: Path, out_dir: Path, suffix: str) -> bool:
         info = r.get("info", {})
         group = _group_of(r)
         if info.get("tool") != "budget" or "budget_bytes" not in info or group not in floors:
+            continue
+        if group not in _BUDGET_GROUPS:
             continue
         label = r["case"].rsplit("budget-", 1)[-1]
         if label == "auto":
@@ -362,8 +355,6 @@ def plot_budgets(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     fig, (scale_ax, ratio_ax) = _figure(
         2, "Memory budgets: peak memory above the process floor against max_memory"
     )
-    styles = {"hessian": _style("zodmem", 0), "map": _style("powerpax", 0)}
-    names = {"hessian": "BatchedHessian", "map": "ChunkedVmap"}
     everything = [v for pts in points.values() for p in pts for v in p[:3]]
     low, high = 0.7 * min(everything) / 1e6, 1.4 * max(everything) / 1e6
     scale_ax.plot([low, high], [low, high], color="0.3", linewidth=1, linestyle="--")
@@ -371,10 +362,10 @@ def plot_budgets(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     labels = []
     for index, (group, pts) in enumerate(sorted(points.items())):
         pts.sort()
-        style = styles.get(group, _style(group, index))
+        style = _style(_BUDGET_GROUPS[group][1], index)
         marker = {"color": style["color"], "marker": style["marker"]}
         hollow = {"facecolors": "none", "edgecolors": style["color"], "marker": style["marker"]}
-        name = names.get(group, group)
+        name = _BUDGET_GROUPS[group][0]
         budgets = [b / 1e6 for b, _, _, _ in pts]
         scale_ax.scatter(budgets, [m / 1e6 for _, m, _, _ in pts], s=42, zorder=3, **marker)
         scale_ax.scatter(budgets, [p / 1e6 for _, _, p, _ in pts], s=42, zorder=3, **hollow)
@@ -423,8 +414,8 @@ def plot_budgets(results_dir: Path, out_dir: Path, suffix: str) -> bool:
     for ax in (scale_ax, ratio_ax):
         ax.grid(True, which="both", alpha=0.3)
     handles, legend = ratio_ax.get_legend_handles_labels()
-    fig.legend(handles, legend, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    _save(fig, out_dir / "budgets.png", legend_rows=1)
+    fig.legend(handles, legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    _save(fig, out_dir / "budgets.png", legend_rows=2)
     return True
 
 
@@ -437,7 +428,7 @@ PLOTS: dict[str, Callable[[Path, Path, str], bool]] = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--results", type=Path, default=report.RESULTS_DIR, help="results folder")
     parser.add_argument("--out", type=Path, default=IMAGES_DIR, help="where the PNGs go")
     parser.add_argument(
         "--quick", action="store_true", help="plot the *_quick.json smoke-test results"

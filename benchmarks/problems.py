@@ -1,12 +1,11 @@
-"""Real architectures with synthetic data, for benchmarks of curvature on them.
+"""The problems the benchmarks measure: models with synthetic data, and the same in PyTorch.
 
 Five models, each an Equinox module with data of its published shapes (random numbers
 in place of the data set), at three sizes: `"quick"` to smoke-test, `"cpu"` (the
 default) for a 2-core CPU in minutes, `"full"` for a GPU.
 
-- `mlp`: `eqx.nn.MLP(32, 1, 96, 2)`, the mean squared error over 256 points: the
-  reference problem of `hessian_memory.py` and `curvature.py` (the same weights and
-  data), n = 12,577.
+- `mlp`: `eqx.nn.MLP(32, 1, 96, 2)`, the mean squared error over 256 points, n = 12,577:
+  the network and data of `reference()` below.
 - `cnn`: a ResNet-18-style network with GroupNorm: a 3x3 stem, residual blocks of two
   3x3 convolutions each followed by GroupNorm, one block that halves the resolution
   with stride 2 (a 1x1 convolution on its shortcut), a global mean pool and a linear
@@ -27,11 +26,21 @@ leading axis) and a loss of zodmem's, `loss_object(outputs, targets)` with
 `loss_object(predict(model, inputs), targets)`: the Hessian of `loss` and the
 Gauss-Newton matrix of `(predict, loss_object)` are of the same scalar.
 
+`reference()` is the reference problem of the Hessian, curvature, estimator, long-job
+and sharding benchmarks: the `mlp` network and data with the mean squared error written
+out in `jax.numpy`, in the forms the tools take (the model, its parameters, and the
+loss of either, or of the raveled parameters). `map_problem()` is the map of the loop
+and budget benchmarks, whose every element makes a large intermediate.
+
 `torch_problem(problem)` builds the same network in PyTorch (its modules named as the
 Equinox model's fields, so that each Equinox leaf has one torch parameter of the same
 name), copies the weights, and gives the parameters in the order of the Equinox leaves,
-the loss and the data: the form curvlinops takes. `mlp`, `cnn`, `gpt` and `rnn` have
-one; `physics` has none (an ODE solver in torch is another library).
+the loss and the data: the form curvlinops takes, whose Hessian and GGN operators on it
+`curvlinops_operators(problem)` makes. `mlp`, `cnn`, `gpt` and `rnn` have one;
+`physics` has none (an ODE solver in torch is another library).
+
+This module imports JAX: a script imports it inside its cases, never in the parent
+process that starts them.
 """
 
 from __future__ import annotations
@@ -124,9 +133,14 @@ def _mean_squared_error(width: int = 1) -> Any:
 # -- mlp -----------------------------------------------------------------------------------
 
 
-def mlp(size: str = "cpu") -> Problem:
-    width, depth, points = {"quick": (16, 2, 64), "cpu": (96, 2, 256), "full": (512, 3, 8192)}[size]
-    # The keys and draws of hessian_memory.py's reference problem: the same weights and data.
+def mlp(size: str = "cpu", width: int | None = None) -> Problem:
+    """The MLP at `size`, or at that size's depth and data with `width` hidden units."""
+    default_width, depth, points = {
+        "quick": (16, 2, 64),
+        "cpu": (96, 2, 256),
+        "full": (512, 3, 8192),
+    }[size]
+    width = default_width if width is None else width
     model_key, x_key, y_key = jax.random.split(jax.random.key(0), 3)
     model = eqx.nn.MLP(32, 1, width, depth, key=model_key)
     inputs = jax.random.normal(x_key, (points, 32))
@@ -137,6 +151,106 @@ def mlp(size: str = "cpu") -> Problem:
 
     info = {"width": width, "depth": depth, "points": points}
     return Problem("mlp", size, model, inputs, targets, predict, _mean_squared_error(), info)
+
+
+# -- the reference problem -----------------------------------------------------------------
+
+
+def reference_loss(model: Any, xs: jax.Array, ys: jax.Array) -> jax.Array:
+    """`mean((model(x) - y)**2)` over the points, for a network of one output."""
+    return jnp.mean((jax.vmap(model)(xs)[:, 0] - ys) ** 2)
+
+
+def reference_predict(model: Any, xs: jax.Array, ys: jax.Array) -> jax.Array:
+    """The network's output at every point (`ys` unused: the form `zm.BatchedGGN` calls)."""
+    return jax.vmap(model)(xs)[:, 0]
+
+
+@dataclasses.dataclass(eq=False)
+class Reference:
+    """The reference problem in the forms the tools take.
+
+    - `problem`: the network and data as a `Problem` (for `torch_problem`).
+    - `model`, `xs`, `ys`: the network, the points and their targets, one per point.
+    - `loss(model, xs, ys)`: `reference_loss`, the mean squared error.
+    - `params`, `static`: the variables, and the rest of the model (its activations,
+      and the output layer's bias where that is held fixed).
+    - `loss_of_params(params, xs, ys)`: the loss of the variables alone.
+    - `flat`: the variables raveled; `of_flat(fn)` turns `fn(model, xs, ys)` into
+      `fn(flat, xs, ys)`, and `loss_of_flat` is the loss in that form.
+    - `info`: sizes, for the record: `n` the variables and `hessian_bytes` their
+      float32 Hessian's bytes.
+    """
+
+    problem: Problem
+    output_bias_fixed: bool = False
+
+    def __post_init__(self) -> None:
+        self.model, self.xs = self.problem.model, self.problem.inputs
+        self.ys = self.problem.targets[:, 0]
+        self.loss, self.predict = reference_loss, reference_predict
+        variables = jax.tree_util.tree_map(eqx.is_inexact_array, self.model)
+        if self.output_bias_fixed:
+            variables = eqx.tree_at(lambda m: m.layers[-1].bias, variables, replace=False)
+        self.params, self.static = eqx.partition(self.model, variables)
+        self.flat, self._unravel = ravel_pytree(self.params)
+        static = self.static
+
+        def loss_of_params(params, xs, ys):
+            return reference_loss(eqx.combine(params, static), xs, ys)
+
+        self.loss_of_params = loss_of_params
+        self.loss_of_flat = self.of_flat(reference_loss)
+        n = int(self.flat.size)
+        self.info = {
+            "n": n,
+            "hessian_bytes": n * n * self.flat.dtype.itemsize,
+            **{k: self.problem.info[k] for k in ("width", "depth", "points")},
+        }
+
+    def of_flat(self, fn: Callable[[Any, Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
+        """`(flat, xs, ys) -> fn(model, xs, ys)`, the model rebuilt from `flat`."""
+        unravel, static = self._unravel, self.static
+
+        def of_flat(flat, xs, ys):
+            return fn(eqx.combine(unravel(flat), static), xs, ys)
+
+        return of_flat
+
+
+def reference(quick: bool = False, width: int = 96, output_bias_fixed: bool = False) -> Reference:
+    """The reference problem: `eqx.nn.MLP(32, 1, width, 2)` over 256 points (`mlp`'s
+    network and data), or with `quick` the small network of 16 over 64 points. With
+    `output_bias_fixed` the output layer's bias is not a variable: 12,576 variables in
+    place of 12,577, which 1, 2 and 4 devices divide.
+
+    The backend is started here, by one call of the loss, as by every case, so that a
+    floor process holds JAX's runtime too."""
+    reference_problem = Reference(mlp("quick") if quick else mlp("cpu", width), output_bias_fixed)
+    jax.block_until_ready(
+        eqx.filter_jit(reference_loss)(
+            reference_problem.model, reference_problem.xs, reference_problem.ys
+        )
+    )
+    return reference_problem
+
+
+# -- the map of the loop and budget benchmarks ---------------------------------------------
+
+
+def outer_tanh(x: jax.Array) -> jax.Array:
+    """`sum(tanh(outer(x, x)) @ x)`: a function of a vector whose intermediate is the
+    vector's length squared."""
+    return jnp.sum(jnp.tanh(jnp.outer(x, x)) @ x)
+
+
+def map_problem(quick: bool = False) -> tuple[Callable[[jax.Array], jax.Array], jax.Array, dict]:
+    """`outer_tanh` over 64 vectors of 3,000 float32 (a 36 MB intermediate per element),
+    or with `quick` 16 vectors of 600: the function, the vectors and their sizes."""
+    size, batch = (600, 16) if quick else (3000, 64)
+    xs = jax.random.normal(jax.random.key(0), (batch, size), jnp.float32) / jnp.sqrt(size)
+    info = {"size": size, "batch": batch, "intermediate_bytes": size * size * 4}
+    return outer_tanh, xs, info
 
 
 # -- cnn -----------------------------------------------------------------------------------
@@ -727,6 +841,42 @@ def _torch_rnn(problem: Problem) -> tuple[Any, Any]:
             return self.head(state)
 
     return Net(problem.model), torch.nn.MSELoss()
+
+
+@dataclasses.dataclass(eq=False)
+class Curvlinops:
+    """curvlinops' `"hessian"` and `"ggn"` operators on a problem's torch network, and
+    `info`: the versions and threads they run with, and the copied weights' error."""
+
+    problem: TorchProblem
+    operators: dict[str, Any]
+    info: dict[str, Any]
+
+
+def curvlinops_operators(problem: Problem) -> Curvlinops:
+    """curvlinops-for-pytorch's `HessianLinearOperator` and `GGNLinearOperator` of
+    `problem`'s torch network over its whole data, in one batch."""
+    from importlib.metadata import version
+
+    import curvlinops
+    import torch
+
+    t = torch_problem(problem)
+    data = [(t.inputs, t.targets)]
+    options = dict(check_deterministic=False, num_data=t.inputs.shape[0], progressbar=False)
+    operators = {
+        "hessian": curvlinops.HessianLinearOperator(
+            t.model, t.loss_function, t.params, data, **options
+        ),
+        "ggn": curvlinops.GGNLinearOperator(t.model, t.loss_function, t.params, data, **options),
+    }
+    info = {
+        "torch": torch.__version__,
+        "curvlinops": version("curvlinops-for-pytorch"),
+        "torch_threads": torch.get_num_threads(),
+        "copied_weights_max_error": t.flat_error,
+    }
+    return Curvlinops(t, operators, info)
 
 
 _TORCH_BUILDERS: dict[str, Callable[[Problem], tuple[Any, Any]]] = {

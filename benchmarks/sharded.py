@@ -1,12 +1,12 @@
 """The reference Hessian spread over devices: what each device holds, and what fits.
 
-The problem is the Hessian benchmark's `eqx.nn.MLP(32, 1, 96, 2)` with a mean-squared
-loss over 256 points (see `hessian_memory.py`), with the output layer's bias held
-fixed: the network has n = 12,577 parameters, an odd number that no even device count
+The problem is the reference `eqx.nn.MLP(32, 1, 96, 2)` with a mean-squared loss over
+256 points (`problems.reference(output_bias_fixed=True)`), with the output layer's bias
+held fixed: the network has n = 12,577 parameters, an odd number that no even device count
 divides, and without that one bias n = 12,576 = 2^5 x 3 x 131, so the float32 Hessian
 holds 633 MB and 1, 2 and 4 devices split it evenly.
 
-Each case runs in its own process (see `_harness.py`) on 1, 2 or 4 CPU devices,
+Each case runs in its own process (see `report.py`) on 1, 2 or 4 CPU devices,
 forced with `XLA_FLAGS=--xla_force_host_platform_device_count=D` before JAX starts,
 so the devices share one process and this machine's cores:
 
@@ -59,11 +59,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
-import hessian_memory  # noqa: E402
+import report  # noqa: E402
 
-_MB = 1e6
-_GB = 1e9
+_MB = report.MB
+_GB = report.GB
 
 DEVICE_COUNTS = (1, 2, 4)
 BUDGET = 250e6  # per device, scaled alike with --quick
@@ -77,64 +76,26 @@ FIT_BLOCK = 256  # rows per block, for the table's overhead column
 XLA_NBATCHES = (24, 48, 96, 192, 384)  # the block sizes whose temporaries give the model
 
 
-def _force_devices(count: int) -> None:
-    """Ask XLA for `count` CPU devices; only before JAX is imported does it take effect."""
-    if "jax" in sys.modules:
-        raise RuntimeError("the device count must be set before JAX is imported")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={count}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
-
-
-def _problem(args: argparse.Namespace, devices: int, start: Any = None) -> dict[str, Any]:
-    """The reference model and data on `devices` CPU devices; its loss, a function of
-    every parameter but the output layer's bias, and that loss of the raveled parameters.
+def _problem(args: argparse.Namespace, devices: int, start: Any = None) -> Any:
+    """The reference problem on `devices` CPU devices, every parameter but the output
+    layer's bias a variable (`problems.Reference`), the devices in its record.
     `start`, when given, starts JAX's multi-process job (`jax.distributed`) before any
     device is used: this process then holds one of the `devices`."""
-    _force_devices(devices if start is None else 1)
-    import equinox as eqx
+    report.force_cpu_devices(devices if start is None else 1)
     import jax
-    from jax.flatten_util import ravel_pytree
+    import problems
 
     import zodmem  # noqa: F401  (imported by every case, so the floor holds it too)
 
     if start is not None:
         start()
 
-    p = hessian_memory._problem(args)
+    r = problems.reference(quick=args.quick, output_bias_fixed=True)
     if len(jax.devices()) != devices:
         raise RuntimeError(f"asked for {devices} devices, JAX sees {len(jax.devices())}")
-    model = p["model"]
-    variables = jax.tree_util.tree_map(eqx.is_inexact_array, model)
-    variables = eqx.tree_at(lambda m: m.layers[-1].bias, variables, replace=False)
-    params, fixed = eqx.partition(model, variables)
-
-    def loss(params, xs, ys):
-        return p["loss"](eqx.combine(params, fixed), xs, ys)
-
-    flat, unravel = ravel_pytree(params)
-
-    def loss_of_flat(flat, xs, ys):
-        return loss(unravel(flat), xs, ys)
-
-    n = int(flat.size)
-    info = {
-        **p["info"],
-        "n": n,
-        "hessian_bytes": n * n * flat.dtype.itemsize,
-        "devices": devices,
-        "device_kind": jax.devices()[0].device_kind,
-        "platform": jax.devices()[0].platform,
-    }
-    return dict(
-        loss=loss,
-        loss_of_flat=loss_of_flat,
-        params=params,
-        flat=flat,
-        xs=p["xs"],
-        ys=p["ys"],
-        info=info,
-    )
+    device = jax.devices()[0]
+    r.info.update(devices=devices, device_kind=device.device_kind, platform=device.platform)
+    return r
 
 
 def _mesh_sharding(spec: tuple[Any, ...]) -> Any:
@@ -151,7 +112,7 @@ def _compiled_case(
     info: dict[str, Any],
     args: argparse.Namespace,
     replicate: bool = True,
-) -> _harness.Case:
+) -> report.Case:
     """Compile `function(*call_args)` ahead of time, record its memory analysis, and time
     calls of the compiled program. With `replicate`, the arguments are first put whole on
     every device of the mesh, as the sharded computation reads them."""
@@ -170,7 +131,7 @@ def _compiled_case(
         xla_alias_bytes=int(analysis.alias_size_in_bytes),
         predicted_peak_bytes=int(analysis.output_size_in_bytes + analysis.temp_size_in_bytes),
     )
-    return _harness.Case(lambda: compiled(*call_args), info, repeats=args.steady_calls)
+    return report.Case(lambda: compiled(*call_args), info, repeats=args.steady_calls)
 
 
 def _block_info(n: int, devices: int, block_size: int) -> dict[str, Any]:
@@ -178,54 +139,54 @@ def _block_info(n: int, devices: int, block_size: int) -> dict[str, Any]:
     return {"block_size": block_size, "blocks_per_device": -(-share // block_size)}
 
 
-def floor(args: argparse.Namespace, devices: int) -> _harness.Case:
-    return _harness.Case(None, {**_problem(args, devices)["info"], "tool": "floor"})
+def floor(args: argparse.Namespace, devices: int) -> report.Case:
+    return report.Case(None, {**_problem(args, devices).info, "tool": "floor"})
 
 
-def jax_hessian(args: argparse.Namespace) -> _harness.Case:
+def jax_hessian(args: argparse.Namespace) -> report.Case:
     p = _problem(args, 1)
     import jax
 
-    info = {**p["info"], "tool": "jax.hessian", "spec": "", "share": 1.0}
-    call_args = (p["flat"], p["xs"], p["ys"])
-    return _compiled_case(jax.hessian(p["loss_of_flat"]), call_args, info, args, replicate=False)
+    info = {**p.info, "tool": "jax.hessian", "spec": "", "share": 1.0}
+    call_args = (p.flat, p.xs, p.ys)
+    return _compiled_case(jax.hessian(p.loss_of_flat), call_args, info, args, replicate=False)
 
 
 def _zodmem_case(
     args: argparse.Namespace, devices: int, spec: tuple[Any, ...] | None, tool: str
-) -> _harness.Case:
+) -> report.Case:
     p = _problem(args, devices)
     import zodmem as zm
 
-    n = p["info"]["n"]
+    n = p.info["n"]
     sharding = None if spec is None else _mesh_sharding(spec)
-    transform = zm.BatchedHessian(p["loss"], nbatches=args.nbatches, sharding=sharding)
+    transform = zm.BatchedHessian(p.loss_of_params, nbatches=args.nbatches, sharding=sharding)
     block = -(-n // args.nbatches)
     info = {
-        **p["info"],
+        **p.info,
         "tool": tool,
         "spec": "" if spec is None else str(sharding.spec),
         "share": 1 / devices if spec is not None else 1.0,
         "nbatches": args.nbatches,
         **_block_info(n, devices if spec is not None else 1, block),
     }
-    call_args = (p["params"], p["xs"], p["ys"])
+    call_args = (p.params, p.xs, p.ys)
     return _compiled_case(transform, call_args, info, args, replicate=spec is not None)
 
 
-def xla(args: argparse.Namespace, devices: int) -> _harness.Case:
+def xla(args: argparse.Namespace, devices: int) -> report.Case:
     """No run: the per-device memory analysis of the rows split at several block sizes."""
     p = _problem(args, devices)
     import jax
 
     import zodmem as zm
 
-    n = p["info"]["n"]
+    n = p.info["n"]
     sharding = _mesh_sharding(("d", None))
-    call_args = jax.device_put((p["params"], p["xs"], p["ys"]), _mesh_sharding(()))
+    call_args = jax.device_put((p.params, p.xs, p.ys), _mesh_sharding(()))
     sweep = []
     for nbatches in XLA_NBATCHES:
-        transform = zm.BatchedHessian(p["loss"], nbatches=nbatches, sharding=sharding)
+        transform = zm.BatchedHessian(p.loss_of_params, nbatches=nbatches, sharding=sharding)
         analysis = (
             jax.jit(lambda *a, t=transform: t(*a)).lower(*call_args).compile().memory_analysis()
         )
@@ -237,28 +198,30 @@ def xla(args: argparse.Namespace, devices: int) -> _harness.Case:
                 "xla_temp_bytes": int(analysis.temp_size_in_bytes),
             }
         )
-    info = {**p["info"], "tool": "xla", "spec": str(sharding.spec), "sweep": sweep}
-    return _harness.Case(None, info)
+    info = {**p.info, "tool": "xla", "spec": str(sharding.spec), "sweep": sweep}
+    return report.Case(None, info)
 
 
 def _budget_bytes(p: dict[str, Any]) -> int:
-    return int(BUDGET * p["info"]["hessian_bytes"] / _FULL_HESSIAN_BYTES)
+    return int(BUDGET * p.info["hessian_bytes"] / _FULL_HESSIAN_BYTES)
 
 
-def budget(args: argparse.Namespace, devices: int) -> _harness.Case:
+def budget(args: argparse.Namespace, devices: int) -> report.Case:
     p = _problem(args, devices)
     import zodmem as zm
 
     limit = _budget_bytes(p)
-    transform = zm.BatchedHessian(p["loss"], max_memory=limit, sharding=_mesh_sharding(("d", None)))
-    info = {**p["info"], "tool": "budget", "max_memory": limit, "share": 1 / devices}
-    call_args = (p["params"], p["xs"], p["ys"])
+    transform = zm.BatchedHessian(
+        p.loss_of_params, max_memory=limit, sharding=_mesh_sharding(("d", None))
+    )
+    info = {**p.info, "tool": "budget", "max_memory": limit, "share": 1 / devices}
+    call_args = (p.params, p.xs, p.ys)
     start = time.perf_counter()
     try:
         plan = transform.plan(*call_args)
     except zm.MemoryBudgetError as error:
         info.update(plan_s=time.perf_counter() - start, refused=str(error))
-        return _harness.Case(None, info)
+        return report.Case(None, info)
     info.update(
         plan_s=time.perf_counter() - start,
         spec=str(transform.sharding.spec),
@@ -288,10 +251,7 @@ STREAM_TIME_TARGET = 1.2  # of the in-memory sharded call's time
 def _process_main(argv: list[str]) -> None:
     """A worker of the two-process cases: prints its measurements as one JSON line."""
     mode, port, process_id, folder, *rest = argv
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    _add_arguments(parser)
-    args, _ = parser.parse_known_args(rest)
+    args = report.worker_arguments(rest, _add_arguments)
     os.environ["JAX_PLATFORMS"] = "cpu"
 
     def start():
@@ -312,18 +272,18 @@ def _process_main(argv: list[str]) -> None:
     import zodmem as zm
 
     transform = zm.BatchedHessian(
-        p["loss"], nbatches=args.two_process_nbatches, sharding=_mesh_sharding(("d", None))
+        p.loss_of_params, nbatches=args.two_process_nbatches, sharding=_mesh_sharding(("d", None))
     )
-    call_args = (p["params"], p["xs"], p["ys"])
+    call_args = (p.params, p.xs, p.ys)
     multihost_utils.sync_global_devices("set up")
-    floor_bytes = _harness.peak_rss_bytes()
+    floor_bytes = report.peak_rss_bytes()
     begin = time.perf_counter()
     if mode == "stream":
         result = zm.to_file(os.path.join(folder, "hessian.npy"), transform, *call_args)
     else:
         result = jax.block_until_ready(transform(*call_args))
     elapsed = time.perf_counter() - begin
-    peak = _harness.peak_rss_bytes()
+    peak = report.peak_rss_bytes()
     if mode == "stream":
         rows = np.asarray(
             result[int(process_id) * (result.shape[0] // PROCESSES) :][
@@ -339,7 +299,7 @@ def _process_main(argv: list[str]) -> None:
         "time_s": elapsed,
         "rows_sum": float(np.sum(rows, dtype=np.float64)),
         "rows_abs_sum": float(np.sum(np.abs(rows), dtype=np.float64)),
-        "info": p["info"],
+        "info": p.info,
     }
     print(_WORKER_MARKER + json.dumps(record), flush=True)
     multihost_utils.sync_global_devices("done")
@@ -349,7 +309,7 @@ def _process_main(argv: list[str]) -> None:
 _WORKER_MARKER = "@@sharded-process@@ "
 
 
-def two_processes(args: argparse.Namespace, mode: str) -> _harness.Case:
+def two_processes(args: argparse.Namespace, mode: str) -> report.Case:
     """Start the two workers of `mode` (`memory` or `stream`), wait, and record them."""
     import socket
     import subprocess
@@ -358,7 +318,7 @@ def two_processes(args: argparse.Namespace, mode: str) -> _harness.Case:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    forwarded = sys.argv[sys.argv.index("--child") + 2 :]
+    forwarded = args.forwarded
     script = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(script)) as folder:
         workers = [
@@ -387,7 +347,7 @@ def two_processes(args: argparse.Namespace, mode: str) -> _harness.Case:
         "nbatches": args.two_process_nbatches,
         **_block_info(n, PROCESSES, -(-n // args.two_process_nbatches)),
     }
-    return _harness.Case(None, info)
+    return report.Case(None, info)
 
 
 CASES = {
@@ -412,17 +372,12 @@ CASES = {
 
 
 def _mb(value: float | None) -> str:
-    return "" if value is None else f"{value / _MB:,.0f}"
+    return report.megabytes(value, ",.0f")
 
 
-def _gb(value: float | None) -> str:
-    return "" if value is None else f"{value / _GB:.2f}"
-
-
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    by_case = {r["case"]: r for r in results if "error" not in r}
+def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by_case = report.succeeded(results)
     info = next((r["info"] for r in by_case.values()), {})
-    n = info.get("n", 0)
     hessian_bytes = info.get("hessian_bytes", 0)
     reference = by_case.get("rows-1")
     headers = [
@@ -441,12 +396,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "steady CPU (s)",
         "check",
     ]
-    rows = []
-    for r in results:
+
+    def row(r: dict[str, Any]) -> list[Any] | None:
         name = r["case"]
-        if "error" in r:
-            rows.append([name, "failed: " + r["error"]] + [""] * (len(headers) - 2))
-            continue
         i = r["info"]
         if i.get("tool") in ("floor", "xla", "memory-2p", "stream-2p") or "refused" in i:
             what = {
@@ -455,45 +407,31 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 "memory-2p": "two processes (see below)",
                 "stream-2p": "two processes (see below)",
             }.get(i.get("tool"), "refused (see below)")
-            rows.append([name, i["devices"], what] + [""] * (len(headers) - 3))
-            continue
-        floor_case = by_case.get(f"floor-{i['devices']}")
-        above = r["peak_rss_bytes"] - floor_case["peak_rss_bytes"] if floor_case else None
-        check = ""
-        if reference is r:
-            check = "reference"
-        elif reference is not None and "check" in r:
-            r["max_rel_diff_vs_rows_1"] = _harness.compare_fingerprints(
-                r["check"], reference["check"]
-            )
-            check = f"{r['max_rel_diff_vs_rows_1']:.1e}"
-        share = i["xla_output_bytes"] / hessian_bytes if hessian_bytes else None
-        rows.append(
-            [
-                name,
-                i["devices"],
-                i.get("spec", ""),
-                i.get("block_size", ""),
-                i.get("blocks_per_device", ""),
-                _mb(i["xla_output_bytes"]),
-                f"{share:.3f}" if share is not None else "",
-                _mb(i["xla_temp_bytes"]),
-                _mb(i["predicted_peak_bytes"]),
-                _gb(r["peak_rss_bytes"]),
-                _gb(above),
-                f"{r['steady_min_s']:.2f}" if "steady_min_s" in r else "",
-                f"{r['steady_cpu_min_s']:.2f}" if "steady_cpu_min_s" in r else "",
-                check,
-            ]
-        )
+            return [name, i["devices"], what] + [""] * (len(headers) - 3)
+        above = report.above(r, by_case.get(f"floor-{i['devices']}"))
+        return [
+            name,
+            i["devices"],
+            i.get("spec", ""),
+            i.get("block_size", ""),
+            i.get("blocks_per_device", ""),
+            _mb(i["xla_output_bytes"]),
+            report.ratio(i["xla_output_bytes"], hessian_bytes, ".3f"),
+            _mb(i["xla_temp_bytes"]),
+            _mb(i["predicted_peak_bytes"]),
+            report.gigabytes(r["peak_rss_bytes"]),
+            report.gigabytes(above),
+            report.number(r.get("steady_min_s")),
+            report.number(r.get("steady_cpu_min_s")),
+            report.check_cell(r, reference, "max_rel_diff_vs_rows_1"),
+        ]
+
     lines = [
-        f"Hessian of an eqx.nn.MLP(32, 1, {info.get('width')}, {info.get('depth')}) "
-        f"mean-squared loss over {info.get('points')} points, output bias held fixed: "
-        f"n = {n:,}, H = {hessian_bytes / _MB:,.0f} MB (float32). Devices: forced CPU "
-        f"devices (XLA_FLAGS=--xla_force_host_platform_device_count=D) on "
-        f"{os.cpu_count()} cores.",
+        report.describe_mlp(info, more=", output bias held fixed")
+        + ". Devices: forced CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=D) "
+        f"on {os.cpu_count()} cores.",
         "",
-        _harness.markdown_table(headers, rows),
+        report.case_table(results, headers, row),
         "",
         "output / device, temp / device: XLA's memory_analysis() of the compiled call, per "
         "device; predicted peak = output + temp. share of H: output / device over the whole "
@@ -576,8 +514,8 @@ def _two_process_lines(by_case: dict[str, Any], hessian_bytes: int) -> list[str]
                 [
                     r["case"],
                     p["process"],
-                    _gb(p["floor_bytes"]),
-                    _gb(p["peak_rss_bytes"]),
+                    report.gigabytes(p["floor_bytes"]),
+                    report.gigabytes(p["peak_rss_bytes"]),
                     _mb(above),
                     f"{above / hessian_bytes:.3f}",
                     f"{p['time_s']:.2f}",
@@ -594,7 +532,7 @@ def _two_process_lines(by_case: dict[str, Any], hessian_bytes: int) -> list[str]
         "data are set up; peak: after the call; time: the call's wall time, tracing and "
         "compilation included (the first call of each).",
         "",
-        _harness.markdown_table(headers, rows),
+        report.markdown_table(headers, rows),
     ]
     memory, stream = by_case.get("memory-2p"), by_case.get("stream-2p")
     if memory is not None and stream is not None:
@@ -608,14 +546,13 @@ def _two_process_lines(by_case: dict[str, Any], hessian_bytes: int) -> list[str]
         )
         stream["stream_peak_of_hessian"] = worst / hessian_bytes
         stream["stream_time_ratio"] = ratio
-        met = {True: "met", False: "MISSED"}
         lines += [
             "",
             f"- stream-2p peak above floor, largest process: {worst / _MB:,.0f} MB = "
             f"{worst / hessian_bytes:.3f} x H (target <= {STREAM_PEAK_TARGET} x H): "
-            f"{met[worst <= STREAM_PEAK_TARGET * hessian_bytes]}.",
+            f"{report.met(worst <= STREAM_PEAK_TARGET * hessian_bytes)}.",
             f"- stream-2p time / memory-2p time (slowest process of each): {ratio:.2f} "
-            f"(target <= {STREAM_TIME_TARGET}): {met[ratio <= STREAM_TIME_TARGET]}.",
+            f"(target <= {STREAM_TIME_TARGET}): {report.met(ratio <= STREAM_TIME_TARGET)}.",
             f"- the rows each process wrote against those it holds in memory: sums differ "
             f"by {same:.1e} of the sum of |entries|.",
         ]
@@ -706,7 +643,7 @@ def what_fits(fit: dict[str, Any]) -> str:
         "cost per product taken as the same number of rows of n at every n; the fixed part "
         "(the gradient's residuals: the network's activations over the data) depends on the "
         "network and the data, not on n, and is left out.\n\n"
-        + _harness.markdown_table(headers, rows)
+        + report.markdown_table(headers, rows)
         + f"\n\nlargest block: the rows per block that the rest of a device holds at "
         f"{rows_per_product:.1f} rows' worth per product, at most the device's share. "
         "Where the devices do not divide n, n is padded to a multiple of them, as the split "
@@ -715,12 +652,8 @@ def what_fits(fit: dict[str, Any]) -> str:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    hessian_memory._add_arguments(parser)
     parser.add_argument(
         "--nbatches", type=int, default=96, help="blocks of the whole Hessian (default 96)"
-    )
-    parser.add_argument(
-        "--steady-calls", type=int, default=3, help="timed calls after the first (default 3)"
     )
     parser.add_argument(
         "--two-process-nbatches",
@@ -733,10 +666,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 if __name__ == "__main__" and sys.argv[1:2] == ["--process"]:
     _process_main(sys.argv[2:])
 elif __name__ == "__main__":
-    _harness.main(
+    report.main(
         name="sharded",
         description=__doc__.splitlines()[0],
         cases=CASES,
-        report=report,
+        report=report_text,
         add_arguments=_add_arguments,
+        steady_calls=3,
     )
