@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._checks import as_index, check_block_options, check_bool, check_callable, check_choice
 from .._curvature._block_diagonal import BlockDiagonal
+from .._curvature._options import OperatorSource, TransformOptions
 from .._engine._block_plans import plan_blocks
 from .._engine._sharding import Kept, Split, check_sharding
 from .._plan._memory import check_memory
@@ -86,7 +87,7 @@ class Prepared(NamedTuple):
         return value if self.restore_aux is None else (value, self.restore_aux(aux))
 
 
-class AbstractDerivative(AbstractSharded):
+class AbstractDerivative(AbstractSharded, OperatorSource):
     """The configuration, the checks and the planned work that `BatchedJacobian`,
     `BatchedHessian` and `BatchedGGN` share.
 
@@ -167,6 +168,37 @@ class AbstractDerivative(AbstractSharded):
         if self.blocks == "leaf":
             return leaf_blocks(self, args, kwargs)
         return super()._call(args, kwargs)
+
+    def _operator_options(self) -> TransformOptions:
+        return TransformOptions(
+            has_aux=self.has_aux,
+            jit=self.jit,
+            strategy=self.strategy,
+            nbatches=self.nbatches,
+            batch_size=self.batch_size,
+            max_memory=self.max_memory,
+            sharding=self.sharding,
+            progress=self.progress,
+        )
+
+    def _unblocked(self) -> AbstractDerivative:
+        # With strategy="auto" one product evaluates `fn` in place: a linearisation kept
+        # pays only where blocks share it, and JAX's partial evaluation of a loop in `fn`
+        # (a scan, an ODE solver's while) keeps the whole loop on the linear side, which
+        # then costs more than the product evaluated afresh.
+        strategy = "recompute" if self.strategy == "auto" else self.strategy
+        return dataclasses.replace(
+            self,
+            nbatches=None,
+            batch_size=None,
+            max_memory=None,
+            progress=False,
+            sharding=None,
+            strategy=strategy,
+        )
+
+    def _with_strategy(self, strategy: Any) -> AbstractDerivative:
+        return dataclasses.replace(self, strategy=strategy)
 
     def _refuse_leaf_blocks(self) -> None:
         """Refuse to plan or stream one call where `blocks="leaf"` makes one per leaf."""

@@ -14,6 +14,7 @@ from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
 from .._checks import as_index, check_bool, check_callable, check_int
 from .._curvature._operator import BlockedOperator, flat_product, make_operator
+from .._curvature._options import OperatorSource, TransformOptions, options_of
 from .._engine._sharding import to_mesh
 from .._plan._memory import check_size_or_memory
 from .._plan._plans import Work
@@ -27,6 +28,7 @@ from ._accumulate import (
     is_accumulator_leaf,
     resolve,
 )
+from ._derivative import AbstractDerivative
 from ._microbatch_checks import (
     _as_count,
     _as_indices,
@@ -49,7 +51,7 @@ __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
 _OWNER = "Microbatcher"
 
 
-class Microbatcher(AbstractBlocked):
+class Microbatcher(AbstractBlocked, OperatorSource):
     """`fn` evaluated on microbatches of its batch arguments, one after another.
 
     Use it where a function of a whole batch (a loss, its gradient, a Hessian, a
@@ -247,6 +249,22 @@ class Microbatcher(AbstractBlocked):
         return dataclasses.replace(self, microbatch_size=size, max_memory=None)
 
     @public
+    def _operator_options(self) -> TransformOptions:
+        wrapped = options_of(self.fn)
+        # Its own options cut the batch, not the vectors: the blocks of products are
+        # those of the derivative it wraps (none for another Microbatcher).
+        blocks = wrapped if isinstance(self.fn, AbstractDerivative) else TransformOptions()
+        return blocks._replace(
+            has_aux=wrapped.has_aux,
+            jit=True,
+            strategy=None,
+            sharding=None,
+            progress=self.progress,
+        )
+
+    def _unblocked(self) -> Microbatcher:
+        return dataclasses.replace(self, max_memory=None, progress=False)
+
     def operator(self, *args: Any, **kwargs: Any) -> BlockedOperator:
         """The summed or mean matrix of `fn` over the batch, as a `lineax` linear
         operator: each product runs over the microbatches one after another, so it
