@@ -963,3 +963,14 @@ def test_save_into_a_read_only_directory_names_the_users_path(tmp_path):
 def test_example_runs(capsys):
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     assert "identical" in capsys.readouterr().out
+
+
+def test_public_classes_are_saved_by_their_public_paths_and_old_paths_still_load():
+    """A loss is found again as `zodmem.losses:...`, and a file that names a private
+    module of the flat layout (`zodmem._losses`, `zodmem._hessian`) still loads."""
+    from zodmem._serialise._import_path import import_path, resolve
+
+    assert import_path(zm.losses.SquaredError)[0] == "zodmem.losses:SquaredError"
+    assert import_path(zm.BatchedGGN)[0] == "zodmem:BatchedGGN"
+    assert resolve("zodmem._losses:SquaredError", "a loss") is zm.losses.SquaredError
+    assert resolve("zodmem._hessian:BatchedHessian", "a transform") is zm.BatchedHessian
