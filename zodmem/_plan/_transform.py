@@ -140,10 +140,11 @@ class AbstractBlocked(AbstractTransform):
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         """The call: planned from the budget (if any), then run. The program compiled to
-        plan the chosen blocks is the one that runs, where it can (`_planned_bound`). The
+        plan the chosen blocks is the one that runs, where it can (`_bound`). The
         bars of a run that fails are closed, not left for the next run to draw beneath."""
         with closing_bars():
-            planned, bound = self._planned_bound(args, kwargs)
+            planned, executable = self._planned_call(args, kwargs)
+            bound = self._bound(planned, executable, args, kwargs)
             if bound is not None:
                 return bound(args, kwargs)
             return planned._run(*args, **kwargs)
@@ -157,11 +158,18 @@ class AbstractBlocked(AbstractTransform):
         where that program cannot run them: no budget, a bar (whose callback is not in
         the planned program), traced arguments or arguments placed elsewhere."""
         planned, executable = self._planned_call(args, kwargs)
+        return planned, self._bound(planned, executable, args, kwargs)
+
+    def _bound(
+        self, planned: AbstractBlocked, executable: Any, args: tuple, kwargs: dict
+    ) -> Callable[..., Any] | None:
+        """The program compiled to plan `planned`, bound as `bound(args, kwargs)`, or
+        `None` where it cannot run these arguments (see `_planned_bound`)."""
         if executable is None or self.progress:
-            return planned, None
+            return None
         if not runs_compiled(executable, planned, args, kwargs):
-            return planned, None
-        return planned, bind_compiled(executable, planned)
+            return None
+        return bind_compiled(executable, planned)
 
     def _planned(
         self, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
