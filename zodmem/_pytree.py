@@ -49,10 +49,14 @@ class Variables(eqx.Module):
     treedef: Any = eqx.field(static=True)
     is_variable: tuple[bool, ...] = eqx.field(static=True)
     fixed: list[Any]
+    # Each leaf's number of entries, and where it starts in the flat vector: read by every
+    # cut of a flat vector into leaves, so computed once.
+    sizes: tuple[int, ...] = eqx.field(static=True, init=False)
+    offsets: tuple[int, ...] = eqx.field(static=True, init=False)
 
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(math.prod(shape) for shape in self.shapes)
+    def __post_init__(self):
+        self.sizes = tuple(math.prod(shape) for shape in self.shapes)
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
 
     @property
     def size(self) -> int:
@@ -65,11 +69,6 @@ class Variables(eqx.Module):
         takes a curvature's products in reverse mode (with mixed dtypes, forward mode
         matches JAX's rounding; complex variables keep it too)."""
         return len(set(self.dtypes)) == 1 and bool(jnp.issubdtype(self.dtype, jnp.floating))
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Where each leaf starts in the flat vector."""
-        return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
 
     def ravel(self, tree: Any) -> jax.Array:
         """Concatenate the variable leaves of `tree` into one vector of dtype `self.dtype`."""

@@ -164,11 +164,6 @@ class AbstractDerivative(AbstractSharded, OperatorSource):
                     f"{getattr(self, name)!r}. Use blocks='full' with {name}."
                 )
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        if self.blocks == "leaf":
-            return leaf_blocks(self, args, kwargs)
-        return super()._call(args, kwargs)
-
     def _operator_options(self) -> TransformOptions:
         return TransformOptions(
             has_aux=self.has_aux,

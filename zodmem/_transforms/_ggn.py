@@ -22,6 +22,7 @@ from .._engine._sharding import Split
 from .._pytree import Variables, split_variables
 from .._traceback import public
 from ._derivative import AbstractDerivative, Prepared
+from ._leaf_blocks import leaf_blocks
 from ._leafwise import curvature_matrix
 
 __all__ = ["BatchedGGN", "ggn_products"]
@@ -157,6 +158,8 @@ class BatchedGGN(AbstractDerivative):
         | tuple[Float[Array, "_ _"], ...]
         | tuple[tuple[Float[Array, "_ _"], ...], Any]
     ):
+        if self.blocks == "leaf":
+            return leaf_blocks(self, (x, *args), kwargs)
         return self._call((x, *args), kwargs)
 
     def compute_share(

@@ -19,6 +19,7 @@ from .._engine._sharding import Split
 from .._pytree import Variables
 from .._traceback import public
 from ._derivative import AbstractDerivative, Prepared, product_function
+from ._leaf_blocks import leaf_blocks
 from ._leafwise import curvature_matrix
 
 __all__ = ["BatchedHessian"]
@@ -142,6 +143,8 @@ class BatchedHessian(AbstractDerivative):
         | tuple[Float[Array, "_ _"], ...]
         | tuple[tuple[Float[Array, "_ _"], ...], Any]
     ):
+        if self.blocks == "leaf":
+            return leaf_blocks(self, (x, *args), kwargs)
         return self._call((x, *args), kwargs)
 
     def compute_share(
