@@ -26,9 +26,11 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-__all__ = ["canonical_body", "canonical_spec", "holds", "holds_convolution"]
+__all__ = ["LOOPS", "canonical_body", "canonical_spec", "holds", "holds_convolution", "jaxpr_holds"]
 
 _CONV = lax.conv_general_dilated_p
+# The primitives of a loop (`lax.scan`, `lax.while_loop`; `fori_loop` makes either).
+LOOPS = (lax.while_p, lax.scan_p)
 
 
 def canonical_spec(spatial: int) -> lax.ConvDimensionNumbers:
@@ -84,6 +86,11 @@ def holds(fn: Callable[..., Any], *args: Any, primitives: tuple[Any, ...]) -> bo
         return [leaf for leaf in jax.tree_util.tree_leaves(fn(*args)) if eqx.is_array(leaf)]
 
     return _holds(jax.make_jaxpr(arrays)(*args).jaxpr, primitives)
+
+
+def jaxpr_holds(jaxpr: Jaxpr, primitives: tuple[Any, ...]) -> bool:
+    """Whether `jaxpr`, or a program nested in it, holds any of `primitives`."""
+    return _holds(jaxpr, primitives)
 
 
 def _holds(jaxpr: Jaxpr, primitives: tuple[Any, ...]) -> bool:

@@ -27,7 +27,9 @@ The planner (`Planner`) reads top to bottom:
 2. search (`_search.search`): the largest size that fits, in few compiles. Where the
    platform caps a block's temporaries (a CPU's caches) and the transform can read from
    its function that one item alone makes a value past that cap, one item per block is
-   compiled first, for the call, and is the plan when it fits.
+   compiled first, for the call, and is the plan when it fits. Where the work's program
+   runs a loop, the cap does not apply, and the whole work in one block comes first,
+   with the strategy whose peak is least there (`Planner.whole_work_first`).
 3. reserve: the platform's policy (`policy_of`), in one place.
 4. refusal: where no block size fits, `MemoryBudgetError` names the least budget that
    plans, found by planning it.
@@ -321,7 +323,15 @@ class Planner:
 
     def search(self, usable: int) -> tuple[Any, int]:
         """The first strategy with a block size that fits, and that size; `_NoFit` with
-        the least peak seen where none does."""
+        the least peak seen where none does. Where the work runs a loop, the whole work
+        in one block comes first (`whole_work_first`)."""
+        first = self.transform.strategies[0]
+        one = self.one_item_first(first, usable)
+        if one is not None:
+            return first, one
+        whole = self.whole_work_first(usable)
+        if whole is not None:
+            return whole
         leasts = []
         for strategy in self.transform.strategies:
             one = self.one_item_first(strategy, usable)
@@ -332,6 +342,37 @@ class Planner:
             except _NoFit as nofit:
                 leasts.append(nofit)
         raise min(leasts, key=lambda nofit: nofit.least)
+
+    def loops(self) -> bool:
+        """Whether the work's program runs a loop (a `scan`, a `while`), read from the
+        whole work of the first strategy, which holds no loop of the blocks' own."""
+        return self.candidate(self.transform.strategies[0], self.work.total).loops
+
+    def block_bytes(self) -> int | None:
+        """The temporaries a block is given: the platform's cap, but none for a program
+        that runs a loop, whose peak is mostly the values its steps save for the
+        gradient, each written and read once rather than held in the caches, and whose
+        steps are each paid once per block (a small step costs its overhead, not its
+        arithmetic), so fewer blocks run faster."""
+        cap = self.policy.block_bytes
+        if cap is None or self.work.total < 2:
+            return cap
+        return None if self.loops() else cap
+
+    def whole_work_first(self, usable: int) -> tuple[Any, int] | None:
+        """Where the work runs a loop, the whole work in one block where it fits, with
+        the strategy whose peak is least there (the first on a tie): in one block a
+        kept linearisation serves that block only, so the strategies do the same work,
+        and only their memory tells them apart. `None` where the work holds no loop or
+        no strategy's whole work fits."""
+        total = self.work.total
+        if total < 2 or not self.loops():
+            return None
+        peaks = [(self.candidate(s, total).peak_bytes, s) for s in self.transform.strategies]
+        fitting = [(peak, i) for i, (peak, _) in enumerate(peaks) if peak <= usable]
+        if not fitting:
+            return None
+        return peaks[min(fitting)[1]][1], total
 
     def one_item_first(self, strategy: Any, usable: int) -> int | None:
         """One item per block, where the platform caps a block's temporaries and one
@@ -348,7 +389,7 @@ class Planner:
 
     def search_strategy(self, strategy: Any, usable: int) -> int:
         """The largest block size of `strategy` that fits (`_search.search`)."""
-        total, cap = self.work.total, self.policy.block_bytes
+        total, cap = self.work.total, self.block_bytes()
         least = None
         if cap is not None:
             # The whole work is compiled anyway where blocks are capped; where the output

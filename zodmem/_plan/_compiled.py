@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._engine._layout import LOOPS, jaxpr_holds
 from .._engine._sharding import Kept, is_explicit
 
 __all__ = [
@@ -38,6 +39,8 @@ class Compiled(NamedTuple):
     peak_bytes: int
     output_bytes: int
     executable: Any
+    # Whether the program runs a loop (a `scan` or a `while`, nested anywhere in it).
+    loops: bool = False
 
 
 # A probe is compiled only for its memory: without the backend's code optimisations
@@ -104,11 +107,12 @@ def compile_call(
         arrays, rest = eqx.partition(call(*eqx.combine(dynamic, static)), eqx.is_array)
         return arrays, Kept(rest)
 
-    lowered = jax.jit(call_of_arrays).lower(dynamic)
-    executable = lowered.compile(compiler_options=options)
+    traced = jax.jit(call_of_arrays).trace(dynamic)
+    executable = traced.lower().compile(compiler_options=options)
     analysis = executable.memory_analysis()
     output = int(analysis.output_size_in_bytes)
-    return Compiled(int(analysis.temp_size_in_bytes) + output, output, executable)
+    loops = jaxpr_holds(traced.jaxpr.jaxpr, LOOPS)
+    return Compiled(int(analysis.temp_size_in_bytes) + output, output, executable, loops)
 
 
 def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:

@@ -1,0 +1,83 @@
+"""Plans of work that runs a loop (a recurrent model's `lax.scan`, an ODE solver's
+`while`): the whole work in one block where it fits, with the strategy whose peak is
+least there, and no cap of a block's temporaries; work without a loop is planned as
+before."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import close
+
+import zodmem as zm
+from zodmem._curvature._vector_blocks import ProductBlocks
+from zodmem._plan._compiled import compile_call
+
+STEPS, SEQUENCES, WIDTH = 48, 32, 24
+
+
+def recurrent_loss(weights, inputs):
+    # A small recurrent cell run over the steps: the loop saves every step's state.
+    def step(state, features):
+        state = jnp.tanh(state @ weights["recurrent"] + features @ weights["input"])
+        return state, None
+
+    final, _ = jax.lax.scan(step, jnp.zeros((SEQUENCES, WIDTH)), jnp.swapaxes(inputs, 0, 1))
+    return jnp.mean(final**2)
+
+
+def mlp_loss(weights, inputs):
+    hidden = jnp.tanh(inputs[:, 0] @ weights["input"])
+    return jnp.mean((hidden @ weights["recurrent"]) ** 2)
+
+
+def problem(vectors):
+    rng = np.random.default_rng(0)
+    weights = {
+        "input": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / WIDTH, jnp.float32),
+        "recurrent": jnp.asarray(rng.normal(size=(WIDTH, WIDTH)) / WIDTH, jnp.float32),
+    }
+    inputs = jnp.asarray(rng.normal(size=(SEQUENCES, STEPS, WIDTH)), jnp.float32)
+    matrix = jnp.asarray(rng.normal(size=(2 * WIDTH * WIDTH, vectors)), jnp.float32)
+    return weights, inputs, matrix
+
+
+def test_a_compiled_call_says_whether_it_runs_a_loop():
+    weights, inputs, _ = problem(1)
+    assert compile_call(jax.grad(recurrent_loss), weights, inputs).loops
+    assert not compile_call(jax.grad(mlp_loss), weights, inputs).loops
+
+
+def test_products_of_a_loop_are_planned_as_one_block_of_the_least_peak():
+    weights, inputs, matrix = problem(64)
+    operator = zm.BatchedHessian(recurrent_loss, max_memory="2GB").operator(weights, inputs)
+    plan = ProductBlocks.of(operator).plan(matrix)
+    # Before, the cap of a CPU block's temporaries cut these products into many blocks.
+    assert (plan.num_blocks, plan.block_size) == (1, 64), plan
+    peaks = {
+        strategy: ProductBlocks.of(operator.with_strategy(strategy))
+        .with_block_size(64, strategy)
+        .plan(matrix)
+        .peak_bytes
+        for strategy in ("linearize", "recompute")
+    }
+    assert plan.strategy == min(peaks, key=peaks.get), (plan, peaks)
+    # The same plan in every call: it is read from compiled programs only.
+    again = zm.BatchedHessian(recurrent_loss, max_memory="2GB").operator(weights, inputs)
+    assert ProductBlocks.of(again).plan(matrix) == plan
+    dense = zm.BatchedHessian(recurrent_loss)(weights, inputs)
+    close(operator.mm(matrix), dense @ matrix, rtol=1e-4, atol=1e-5)
+
+
+def test_a_budget_too_small_for_one_block_of_a_loop_still_plans_blocks():
+    weights, inputs, matrix = problem(64)
+    operator = zm.BatchedHessian(recurrent_loss, max_memory="2GB").operator(weights, inputs)
+    whole = ProductBlocks.of(operator).plan(matrix)
+    tight = zm.BatchedHessian(recurrent_loss, max_memory=whole.peak_bytes // 2)
+    plan = ProductBlocks.of(tight.operator(weights, inputs)).plan(matrix)
+    assert plan.fits and plan.num_blocks > 1, plan
+
+
+def test_products_without_a_loop_keep_the_linearisation():
+    weights, inputs, matrix = problem(64)
+    operator = zm.BatchedHessian(mlp_loss, max_memory="2GB").operator(weights, inputs)
+    assert ProductBlocks.of(operator).plan(matrix).strategy == "linearize"
