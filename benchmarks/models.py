@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -110,6 +111,14 @@ CASE_NAMES = (
     "matfree/trace",
     "zm/diagonal",
     "zm/dense-hessian",
+    "zm/kfac-build",
+    "curvlinops/kfac-build",
+    "zm/kfac-mv",
+    "curvlinops/kfac-mv",
+    "zm/kfac-solve",
+    "curvlinops/kfac-solve",
+    "zm/kfac-logdet",
+    "curvlinops/kfac-logdet",
 )
 # What `--gpu` runs of every model.
 HEADLINE = (
@@ -122,6 +131,8 @@ HEADLINE = (
     "matfree/eigsh",
     "zm/trace",
     "matfree/trace",
+    "zm/kfac-build",
+    "zm/kfac-solve",
 )
 # The plain JAX anchor of the same work, for the ratios.
 ANCHOR = {
@@ -132,6 +143,15 @@ ANCHOR = {
     "curvlinops/ggn-mm": "jax/ggn-mm",
     "zm/eigsh": "matfree/eigsh",
     "zm/trace": "matfree/trace",
+}
+# KFAC's anchor is curvlinops' KFAC of the same network (there is no plain JAX one).
+KFAC_CASES = ("kfac-build", "kfac-mv", "kfac-solve", "kfac-logdet")
+ANCHOR.update({f"zm/{case}": f"curvlinops/{case}" for case in KFAC_CASES})
+_DAMPING = 1e-3
+# Models without curvlinops' KFAC, and why.
+_NO_CURVLINOPS_KFAC = {
+    "rnn": "the GRU cell's weights are in no Linear or Conv2d module",
+    "physics": "no torch version",
 }
 # Where the exact diagonal and the dense Hessian take seconds, not hours.
 _DENSE_MODELS = ("mlp",)
@@ -149,6 +169,8 @@ def cases_of(model: str) -> tuple[str, ...]:
     """The cases that `model` has."""
 
     def has(case: str) -> bool:
+        if case.startswith("curvlinops/kfac"):
+            return model in _TORCH_MODELS and model not in _NO_CURVLINOPS_KFAC
         if case == "torch-floor" or case.startswith("curvlinops/"):
             return model in _TORCH_MODELS
         if case in ("zm/diagonal", "zm/dense-hessian"):
@@ -545,6 +567,183 @@ def _curvlinops(model: str, args: argparse.Namespace, which: str) -> report.Case
     return _case(s, compute, "curvlinops", args, after=agreement)
 
 
+# -- KFAC ----------------------------------------------------------------------------------
+
+
+def _reset_peak() -> bool:
+    """Start the process's peak resident memory afresh from what it holds now (Linux's
+    `clear_refs`), so that a call's peak leaves out the building before it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _kfac_transform(args: argparse.Namespace) -> Callable[[Any], Any]:
+    """`problem -> zm.KFAC(...)(model, inputs, targets)`, at the operators' budget where
+    the data can be cut into microbatches: not the GPT's, whose targets are flat (one a
+    token) while its inputs are sequences."""
+    import zodmem as zm
+
+    def build(p):
+        aligned = p.inputs.shape[0] == p.targets.shape[0]
+        budget = _budget(args) if aligned else None
+        transform = zm.KFAC(p.outputs, p.loss_object, max_memory=budget)
+        return transform(p.model, p.inputs, p.targets)
+
+    return build
+
+
+def _kfac_record(operator: Any) -> dict[str, Any]:
+    """What KFAC made of the model: its layers, and the leaves it holds as exact dense
+    blocks (those in no layer it reads)."""
+    dense = [b for b in operator.blocks if len(b.leaves) == 1 and b.in_size == 1]
+    return {
+        "kfac_blocks": len(operator.blocks),
+        "kfac_layers": len(operator.blocks) - len(dense),
+        "kfac_dense_blocks": len(dense),
+        "kfac_dense_largest": max((b.out_size for b in dense), default=0),
+    }
+
+
+def _refused(s: dict[str, Any], tool: str, args: argparse.Namespace, error: Exception):
+    """The case of a model that zm.KFAC refuses: a row that says so, not a crash."""
+    import jax.numpy as jnp
+
+    s["info"]["refused"] = f"{type(error).__name__}: {error}"
+    return _case(s, lambda: jnp.zeros((1,)), tool, args)
+
+
+def zm_kfac_build(model: str, args: argparse.Namespace) -> report.Case:
+    import jax.numpy as jnp
+
+    s = _setup(model, args)
+    build, refusal = _kfac_transform(args), {}
+
+    def compute():
+        try:
+            return build(s["problem"])
+        except ValueError as error:  # a leaf KFAC cannot hold, refused by name
+            refusal["refused"] = f"{type(error).__name__}: {error}"
+            return jnp.zeros((1,))  # the harness fingerprints an array of one axis at least
+
+    def note(result):
+        return refusal or _kfac_record(result)
+
+    return _case(s, compute, "zodmem", args, note)
+
+
+def _zm_kfac(model: str, args: argparse.Namespace, use: Callable[..., Any]) -> report.Case:
+    """A case of the built operator: `use(F, v)`, `v` the first of the vectors; the
+    building is not timed, and the peak starts afresh after it."""
+    import jax
+
+    s = _setup(model, args)
+    try:
+        operator = jax.block_until_ready(_kfac_transform(args)(s["problem"]))
+    except ValueError as error:
+        return _refused(s, "zodmem", args, error)
+    s["info"].update(_kfac_record(operator), peak_reset=_reset_peak())
+    vector = s["vectors"][:, 0]
+    return _case(s, lambda: use(operator, vector), "zodmem", args)
+
+
+def _damped_logdets(ours: Any, theirs: Any, names: list[str]) -> tuple[float, float]:
+    """`log det(F + damping I)` over the blocks curvlinops has, from zodmem's
+    eigenvalues and from curvlinops' factors (its own `logdet` has no damping)."""
+    import numpy as np
+    import torch
+
+    def logdet(values):
+        return float(np.sum(np.log(np.maximum(values, 0) + _DAMPING)))
+
+    mine = sum(
+        logdet(np.asarray(eigen.eigenvalues, np.float64))
+        for eigen in ours.eigh()
+        if all(name in names for name in eigen.names)
+    )
+    other = 0.0
+    for layer, factor in theirs._gradient_covariances.items():
+        inputs = theirs._input_covariances.get(layer, torch.ones(1, 1))
+        b, a = (torch.linalg.eigvalsh(m.double()).numpy() for m in (factor, inputs))
+        other += logdet(np.outer(b, a))
+    return mine, other
+
+
+def _curvlinops_kfac(model: str, args: argparse.Namespace, which: str) -> report.Case:
+    """curvlinops' KFAC on the parameters it takes: its factors (`kfac-build`, each
+    call a new operator), or with them computed before the timed calls (and the peak
+    started afresh), its product, its exactly damped inverse's product (the factors'
+    eigendecompositions in the first call, cached for the others) or its `logdet`
+    (undamped: curvlinops offers no damped one), each checked against zodmem's KFAC
+    on the same entries."""
+    import numpy as np
+    import problems
+    import torch
+    from curvlinops import KFACInverseLinearOperator
+
+    s = _setup(model, args)
+    c = problems.curvlinops_kfac(s["problem"])
+    s["info"].update(c.info)
+    vector = torch.from_numpy(np.array(s["vectors"][:, 0])[c.indices])
+    results: list[Any] = []
+
+    if which == "build":
+
+        def compute():
+            operator = c.make()
+            operator.compute_kronecker_factors()
+            return np.asarray([float(f.trace()) for f in operator._input_covariances.values()])
+
+    else:
+        operator = c.make()
+        operator.compute_kronecker_factors()
+        s["info"]["peak_reset"] = _reset_peak()
+        inverse: list[Any] = []
+
+        def compute():
+            with torch.no_grad():
+                if which == "mv":
+                    result = (operator @ vector).numpy()
+                elif which == "solve":
+                    if not inverse:
+                        inverse.append(
+                            KFACInverseLinearOperator(
+                                operator, damping=_DAMPING, use_exact_damping=True
+                            )
+                        )
+                    result = (inverse[0] @ vector).numpy()
+                else:
+                    operator._reset_matrix_properties()  # the property caches its value
+                    result = np.asarray([float(operator.logdet)])
+            results[:] = [result]
+            return result
+
+    def agreement():
+        # zodmem's KFAC of the whole model, on the entries curvlinops has.
+        if which == "build":
+            return {"kfac_leaves_curvlinops": len(c.names)}
+        try:
+            ours = _kfac_transform(args)(s["problem"])
+        except ValueError:
+            return {"agreement_vs_zodmem": None, "zodmem_refused": True}
+        if which == "logdet":
+            mine, other = _damped_logdets(ours, operator, c.names)
+            return {
+                "logdet_curvlinops_undamped": float(results[0][0]),
+                "logdet_damped_zodmem": mine,
+                "logdet_damped_curvlinops_factors": other,
+            }
+        flat = s["vectors"][:, 0]
+        mine = ours.mv(flat) if which == "mv" else ours.solve(flat, damping=_DAMPING)
+        difference = report.relative_difference(results[0], np.asarray(mine)[c.indices])
+        return {"agreement_vs_zodmem": difference}
+
+    return _case(s, compute, "curvlinops", args, after=agreement)
+
+
 # -- the cases, the report and the command line ---------------------------------------------
 
 _BUILDERS: dict[str, Callable[[str, argparse.Namespace], report.Case]] = {
@@ -564,6 +763,18 @@ _BUILDERS: dict[str, Callable[[str, argparse.Namespace], report.Case]] = {
     "matfree/trace": matfree_trace,
     "zm/diagonal": zm_diagonal,
     "zm/dense-hessian": zm_dense_hessian,
+    "zm/kfac-build": zm_kfac_build,
+    "zm/kfac-mv": functools.partial(_zm_kfac, use=lambda operator, vector: operator.mv(vector)),
+    "zm/kfac-solve": functools.partial(
+        _zm_kfac, use=lambda operator, vector: operator.solve(vector, damping=_DAMPING)
+    ),
+    "zm/kfac-logdet": functools.partial(
+        _zm_kfac, use=lambda operator, vector: operator.logdet(damping=_DAMPING)[None]
+    ),
+    **{
+        f"curvlinops/kfac-{which}": functools.partial(_curvlinops_kfac, which=which)
+        for which in ("build", "mv", "solve", "logdet")
+    },
 }
 
 CASES: dict[str, Callable[[argparse.Namespace], report.Case]] = {
@@ -596,6 +807,95 @@ def _check(case: str, r: dict[str, Any], anchor: dict[str, Any] | None) -> str:
     return ""
 
 
+def _is_kfac(case: str) -> bool:
+    return case.split("/", 1)[-1] in KFAC_CASES
+
+
+def _kfac_check(which: str, ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
+    """What KFAC made of the model (`build`), or how curvlinops' result compares with
+    zodmem's on the same entries."""
+    info = ours.get("info", {}) if ours is not None else {}
+    if "refused" in info:
+        leaf = re.search(r"the leaf (\S+) of shape (\(.*?\))", info["refused"])
+        return f"zm refused: {leaf.group(1)} {leaf.group(2)} in no layer" if leaf else "zm refused"
+    other = theirs["info"] if theirs is not None and "error" not in theirs else {}
+    if which == "kfac-build":
+        cells = []
+        if "kfac_layers" in info:
+            dense = info["kfac_dense_blocks"]
+            largest = f" (≤ {info['kfac_dense_largest']} entries)" if dense else ""
+            cells.append(f"zm: {info['kfac_layers']} layers, {dense} dense blocks{largest}")
+        if "kfac_leaves_curvlinops" in other:
+            left = other.get("curvlinops_kfac_left_out", 0)
+            cells.append(f"curvlinops: {other['kfac_leaves_curvlinops']} leaves, {left} left out")
+        return "; ".join(cells)
+    if which == "kfac-logdet" and "logdet_damped_zodmem" in other:
+        mine, theirs = other["logdet_damped_zodmem"], other["logdet_damped_curvlinops_factors"]
+        return f"{abs(theirs - mine) / abs(mine):.1e} vs zm (damped, from its factors)"
+    if other.get("agreement_vs_zodmem") is not None:
+        return f"{other['agreement_vs_zodmem']:.1e} vs zm"
+    return ""
+
+
+def _kfac_table(results: list[dict[str, Any]]) -> str:
+    """One row a model and KFAC case: zodmem's figures, curvlinops', their ratios."""
+    by_case = {r["case"]: r for r in results}
+    headers = [
+        "model",
+        "case",
+        "zm first (s)",
+        "zm steady (s)",
+        "zm peak - floor (MB)",
+        "curvlinops first (s)",
+        "curvlinops steady (s)",
+        "curvlinops peak - floor (MB)",
+        "steady zm / curvlinops",
+        "peak zm / curvlinops",
+        "check",
+    ]
+    rows = []
+    for model in MODELS:
+        for which in KFAC_CASES:
+            ours = by_case.get(f"{model}:zm/{which}")
+            theirs = by_case.get(f"{model}:curvlinops/{which}")
+            if ours is None and theirs is None:
+                continue
+            figures = []
+            for r, floor_case in ((ours, "floor"), (theirs, "torch-floor")):
+                floor = by_case.get(f"{model}:{floor_case}")
+                floor = floor if floor is not None and "error" not in floor else None
+                if r is None:
+                    missing = "n/a" if model in _NO_CURVLINOPS_KFAC else ""
+                    figures.append(((missing, "", ""), None, None))
+                elif "error" in r:
+                    figures.append(((report.failed_row(r, 2)[1][:60], "", ""), None, None))
+                elif "refused" in r["info"]:
+                    figures.append((("refused", "", ""), None, None))
+                else:
+                    above = report.above(r, floor)
+                    steady = r.get("steady_min_s")
+                    cells = (
+                        report.number(r["time_s"], ".3g"),
+                        report.number(steady, ".3g"),
+                        report.megabytes(above),
+                    )
+                    figures.append((cells, steady, above))
+            (zm_cells, zm_steady, zm_above), (cl_cells, cl_steady, cl_above) = figures
+            no_anchor = model in _NO_CURVLINOPS_KFAC
+            rows.append(
+                [
+                    model,
+                    which,
+                    *zm_cells,
+                    *cl_cells,
+                    "n/a" if no_anchor else report.ratio(zm_steady, cl_steady, ".3g"),
+                    "n/a" if no_anchor else report.ratio(zm_above, cl_above, ".3g"),
+                    _kfac_check(which, ours, theirs),
+                ]
+            )
+    return report.markdown_table(headers, rows)
+
+
 def _table(model: str, results: list[dict[str, Any]]) -> str:
     by_case = {r["case"].split(":", 1)[1]: r for r in results}
     device = any(r.get("info", {}).get("device_peak_bytes") for r in results)
@@ -612,7 +912,7 @@ def _table(model: str, results: list[dict[str, Any]]) -> str:
         headers.insert(4, "device peak - floor (MB)")
     rows = []
     for case, r in by_case.items():
-        if case in ("floor", "torch-floor"):
+        if case in ("floor", "torch-floor") or _is_kfac(case):
             continue
         if "error" in r:
             rows.append(report.failed_row(r, len(headers), shown=case))
@@ -673,11 +973,30 @@ def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if not mine:
             continue
         infos = [r["info"] for r in mine if "info" in r]
-        lines += [_describe(infos[0]) if infos else f"**{model}**", "", _table(model, mine), ""]
+        lines += [_describe(infos[0]) if infos else f"**{model}**", ""]
+        if any(not _is_kfac(r["case"].split(":")[1]) for r in mine if "floor" not in r["case"]):
+            lines += [_table(model, mine), ""]
         torch_info = next((r["info"] for r in mine if r["case"].endswith(":torch-floor")), None)
         if torch_info and "curvlinops" in torch_info:
             remark = f"; copied weights equal to {torch_info['copied_weights_max_error']:.1e}"
             lines += [report.curvlinops_line(torch_info, remark), ""]
+    if any(_is_kfac(r["case"].split(":")[1]) for r in results):
+        lines += [
+            f"**KFAC** (type-2, damping {_DAMPING:g}), zodmem against curvlinops' "
+            "KFACLinearOperator on the parameters of its Linear and Conv2d modules:",
+            "",
+            _kfac_table(results),
+            "",
+            "kfac-build: the factors over the data (zm: `zm.KFAC(...)(model, inputs, "
+            "targets)` with the factors' eigendecompositions; curvlinops: a new operator and "
+            "`compute_kronecker_factors()`); kfac-mv, kfac-solve, kfac-logdet: `F.mv(v)`, "
+            "`F.solve(v, damping)`, `F.logdet(damping)` (curvlinops: `@ v`, "
+            "`KFACInverseLinearOperator(F, damping, use_exact_damping=True) @ v` with the "
+            "eigendecompositions in its first call, and its undamped `logdet`) on the built "
+            "operator, the peak started afresh after building (held factors included); "
+            "check: curvlinops' result against zodmem's on the same entries.",
+            "",
+        ]
     lines.append(
         "first call: wall time with tracing, compiling and planning; steady: the fastest of "
         "the further calls; peak - floor: peak resident memory above the model's floor "

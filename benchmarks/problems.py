@@ -885,3 +885,86 @@ _TORCH_BUILDERS: dict[str, Callable[[Problem], tuple[Any, Any]]] = {
     "gpt": _torch_gpt,
     "rnn": _torch_rnn,
 }
+
+
+# -- curvlinops' KFAC --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class CurvlinopsKFAC:
+    """curvlinops' KFAC of a problem's torch network over its whole data, on the
+    parameters it takes.
+
+    - `make()`: a new `KFACLinearOperator`, its factors not yet computed.
+    - `indices`: where those parameters' entries are in zodmem's flat vector.
+    - `names`: their paths, as the Equinox leaves' (`.blocks[0].conv1.weight`).
+    - `info`: the versions, the copied weights' error and the parameters left out.
+    """
+
+    make: Callable[[], Any]
+    indices: np.ndarray
+    names: list[str]
+    info: dict[str, Any]
+
+
+def _kfac_modules() -> tuple[type, ...]:
+    import torch
+
+    # The modules curvlinops' KFAC reads (`KFACLinearOperator._SUPPORTED_MODULES`).
+    return (torch.nn.Linear, torch.nn.Conv2d)
+
+
+def curvlinops_kfac(problem: Problem) -> CurvlinopsKFAC:
+    """curvlinops-for-pytorch's `KFACLinearOperator` of `problem`'s torch network, as
+    `zm.KFAC` computes it (`fisher_type="type-2"`, `kfac_approx="expand"`,
+    `separate_weight_and_bias=False`), over the parameters of its `Linear` and `Conv2d`
+    modules: it refuses any other (a normalisation's, an embedding's, a GRU cell's)."""
+    from importlib.metadata import version
+
+    import curvlinops
+    import torch
+
+    t = torch_problem(problem)
+    read = {
+        id(param)
+        for module in t.model.modules()
+        if isinstance(module, _kfac_modules())
+        for param in module.parameters(recurse=False)
+    }
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(problem.model, eqx.is_inexact_array))
+    offsets = np.cumsum([0] + [leaf.size for _, leaf in leaves[0]])
+    chosen = [i for i, param in enumerate(t.params) if id(param) in read]
+    indices = np.concatenate(
+        [np.arange(offsets[i], offsets[i + 1]) for i in chosen] or [np.zeros(0, int)]
+    )
+    names = [jax.tree_util.keystr(leaves[0][i][0]) for i in chosen]
+    params = [t.params[i] for i in chosen]
+    examples = t.inputs.shape[0]
+    # Loss terms an example has, as curvlinops counts them: a label each, or a row of
+    # the targets' last axis each.
+    cross_entropy = isinstance(t.loss_function, torch.nn.CrossEntropyLoss)
+    terms = t.targets.numel() if cross_entropy else t.targets.shape[:-1].numel()
+
+    def make():
+        return curvlinops.KFACLinearOperator(
+            t.model,
+            t.loss_function,
+            params,
+            [(t.inputs, t.targets)],
+            check_deterministic=False,
+            fisher_type="type-2",
+            kfac_approx="expand",
+            separate_weight_and_bias=False,
+            num_data=examples,
+            num_per_example_loss_terms=terms // examples,
+        )
+
+    info = {
+        "torch": torch.__version__,
+        "curvlinops": version("curvlinops-for-pytorch"),
+        "torch_threads": torch.get_num_threads(),
+        "copied_weights_max_error": t.flat_error,
+        "curvlinops_kfac_leaves": len(chosen),
+        "curvlinops_kfac_left_out": len(t.params) - len(chosen),
+    }
+    return CurvlinopsKFAC(make, indices, names, info)
