@@ -393,3 +393,16 @@ def test_damping_that_leaves_an_eigenvalue_below_zero_is_refused():
         F.solve(jnp.zeros(3), damping=1.0)
     with pytest.raises(ValueError, match=r"`approx` takes vectors of size 8 and `exact` of size 3"):
         zm.approximation_error(F, lx.MatrixLinearOperator(jnp.eye(3)), key=jax.random.key(0))
+
+
+def test_microbatches_refuse_data_of_different_lengths_in_kfacs_words():
+    layer = eqx.nn.Linear(3, 5, key=jax.random.key(0))
+    inputs, labels = jnp.ones((2, 4, 3)), jnp.zeros(8, int)
+
+    def predict(model, x, y):
+        return jax.vmap(jax.vmap(model))(x).reshape(-1, 5)
+
+    loss = zm.losses.SoftmaxCrossEntropy(reduction="mean")
+    zm.KFAC(predict, loss)(layer, inputs, labels)  # one batch: the lengths never meet
+    with pytest.raises(ValueError, match=r"zm.KFAC: .*args\[0\]: 2, args\[1\]: 8"):
+        zm.KFAC(predict, loss, microbatch_size=1)(layer, inputs, labels)

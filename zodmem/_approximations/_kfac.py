@@ -224,6 +224,7 @@ class _KroneckerCurvature(eqx.Module):
                 f"{self._owner}: `microbatch_size` and `max_memory` cut the data arguments "
                 "(those after `x`) into microbatches, but the call has none."
             )
+        _check_examples(args, self._owner)
         argnums = tuple(range(2, 2 + len(args))) + ((1,) if keys is not None else ())
         batched = zm.Microbatcher(
             statistics,
@@ -234,6 +235,26 @@ class _KroneckerCurvature(eqx.Module):
             progress=self.progress,
         )
         return batched(leaves, keys, *args)
+
+
+def _check_examples(args: tuple, owner: str) -> None:
+    """Refuse data arguments whose leading axes are not one count of examples, named as
+    the user passed them, before microbatches are cut along those axes."""
+    paths = jax.tree_util.tree_flatten_with_path(args)[0]
+    lengths = {
+        f"args{jax.tree_util.keystr(path)}": leaf.shape[0]
+        for path, leaf in paths
+        if eqx.is_array(leaf) and leaf.ndim > 0
+    }
+    if len(set(lengths.values())) > 1:
+        shown = ", ".join(f"{name}: {length}" for name, length in lengths.items())
+        raise ValueError(
+            f"{owner}: `microbatch_size` and `max_memory` cut the data arguments (those after "
+            "`x`) into microbatches along their leading axis, the examples', which must then "
+            f"have one length in every argument, but they have {shown}. Give every data "
+            "argument the examples on its leading axis, or leave out `microbatch_size` and "
+            "`max_memory`."
+        )
 
 
 def _check_others(found: trace.Program, variables: Variables, owner: str) -> None:
