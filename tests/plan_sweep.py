@@ -16,7 +16,7 @@ import numpy as np
 
 import zodmem as zm
 
-NUM_CASES = 16
+NUM_CASES = 12
 
 
 def _loss(w, data):

@@ -41,7 +41,7 @@ def dense_blocks(params, data):
     return [H["b"]["b"], H["w"]["w"]]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     n=st.integers(1, 7),
     option=st.sampled_from(["none", "nbatches", "batch_size", "max_memory"]),
