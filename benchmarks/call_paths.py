@@ -5,72 +5,73 @@ newcomer reads to follow `BatchedHessian(max_memory=...)(x)` and `zm.eigsh(op, 5
     python benchmarks/call_paths.py --deepest   # the deepest chain of zodmem frames
 """
 
+from __future__ import annotations
+
 import os
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-jax.config.update("jax_platforms", "cpu")
 import zodmem as zm
 
 ROOT = os.path.dirname(zm.__file__)
-deepest = []
 
 
-def prof_to_fn(frame, event, arg):
-    # The zodmem frames between the user's call and the user's function, where the
-    # function is reached through the block loop (the deepest such chain).
-    if event != "call" or frame.f_code.co_name != "loss":
-        return
+def _zodmem_frames(frame) -> list[tuple[str, str]]:
+    """`(module, function)` of every zodmem frame below `frame`, innermost first."""
     chain = []
-    f = frame.f_back
-    while f is not None:
-        if f.f_code.co_filename.startswith(ROOT):
-            chain.append((os.path.relpath(f.f_code.co_filename, ROOT), f.f_code.co_qualname))
-        f = f.f_back
-    if len(chain) > len(deepest):
-        deepest[:] = chain
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(ROOT):
+            chain.append((os.path.relpath(code.co_filename, ROOT), code.co_qualname))
+        frame = frame.f_back
+    return chain
 
 
-def prof_deepest(frame, event, arg):
-    if event != "call":
-        return
-    chain = []
-    f = frame
-    while f is not None:
-        if f.f_code.co_filename.startswith(ROOT):
-            chain.append((os.path.relpath(f.f_code.co_filename, ROOT), f.f_code.co_qualname))
-        f = f.f_back
-    if len(chain) > len(deepest):
-        deepest[:] = chain
+def longest_chain(thunk: Callable[[], object], deepest: bool) -> list[tuple[str, str]]:
+    """The longest chain of zodmem frames while `thunk` runs: at any call (`deepest`),
+    or at a call of the user's function `loss`."""
+    longest: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        if event != "call" or (not deepest and frame.f_code.co_name != "loss"):
+            return
+        chain = _zodmem_frames(frame if deepest else frame.f_back)
+        if len(chain) > len(longest):
+            longest[:] = chain
+
+    sys.setprofile(profile)
+    try:
+        thunk()
+    finally:
+        sys.setprofile(None)
+    return list(reversed(longest))
 
 
-prof = prof_deepest if "--deepest" in sys.argv else prof_to_fn
-
-
-def report(name, thunk):
-    deepest.clear()
-    sys.setprofile(prof)
-    thunk()
-    sys.setprofile(None)
-    chain = list(reversed(deepest))
-    mods = [m for m, _ in chain]
-    crossings = sum(1 for a, b in zip(mods, mods[1:]) if a != b)
+def report(name: str, chain: list[tuple[str, str]]) -> None:
+    modules = [module for module, _ in chain]
+    crossings = sum(1 for a, b in zip(modules, modules[1:], strict=False) if a != b)
     print(f"## {name}: {len(chain)} zodmem frames, {crossings} module crossings")
-    for m, q in chain:
-        print(f"  {m}: {q}")
+    for module, function in chain:
+        print(f"  {module}: {function}")
 
 
 def loss(w):
-    return 0.5 * jnp.sum(1.05 ** jnp.arange(w.size) * w**2) + 0.01 * jnp.sum(
-        jnp.tanh(w[:-1] * w[1:])
-    )
+    spread = 0.5 * jnp.sum(1.05 ** jnp.arange(w.size) * w**2)
+    return spread + 0.01 * jnp.sum(jnp.tanh(w[:-1] * w[1:]))
 
 
-w = jnp.linspace(0.1, 1.0, 300)
-report(
-    "BatchedHessian(max_memory='100MB')(x)", lambda: zm.BatchedHessian(loss, max_memory="100MB")(w)
-)
-op = zm.BatchedHessian(loss, max_memory="100MB").operator(w)
-report("zm.eigsh(op, 5)", lambda: zm.eigsh(op, 5, max_steps=300))
+def main() -> None:
+    deepest = "--deepest" in sys.argv
+    w = jnp.linspace(0.1, 1.0, 300)
+    hessian = zm.BatchedHessian(loss, max_memory="100MB")
+    report("BatchedHessian(max_memory='100MB')(x)", longest_chain(lambda: hessian(w), deepest))
+    op = hessian.operator(w)
+    report("zm.eigsh(op, 5)", longest_chain(lambda: zm.eigsh(op, 5, max_steps=300), deepest))
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_platforms", "cpu")
+    main()
