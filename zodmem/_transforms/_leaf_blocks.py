@@ -43,9 +43,11 @@ def leaf_blocks(transform: Any, args: tuple, kwargs: dict) -> Any:
     budget in bytes, each call is planned within what the blocks already made leave of
     it, so that all of them together stay within `max_memory`."""
     x, *rest = args
-    _, variables = split_variables(x, owner=type(transform).__name__)
-    dtype = jnp.result_type(*variables.dtypes)
     leaves = [value for value in jax.tree_util.tree_leaves(x) if eqx.is_inexact_array(value)]
+    if not leaves:
+        split_variables(x, owner=type(transform).__name__)  # refused there, in its words
+    # The whole matrix's dtype, read from the leaves: raveling them all is not needed.
+    dtype = jnp.result_type(*(leaf.dtype for leaf in leaves))
     budget = transform.max_memory
     held = 0
     blocks, aux = [], None
