@@ -965,12 +965,12 @@ def test_example_runs(capsys):
     assert "identical" in capsys.readouterr().out
 
 
-def test_public_classes_are_saved_by_their_public_paths_and_old_paths_still_load():
-    """A loss is found again as `zodmem.losses:...`, and a file that names a private
-    module of the flat layout (`zodmem._losses`, `zodmem._hessian`) still loads."""
+def test_public_classes_are_saved_by_their_public_paths():
+    """A loss is found again as `zodmem.losses:...`, a transform as `zodmem:...`: public
+    paths, which survive moves between private modules."""
     from zodmem._serialise._import_path import import_path, resolve
 
     assert import_path(zm.losses.SquaredError)[0] == "zodmem.losses:SquaredError"
     assert import_path(zm.BatchedGGN)[0] == "zodmem:BatchedGGN"
-    assert resolve("zodmem._losses:SquaredError", "a loss") is zm.losses.SquaredError
-    assert resolve("zodmem._hessian:BatchedHessian", "a transform") is zm.BatchedHessian
+    assert resolve("zodmem.losses:SquaredError", "a loss") is zm.losses.SquaredError
+    assert resolve("zodmem:BatchedHessian", "a transform") is zm.BatchedHessian

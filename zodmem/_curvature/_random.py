@@ -1,8 +1,8 @@
 """Pseudo-random vectors from integer hashes, for the estimators' probes.
 
 `jax.random` compiles its generator (Threefry: twenty rounds of 32-bit arithmetic) into
-every program that draws from it, which costs an estimator's one-shot call a tenth of a
-second or more of compiling, twice where its blocks are planned. A probe vector needs
+every program that draws from it, a cost paid in compile time by an estimator's one-shot
+call, twice where its blocks are planned. A probe vector needs
 far less: the entries of one probe independent-looking and evenly spread, and no two
 probes of one key alike. A 32-bit integer hash of (entry, probe, key) gives that in a
 handful of elementwise operations. Probe `i` of a key is the same whatever the blocks,

@@ -70,12 +70,8 @@ def _default_solver(tags: frozenset, rtol: float, atol: float, max_steps: int | 
     if lx.positive_semidefinite_tag in tags or lx.negative_semidefinite_tag in tags:
         return lx.CG(rtol=rtol, atol=atol, max_steps=max_steps)
     # Symmetric indefinite (a Hessian away from a minimum) or not symmetric: CG may divide
-    # by a vanishing curvature or converge to the wrong point. On random symmetric indefinite
-    # matrices (n <= 40, condition numbers up to 1e4) GMRES whose basis holds all n vectors
-    # converged on 40 of 40, `lx.Normal(lx.CG(...))` on 36 (it squares the condition
-    # number), BiCGStab on 29, GMRES restarted every 20 products on 22; at n = 200 and
-    # condition number 1e3, GMRES restarted every 50 converged on 7 of 10 and the other two
-    # on none within 10 n steps. A basis of 50 vectors costs 50 n of memory.
+    # by a vanishing curvature; GMRES with a basis of restart vectors converged most often on
+    # symmetric indefinite matrices (the comparison is in CHANGELOG.md).
     return lx.GMRES(rtol=rtol, atol=atol, max_steps=max_steps, restart=_GMRES_RESTART)
 
 

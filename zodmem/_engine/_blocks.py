@@ -70,8 +70,7 @@ def map_blocks(
       block's inputs one iteration ahead and carries them, so the block function
       gets arrays of their own rather than slices fused into its first operations:
       XLA's CPU compiler does not vectorise elementwise work that reads through a
-      dynamic slice (it reloads the offset for every element), which made a chunked
-      map of elementwise-heavy work several times slower than the same work unchunked.
+      dynamic slice (it reloads the offset for every element).
     - `sink`: optionally, hand each finished block to the host (`OutputSink.part`)
       instead of assembling it: the loop runs from `sink.first_block` and calls
       `sink.write` for every block, in order (an ordered `io_callback`), and nothing

@@ -6,7 +6,7 @@ features (`NHWC`), with the kernel as spatial dimensions, input and output featu
 the body of a `while` loop it cannot, since the body's parameters keep the layout of
 the loop's state, and a convolution in any other form (Equinox's and PyTorch's `NCHW`,
 and the transposed convolutions that derivatives of any convolution make) runs through
-a slow general emitter, several times slower per block. `canonical_body(body)` gives
+a slower general emitter. `canonical_body(body)` gives
 the body with each such convolution written in the fast form between two transposes,
 which XLA then folds into the operands' layouts.
 

@@ -18,49 +18,6 @@ _MODULE_NAMESPACE = types.ModuleType.__dict__["__dict__"]
 # which survives moves between private files.
 _PUBLIC = ("zodmem", "zodmem.losses", "zodmem.contract")
 
-# Where the private modules of zodmem's first, flat layout moved to, so that a file that
-# names one of them still loads.
-_MOVED = {
-    "zodmem._accumulate": "zodmem._transforms._accumulate",
-    "zodmem._blocks": "zodmem._engine._blocks",
-    "zodmem._budget": "zodmem._plan._budget",
-    "zodmem._compiled": "zodmem._plan._compiled",
-    "zodmem._covariance": "zodmem._curvature._covariance",
-    "zodmem._diagonal": "zodmem._curvature._diagonal",
-    "zodmem._fingerprint": "zodmem._stream._fingerprint",
-    "zodmem._flat": "zodmem._curvature._flat",
-    "zodmem._ggn": "zodmem._transforms._ggn",
-    "zodmem._hessian": "zodmem._transforms._hessian",
-    "zodmem._jacobian": "zodmem._transforms._jacobian",
-    "zodmem._journal": "zodmem._stream._journal",
-    "zodmem._lanczos": "zodmem._curvature._lanczos",
-    "zodmem._layout": "zodmem._engine._layout",
-    "zodmem._leafwise": "zodmem._transforms._leafwise",
-    "zodmem._lock": "zodmem._stream._lock",
-    "zodmem._logdet": "zodmem._curvature._logdet",
-    "zodmem._losses": "zodmem._curvature._losses",
-    "zodmem._low_rank": "zodmem._curvature._low_rank",
-    "zodmem._memory": "zodmem._plan._memory",
-    "zodmem._microbatch": "zodmem._transforms._microbatch",
-    "zodmem._microbatch_checks": "zodmem._transforms._microbatch_checks",
-    "zodmem._npy": "zodmem._stream._npy",
-    "zodmem._operator": "zodmem._curvature._operator",
-    "zodmem._probes": "zodmem._curvature._probes",
-    "zodmem._progress": "zodmem._engine._progress",
-    "zodmem._random": "zodmem._curvature._random",
-    "zodmem._scan": "zodmem._transforms._scan",
-    "zodmem._search": "zodmem._plan._search",
-    "zodmem._sharding": "zodmem._engine._sharding",
-    "zodmem._solve": "zodmem._curvature._solve",
-    "zodmem._spectral": "zodmem._curvature._spectral",
-    "zodmem._stream": "zodmem._stream._api",
-    "zodmem._stream_call": "zodmem._stream._call",
-    "zodmem._stream_rows": "zodmem._stream._rows",
-    "zodmem._syncer": "zodmem._stream._syncer",
-    "zodmem._transform": "zodmem._plan._transform",
-    "zodmem._vmap": "zodmem._transforms._vmap",
-}
-
 
 def import_path(obj: Any) -> tuple[str | None, str]:
     """`("module:qualname", "")` if `obj` can be found again by import, else `(None, why)`.
@@ -170,7 +127,6 @@ def resolve(path: Any, what: str) -> Any:
     if not isinstance(path, str) or path.count(":") != 1:
         raise SerialisationError(f"The file is malformed: {what} has import path {path!r}.")
     module_name, qualname = path.split(":")
-    module_name = _MOVED.get(module_name, module_name)
     hint = ""
     if module_name == "__main__":
         hint = (

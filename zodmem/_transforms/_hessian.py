@@ -183,7 +183,9 @@ class BatchedHessian(AbstractDerivative):
         Use it where the Hessian is only multiplied by vectors (a Newton-CG step, a
         Krylov solve, an eigenvalue estimate), so that nothing `(n, n)` is ever held.
 
-        - `op.mv(v)`: one Hessian-vector product (forward-over-reverse). `v` is a flat
+        - `op.mv(v)`: one Hessian-vector product, formed as `mode` says (with
+          `"auto"`, reverse over reverse for a dense model of one real dtype, forward
+          over reverse where `fn` holds a convolution or a loop). `v` is a flat
           vector of the `n` variables, or a pytree shaped like `x`'s variables; the
           product comes back in the same form.
         - `op.mm(V)`: the products with the `k` columns of an `(n, k)` array, in blocks
