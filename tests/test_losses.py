@@ -339,3 +339,46 @@ def test_soft_labels_must_sum_to_one_under_jit():
     good = soft_labels()
     expected = plain_ggn(three, lambda o, t: cross_entropy(o, t) * N, W, INPUTS, good)
     close(eqx.filter_jit(ggn)(W, INPUTS, good), expected)
+
+
+@pytest.mark.parametrize("label", [7, 3, -1])
+def test_class_indices_outside_the_classes_are_refused(label):
+    loss = zm.losses.SoftmaxCrossEntropy()
+    logits = three(W, INPUTS, None)
+    bad = jnp.asarray(LABELS).at[2].set(label)
+    message = (
+        r"^SoftmaxCrossEntropy: the labels \(targets=-1 .*\) are class indices, so each must "
+        rf"lie in \[0, 3\) for logits of 3 classes \(the last axis\), but one is {label}\b"
+    )
+    with pytest.raises(ValueError, match=message):
+        loss(logits, INPUTS, bad)
+    with pytest.raises(ValueError, match=message):
+        loss.hessian_product(logits, logits, INPUTS, bad)
+    # BatchedGGN tries the loss on the outputs first, and passes its error on in a TypeError.
+    with pytest.raises(TypeError, match=message[1:]):
+        zm.BatchedGGN(three, loss, jit=False)(W, INPUTS, bad)
+    traced = r"SoftmaxCrossEntropy: the labels \(targets=-1 .*\) are class indices, so each"
+    for call in (
+        jax.jit(loss),
+        jax.jit(lambda o, *args: loss.hessian_product(o, o, *args)),
+        jax.jit(jax.grad(loss)),
+    ):
+        with pytest.raises(RuntimeError, match=traced):
+            jax.block_until_ready(call(logits, INPUTS, bad))
+    with pytest.raises(RuntimeError, match=traced):
+        jax.block_until_ready(zm.BatchedGGN(three, loss)(W, INPUTS, bad))
+    # Every class index in range passes, eagerly and compiled.
+    loss(logits, INPUTS, jnp.asarray([0, 1, 2] * 3)[:N])
+    jax.block_until_ready(jax.jit(loss)(logits, INPUTS, LABELS))
+
+
+def test_empirical_kfac_refuses_class_indices_outside_the_classes(float64):
+    model = eqx.nn.MLP(2, 3, 4, 1, key=jax.random.key(0))
+    predict = lambda m, inputs, labels: jax.vmap(m)(inputs)  # noqa: E731
+    loss = zm.losses.SoftmaxCrossEntropy()
+    bad = jnp.asarray(LABELS).at[2].set(7)
+    with pytest.raises((ValueError, RuntimeError), match=r"are class indices, so each must"):
+        F = zm.KFAC(predict, loss, fisher="empirical")(model, INPUTS, bad)
+        jax.block_until_ready(F.as_matrix())
+    F = zm.KFAC(predict, loss, fisher="empirical")(model, INPUTS, LABELS)
+    assert np.all(np.isfinite(F.as_matrix()))

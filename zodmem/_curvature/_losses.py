@@ -375,7 +375,10 @@ class SoftmaxCrossEntropy(AbstractLoss):
         classes) are refused: with a ValueError where they are concrete, and through
         `eqx.error_if` (an `EquinoxRuntimeError` when the compiled call runs) where they
         are traced, as inside `BatchedGGN`'s compiled call or a `Microbatcher`. For labels
-        that are not probabilities, pass the loss as a plain function.
+        that are not probabilities, pass the loss as a plain function. Class indices
+        outside `[0, C)` (negative ones too) are refused the same way, by the loss and by
+        its product: the loss would be NaN, and an empirical Fisher (`zm.KFAC(...,
+        fisher="empirical")`) would take the example's gradient as zero.
 
     !!! example
 
@@ -420,6 +423,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
                     f"logits' shape without its last axis, {logits.shape[:-1]}, but have "
                     f"shape {jnp.shape(labels)}."
                 )
+            labels = self._checked_labels(labels, logits, labels)
             picked = jnp.take_along_axis(log_p, jnp.asarray(labels)[..., None], axis=-1)
             total = -jnp.sum(picked)
         else:
@@ -433,7 +437,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
         product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
         product = _reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
         labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
-        return self._summing_to_one(labels, logits, product.astype(tangents.dtype))
+        return self._checked_labels(labels, logits, product.astype(tangents.dtype))
 
     def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         # Column c is sqrt(p_c) (e_c - p): their outer products sum to diag(p) - p p^T.
@@ -450,13 +454,15 @@ class SoftmaxCrossEntropy(AbstractLoss):
         """Class indices drawn from the softmax of the logits (integer labels)."""
         return jax.random.categorical(key, self._logits(outputs), axis=-1)
 
-    def _summing_to_one(self, labels: Any, logits: Any, product: Any) -> Any:
-        """`product`, refused where probabilities as labels do not sum to one per example:
-        the Hessian of the loss is `diag(p) - p p^T` times each example's sum of labels,
-        and the closed form takes that sum to be one. Eagerly a ValueError; traced, the
-        same through `eqx.error_if` when the compiled call runs."""
+    def _checked_labels(self, labels: Any, logits: Any, product: Any) -> Any:
+        """`product`, refused where class indices as labels fall outside `[0, C)` (the loss
+        would be NaN, and an empirical Fisher would count the example as a zero gradient)
+        or where probabilities as labels do not sum to one per example (the Hessian of the
+        loss is `diag(p) - p p^T` times each example's sum of labels, and the closed form
+        takes that sum to be one). Eagerly a ValueError; traced, the same through
+        `eqx.error_if` when the compiled call runs."""
         if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
-            return product
+            return self._in_range(labels, logits, product)
         _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
         dtype = jnp.result_type(labels)
         eps = float(jnp.finfo(dtype).eps)
@@ -483,4 +489,21 @@ class SoftmaxCrossEntropy(AbstractLoss):
             worst = sums[np.argmax(np.abs(sums - 1))]
             if abs(worst - 1) > tolerance:
                 raise ValueError(f"{head}, but one sums to {worst:.7g}{tail}")
+        return product
+
+    def _in_range(self, labels: Any, logits: Any, product: Any) -> Any:
+        classes = logits.shape[-1]
+        head = (
+            f"SoftmaxCrossEntropy: the labels (targets={self.targets!r} among the call's data "
+            f"arguments) are class indices, so each must lie in [0, {classes}) for logits of "
+            f"{classes} classes (the last axis)"
+        )
+        tail = ". Give each example's class as an index from 0 to the number of classes less 1."
+        if is_traced(labels):
+            wrong = jnp.any((labels < 0) | (labels >= classes))
+            return eqx.error_if(product, wrong, f"{head}, but one is not{tail}")
+        labels = np.asarray(labels)
+        outside = labels[(labels < 0) | (labels >= classes)]
+        if outside.size:
+            raise ValueError(f"{head}, but one is {int(outside[0])}{tail}")
         return product
