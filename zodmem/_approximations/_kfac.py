@@ -41,6 +41,7 @@ from .._checks import (
 from .._curvature._losses import AbstractLoss
 from .._pytree import Variables, split_variables
 from .._traceback import public
+from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
 from ._kfac_operator import KroneckerBlock, KroneckerFactored
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
@@ -155,10 +156,8 @@ class _KroneckerCurvature(eqx.Module):
             )
         check_bool(self.progress, "progress", owner=owner)
         if self.max_memory is not None:  # refused as zm.Microbatcher refuses it
-            import zodmem as zm
-
             try:
-                zm.Microbatcher(self.fn, max_memory=self.max_memory)
+                Microbatcher(self.fn, max_memory=self.max_memory)
             except (TypeError, ValueError) as error:
                 raise type(error)(f"{owner}: {str(error).split(': ', 1)[-1]}") from None
 
@@ -217,8 +216,6 @@ class _KroneckerCurvature(eqx.Module):
         """`statistics` over the whole batch, in microbatches where asked."""
         if self.microbatch_size is None and self.max_memory is None:
             return statistics(leaves, keys, *args)
-        import zodmem as zm
-
         if not args:
             raise ValueError(
                 f"{self._owner}: `microbatch_size` and `max_memory` cut the data arguments "
@@ -226,7 +223,7 @@ class _KroneckerCurvature(eqx.Module):
             )
         _check_examples(args, self._owner)
         argnums = tuple(range(2, 2 + len(args))) + ((1,) if keys is not None else ())
-        batched = zm.Microbatcher(
+        batched = Microbatcher(
             statistics,
             microbatch_size=self.microbatch_size,
             max_memory=self.max_memory,
