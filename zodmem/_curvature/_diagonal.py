@@ -15,7 +15,7 @@ import lineax as lx
 import numpy as np
 
 from .._checks import check_choice, check_int, check_key
-from .._engine._sharding import _sharding_of, replicate
+from .._engine._sharding import replicate, sharding_of
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator
 from ._probes import AbstractColumns, ProbeJob, run_probes
@@ -206,7 +206,7 @@ def _sign_columns(key: jax.Array, width: int, n: int, dtype: Any) -> jax.Array:
 def _whole(array: jax.Array) -> jax.Array:
     """`array` whole on every device, where its columns came back spread over explicit
     mesh axes (a QR factorisation takes no split columns)."""
-    sharding = _sharding_of(array)
+    sharding = sharding_of(array)
     return array if sharding is None else replicate(array, sharding.mesh)
 
 

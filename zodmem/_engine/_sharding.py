@@ -158,7 +158,7 @@ def share_of(
     return plan_blocks(total // split.count, batch_size=plan.block_size), share.offset(total)
 
 
-def _sharding_of(leaf: Any) -> NamedSharding | None:
+def sharding_of(leaf: Any) -> NamedSharding | None:
     """The `NamedSharding` of an array, concrete or traced (a traced one shows its
     sharding when its mesh axes are explicit), or `None`."""
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -176,7 +176,7 @@ def placement(leaf: Any) -> Any:
     sharding, a traced array's when its mesh axes are explicit, else `None`."""
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
         return leaf.sharding
-    return _sharding_of(leaf)
+    return sharding_of(leaf)
 
 
 def batch_split(
@@ -192,7 +192,7 @@ def batch_split(
     for leaf, axis in zip(leaves, axes, strict=True):
         if axis is None:
             continue
-        sharding = _sharding_of(leaf)
+        sharding = sharding_of(leaf)
         if sharding is None:
             continue
         spec = tuple(sharding.spec)
@@ -219,7 +219,7 @@ def explicit_mesh(tree: Any) -> Any:
     `shard_map` over that mesh (`everywhere`), where every array is a device's own."""
     for leaf in jax.tree_util.tree_leaves(tree):
         if eqx.is_array(leaf):
-            sharding = _sharding_of(leaf)
+            sharding = sharding_of(leaf)
             if is_explicit(sharding):
                 return sharding.mesh
     return None
@@ -237,7 +237,7 @@ def replicate(tree: Any, mesh: Any) -> Any:
     as they are (`shard_map` reshards arrays over automatic axes itself)."""
 
     def whole(leaf):
-        sharding = _sharding_of(leaf)
+        sharding = sharding_of(leaf)
         if sharding is None or not is_explicit(sharding):
             return leaf
         if all(entry is None for entry in sharding.spec):
@@ -253,7 +253,7 @@ def _placed(arrays: Any, specs: Any, mesh: Any) -> Any:
     one split along the batch is split the same way here)."""
 
     def place(spec, leaf):
-        sharding = _sharding_of(leaf)
+        sharding = sharding_of(leaf)
         if spec is None or not is_explicit(sharding):
             return leaf
         target = NamedSharding(mesh, spec)

@@ -13,20 +13,20 @@ from .._plan._transform import AbstractSharded, AbstractStreamable
 from .._serialise import SerialisationError
 from .._traceback import public
 from ._call import (
-    _block_size,
-    _block_view,
-    _check_arrays,
-    _check_concrete,
-    _layout,
-    _planned,
-    _run_streamed,
-    _values,
+    block_view,
+    check_arrays,
+    check_concrete,
+    planned_block_size,
+    planned_for_streaming,
+    result_layout,
+    returned_leaves,
+    run_streamed,
 )
 from ._fingerprint import call_fingerprint
 from ._journal import Journal, RowJournal
 from ._lock import exclusive
 from ._npy import AFRESH, ResultFiles
-from ._rows import _rows_split, _to_file_sharded, _to_host_sharded
+from ._rows import rows_split, to_file_sharded, to_host_sharded
 from ._syncer import Syncer
 
 __all__ = ["to_host", "to_file"]
@@ -77,11 +77,11 @@ def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
         ```
     """
     _check_transform(transform, "to_host")
-    _check_concrete(args, kwargs, "to_host")
+    check_concrete(args, kwargs, "to_host")
     if _is_sharded(transform):
-        return _to_host_sharded(transform, args, kwargs)
-    layout = _layout(transform, args, kwargs)
-    planned = _planned(transform, args, kwargs)
+        return to_host_sharded(transform, args, kwargs)
+    layout = result_layout(transform, args, kwargs)
+    planned = planned_for_streaming(transform, args, kwargs)
     arrays = {
         i: np.empty(leaf.shape, leaf.dtype)
         for i, leaf in enumerate(layout.leaves)
@@ -90,11 +90,11 @@ def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
 
     def write(index, leaves, start, pieces, axes):
         for leaf, piece, axis in zip(leaves, pieces, axes, strict=True):
-            _block_view(arrays[leaf], piece.shape, axis, start)[...] = piece
+            block_view(arrays[leaf], piece.shape, axis, start)[...] = piece
 
-    returned, streamed = _run_streamed(planned, args, kwargs, write, 0)
+    returned, streamed = run_streamed(planned, args, kwargs, write, 0)
     out = returned[0] if layout.has_aux else returned
-    values = _values(layout, out)
+    values = returned_leaves(layout, out)
     leaves = [
         arrays[i] if i in streamed else (np.asarray(v) if eqx.is_array(v) else v)
         for i, v in enumerate(values)
@@ -196,12 +196,12 @@ def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) 
             "zm.to_file: the transform has has_aux=True, but a file holds only the result. "
             "Use zm.to_host for (result, aux), or compute the auxiliary value separately."
         )
-    _check_concrete(args, kwargs, "to_file")
+    check_concrete(args, kwargs, "to_file")
     path = os.fspath(path)
     if _is_sharded(transform):
-        return _to_file_sharded(path, transform, args, kwargs)
-    layout = _layout(transform, args, kwargs)
-    _check_arrays(
+        return to_file_sharded(path, transform, args, kwargs)
+    layout = result_layout(transform, args, kwargs)
+    check_arrays(
         layout,
         "to_file",
         "a file holds arrays only. Use zm.to_host, or leave that output out of the result.",
@@ -227,8 +227,8 @@ def _write_or_resume(
     if header is not None and journal.complete:
         return files.load()
     if header is None:
-        planned = _planned(transform, args, kwargs)
-        block_size, strategy = _block_size(planned, args, kwargs)
+        planned = planned_for_streaming(transform, args, kwargs)
+        block_size, strategy = planned_block_size(planned, args, kwargs)
         header = {"block_size": block_size, "strategy": strategy}
         journal.create(fingerprint, files, header)
     elif transform.max_memory is not None and header.get("block_size"):
@@ -247,11 +247,11 @@ def _write_or_resume(
             ]
             syncer.written(index + 1, [index, [r for r in regions if r is not None]])
 
-        returned, streamed = _run_streamed(planned, args, kwargs, write, journal.done)
+        returned, streamed = run_streamed(planned, args, kwargs, write, journal.done)
         syncer.close()
         whole = [
             [i, files.write_whole(i, np.asarray(value))]
-            for i, value in enumerate(_values(files.layout, returned))
+            for i, value in enumerate(returned_leaves(files.layout, returned))
             if i not in streamed
         ]
         files.sync()
@@ -275,4 +275,4 @@ def _check_transform(transform: Any, name: str) -> None:
             f"type {type(transform).__name__}."
         )
     if _is_sharded(transform):
-        _rows_split(transform, name)
+        rows_split(transform, name)

@@ -17,20 +17,20 @@ from .._plan._compiled import is_traced
 
 __all__ = [
     "Layout",
-    "_block_size",
-    "_block_view",
-    "_check_arrays",
-    "_check_concrete",
-    "_keep_nothing",
-    "_layout",
-    "_planned",
-    "_run_streamed",
-    "_streamed_call",
-    "_values",
+    "block_view",
+    "check_arrays",
+    "check_concrete",
+    "keep_nothing",
+    "planned_block_size",
+    "planned_for_streaming",
+    "result_layout",
+    "returned_leaves",
+    "run_streamed",
+    "streamed_call",
 ]
 
 
-def _check_concrete(args: tuple, kwargs: dict, name: str) -> None:
+def check_concrete(args: tuple, kwargs: dict, name: str) -> None:
     if is_traced((args, kwargs)):
         raise TypeError(
             f"zm.{name}: the arguments hold traced values; zm.{name} moves the result off "
@@ -49,7 +49,7 @@ class Layout(NamedTuple):
     program: Any
 
 
-def _layout(transform: Any, args: tuple, kwargs: dict) -> Layout:
+def result_layout(transform: Any, args: tuple, kwargs: dict) -> Layout:
     if transform.max_memory is not None:
         # Any block size gives the same result; the one the count options would give.
         size = max(transform.work(*args, **kwargs).block_size, 1)
@@ -65,26 +65,26 @@ def _layout(transform: Any, args: tuple, kwargs: dict) -> Layout:
     return Layout(treedef, [leaf for _, leaf in paths_leaves], paths, has_aux, program)
 
 
-def _streamed_call(transform: Any, args: tuple, kwargs: dict) -> Any:
+def streamed_call(transform: Any, args: tuple, kwargs: dict) -> Any:
     """The streamed call with a sink that keeps nothing: what the planner compiles."""
-    return transform._streamed(OutputSink(_keep_nothing, 0), *args, **kwargs)
+    return transform._streamed(OutputSink(keep_nothing, 0), *args, **kwargs)
 
 
-def _keep_nothing(*_: Any) -> None:
+def keep_nothing(*_: Any) -> None:
     pass
 
 
-def _planned(transform: Any, args: tuple, kwargs: dict) -> Any:
+def planned_for_streaming(transform: Any, args: tuple, kwargs: dict) -> Any:
     """The transform with the block size its budget allows for the streamed call."""
-    return transform._planned(args, kwargs, run=_streamed_call)
+    return transform._planned(args, kwargs, run=streamed_call)
 
 
-def _block_size(planned: Any, args: tuple, kwargs: dict) -> tuple[int, Any]:
+def planned_block_size(planned: Any, args: tuple, kwargs: dict) -> tuple[int, Any]:
     work = planned.work(*args, **kwargs)
     return work.block_size, planned.config.get("strategy")
 
 
-def _run_streamed(
+def run_streamed(
     transform: Any, args: tuple, kwargs: dict, write: Any, first_block: int
 ) -> tuple[Any, set[int]]:
     """Run the streamed call from `first_block`: returns what it returned (`None` at the
@@ -103,14 +103,14 @@ def _run_streamed(
     return returned, set(streamed)
 
 
-def _values(layout: Layout, returned: Any) -> list:
+def returned_leaves(layout: Layout, returned: Any) -> list:
     """The leaves of what the streamed call returned (`None` at the streamed ones)."""
     if returned is None:
         return [None] * layout.treedef.num_leaves  # every leaf was streamed
     return layout.treedef.flatten_up_to(returned)
 
 
-def _block_view(array: np.ndarray, piece_shape: tuple, axis: int, start: int) -> Any:
+def block_view(array: np.ndarray, piece_shape: tuple, axis: int, start: int) -> Any:
     """The part of a C-ordered `array` that a block of `piece_shape`, starting at `start`
     along `axis` of the engine's view of it, fills."""
     others = math.prod(piece_shape) // piece_shape[axis] if piece_shape[axis] else 1
@@ -119,7 +119,7 @@ def _block_view(array: np.ndarray, piece_shape: tuple, axis: int, start: int) ->
     return view[(slice(None),) * axis + (slice(start, start + piece_shape[axis]),)]
 
 
-def _check_arrays(layout: Layout, name: str, why: str) -> None:
+def check_arrays(layout: Layout, name: str, why: str) -> None:
     """Refuse a result with a leaf that is not an array (`why`: what takes arrays only,
     and the way out)."""
     for key, leaf in zip(layout.paths, layout.leaves, strict=True):

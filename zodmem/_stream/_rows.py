@@ -22,17 +22,17 @@ from .._engine._block_plans import BlockPlan, OutputSink
 from .._engine._progress import closing_bars
 from .._engine._sharding import Share, Split, run_sharded, to_mesh
 from .._serialise import SerialisationError
-from ._call import Layout, _check_arrays, _keep_nothing, _layout, _streamed_call
+from ._call import Layout, check_arrays, keep_nothing, result_layout, streamed_call
 from ._fingerprint import call_fingerprint
 from ._journal import RowJournal
 from ._lock import exclusive
 from ._npy import AFRESH, ResultFiles
 from ._syncer import Syncer
 
-__all__ = ["_rows_split", "_to_file_sharded", "_to_host_sharded"]
+__all__ = ["rows_split", "to_file_sharded", "to_host_sharded"]
 
 
-def _rows_split(transform: Any, name: str) -> Split:
+def rows_split(transform: Any, name: str) -> Split:
     """The split of a sharded transform whose result is streamed: its rows (the first
     axis) over every device of its mesh, so each device writes contiguous rows."""
     split = transform._split
@@ -89,8 +89,8 @@ class _Shares(NamedTuple):
 def _shares(transform: Any, args: tuple, kwargs: dict, name: str) -> _Shares:
     """The shares of a transform sharded by rows, and the blocks of each (traced, not
     run, for one share: every share has the same blocks)."""
-    split = _rows_split(transform, name)
-    sink = OutputSink(_keep_nothing, 0)
+    split = rows_split(transform, name)
+    sink = OutputSink(keep_nothing, 0)
 
     def one_share(args, kwargs):
         share = Share(jnp.asarray(0, jnp.int32), split.count)
@@ -177,7 +177,7 @@ def _planned_sharded(transform: Any, args: tuple, kwargs: dict) -> Any:
     if transform.max_memory is None:
         return transform
     placed = to_mesh((args, kwargs), transform.sharding.mesh)
-    return transform._planned(*placed, run=_streamed_call)
+    return transform._planned(*placed, run=streamed_call)
 
 
 def _sharded_layout(transform: Any, args: tuple, kwargs: dict, name: str) -> tuple[Any, Layout]:
@@ -190,8 +190,8 @@ def _sharded_layout(transform: Any, args: tuple, kwargs: dict, name: str) -> tup
             "the auxiliary value separately."
         )
     whole = dataclasses.replace(transform, sharding=None)
-    layout = _layout(whole, args, kwargs)
-    _check_arrays(
+    layout = result_layout(whole, args, kwargs)
+    check_arrays(
         layout,
         name,
         "a sharded result is streamed as arrays only. Leave that output out of the result.",
@@ -199,7 +199,7 @@ def _sharded_layout(transform: Any, args: tuple, kwargs: dict, name: str) -> tup
     return whole, layout
 
 
-def _to_host_sharded(transform: Any, args: tuple, kwargs: dict) -> Any:
+def to_host_sharded(transform: Any, args: tuple, kwargs: dict) -> Any:
     """`to_host` of a sharded transform: this process's rows, in order."""
     _, layout = _sharded_layout(transform, args, kwargs, "to_host")
     planned = _planned_sharded(transform, args, kwargs)
@@ -221,7 +221,7 @@ def _to_host_sharded(transform: Any, args: tuple, kwargs: dict) -> Any:
     return jax.tree_util.tree_unflatten(layout.treedef, [arrays[i] for i in range(len(arrays))])
 
 
-def _to_file_sharded(path: str, transform: Any, args: tuple, kwargs: dict) -> Any:
+def to_file_sharded(path: str, transform: Any, args: tuple, kwargs: dict) -> Any:
     """`to_file` of a sharded transform: every process writes its devices' rows."""
     whole, layout = _sharded_layout(transform, args, kwargs, "to_file")
     files = ResultFiles(path, layout)
