@@ -330,3 +330,23 @@ def test_a_progress_bar_of_the_steps(capfd):
     np.testing.assert_allclose(values, [39.0, 40.0], rtol=1e-6)
     bar = capfd.readouterr().err
     assert "zm.eigsh steps" in bar and "40/40" in bar
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_an_operator_of_nan_or_inf_products_is_refused_in_words(bad, dtype):
+    matrix = np.asarray(symmetric(SEPARATED[:12])[0])
+    matrix[3, 3] = bad
+    matrix = jnp.asarray(matrix, dtype)
+    message = r"zm\.eigsh: the operator's products with vectors are not finite \(NaN or inf\)"
+    with pytest.raises(ValueError, match=message):
+        eigsh(operator_of(matrix), 2)
+    with pytest.raises(ValueError, match=message):
+        eigsh(operator_of(matrix), 2, return_info=True)
+    with pytest.raises(ValueError, match=r"zm\.low_rank: .*not finite \(NaN or inf\)"):
+        zm.low_rank(operator_of(matrix), 2)
+    # Under jit, when the program runs, through `eqx.error_if`.
+    with pytest.raises(RuntimeError, match=message):
+        jax.block_until_ready(jax.jit(lambda m: eigsh(operator_of(m), 2))(matrix))
+    with pytest.raises(RuntimeError, match=r"not finite \(NaN or inf\)"):
+        jax.block_until_ready(jax.jit(lambda m: zm.low_rank(operator_of(m), 2).as_matrix())(matrix))

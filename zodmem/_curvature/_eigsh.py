@@ -24,13 +24,13 @@ from .._checks import check_bool, check_choice, check_int
 from .._engine._layout import canonical_body
 from .._engine._progress import progress_bar
 from .._traceback import public
-from ._arguments import check_positive, key_or_default
+from ._arguments import check_positive, is_traced, key_or_default
 from ._flat import FlatView, symmetric_view
 from ._lanczos import lanczos_step, normal_direction, normal_start, normalised, projection
 from ._random import key_seed
 from ._ritz import ritz_pairs
 
-__all__ = ["EigshInfo", "eigsh"]
+__all__ = ["EigshInfo", "eigenpairs", "eigsh"]
 
 # Steps between convergence checks: each one calls back to the host (a fraction of a
 # product's time), and a check every step would add that to every product.
@@ -71,6 +71,7 @@ class _State(NamedTuple):
     start: Any  # the first row of the latest run (0: the run from the start vector)
     norm: Any
     low: Any  # the smallest Ritz value seen: where the spectrum begins, near enough
+    finite: Any  # every product so far was finite (a NaN or inf one ends the iteration)
     converged: Any
     values: jax.Array
     vectors: jax.Array
@@ -93,6 +94,7 @@ def _initial_state(key: jax.Array, n: int, k: int, max_steps: int, dtype: Any) -
         start=jnp.asarray(0, jnp.int32),
         norm=jnp.zeros((), dtype),
         low=jnp.asarray(jnp.inf, dtype),
+        finite=jnp.asarray(True),
         converged=jnp.asarray(False),
         values=jnp.zeros(k, dtype),
         vectors=jnp.zeros((max_steps, k), dtype),
@@ -130,6 +132,7 @@ def _step(state: _State, product: Callable, seed: Any, k: int) -> _State:
         fresh=broke,
         start=jnp.where(state.fresh, j, state.start),
         norm=norm,
+        finite=state.finite & jnp.isfinite(alpha) & jnp.isfinite(beta),
     )
 
 
@@ -165,6 +168,9 @@ def _checked(state: _State, k: int, tol: jax.Array) -> _State:
     # Wozniakowski): under `_MISS_CHANCE` once `(2p - 1) sqrt(f)` reaches this.
     assurance = math.log(1.648 * math.sqrt(n) / _MISS_CHANCE)
     arrays = (state.alphas, state.betas, state.couplings, state.locked_residuals)
+    # The host's tridiagonal solvers fail on NaN or inf; the loop ends on such a state,
+    # and the caller refuses it in words.
+    arrays = tuple(jnp.where(state.finite, array, 0) for array in arrays)
     values, vectors, residuals, top, top_residual, low = ritz_pairs(
         *arrays, state.m, state.start, k
     )
@@ -218,7 +224,8 @@ def _eigsh(
         # No check before 3k steps: the k wanted pairs seldom converge sooner, and each
         # check costs a host round trip.
         stop = jnp.minimum(jnp.maximum(state.m + _CHECK_EVERY, 3 * k), max_steps)
-        state = jax.lax.while_loop(lambda state: state.m < stop, canonical_body(step), state)
+        going = lambda state: (state.m < stop) & state.finite  # noqa: E731
+        state = jax.lax.while_loop(going, canonical_body(step), state)
         state = _checked(state, k, tol)
         # The bar counts products; a run that ends fills it.
         count = jnp.where(unfinished(state), jnp.minimum(state.products, max_steps - 1), max_steps)
@@ -226,7 +233,7 @@ def _eigsh(
         return state
 
     def unfinished(state):
-        return ~state.converged & (state.m < max_steps)
+        return ~state.converged & (state.m < max_steps) & state.finite
 
     init = _initial_state(key, view.size, k, max_steps, view.dtype)
     bar = progress_bar("zm.eigsh steps" if progress else None, max_steps, unit="step")
@@ -238,7 +245,8 @@ def _eigsh(
     values = jnp.where(smallest, -state.values[::-1], state.values)
     eigenvectors = jnp.where(smallest, eigenvectors[:, ::-1], eigenvectors)
     residuals = jnp.where(smallest, state.residuals[::-1], state.residuals)
-    return values, eigenvectors, EigshInfo(state.products, state.converged, residuals)
+    info = EigshInfo(state.products, state.converged & state.finite, residuals)
+    return values, eigenvectors, info, state.finite
 
 
 _eigsh_jit = eqx.filter_jit(_eigsh)
@@ -332,7 +340,9 @@ def eigsh(
     largest eigenvalue changes no value. Not converged, or not checked, within a run of
     `max_steps` steps, it raises (an `EquinoxRuntimeError`, eagerly and under `jax.jit`
     alike) unless `return_info=True`, which returns the current Ritz pairs with
-    `info.converged` false.
+    `info.converged` false. A product that is NaN or inf (say, of an operator with a NaN
+    parameter) ends the iteration and raises whatever `return_info`: a `ValueError`
+    eagerly, an `EquinoxRuntimeError` under `jax.jit` when the program runs.
 
     **Cost:** as many products as steps, and memory for the basis, `max_steps * n`
     numbers, beside one product's. Each step also orthogonalises against the basis
@@ -357,7 +367,34 @@ def eigsh(
         assert vectors.shape == (30, 3)
         ```
     """
-    owner = "zm.eigsh"
+    return eigenpairs(
+        operator,
+        k,
+        owner="zm.eigsh",
+        which=which,
+        tol=tol,
+        max_steps=max_steps,
+        key=key,
+        pytree=pytree,
+        return_info=return_info,
+        progress=progress,
+    )
+
+
+def eigenpairs(
+    operator: Any,
+    k: Any,
+    *,
+    owner: str,
+    which: Any = "LA",
+    tol: Any = 1e-6,
+    max_steps: Any = None,
+    key: Any = None,
+    pytree: Any = False,
+    return_info: Any = False,
+    progress: Any = False,
+) -> Any:
+    """`eigsh` for a caller `owner` (`"zm.eigsh"`, `"zm.low_rank"`) that its messages name."""
     view = symmetric_view(operator, owner)
     n = view.size
     if n < 2:
@@ -385,7 +422,8 @@ def eigsh(
 
     sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
     inputs = (view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
-    values, vectors, info = _eigsh_jit(*inputs)
+    values, vectors, info, finite = _eigsh_jit(*inputs)
+    values = _finite(values, finite, owner)
     if not return_info:
         values = eqx.error_if(
             values,
@@ -398,3 +436,18 @@ def eigsh(
     if pytree:
         vectors = view.unflatten(vectors.T)
     return (values, vectors, info) if return_info else (values, vectors)
+
+
+def _finite(values: jax.Array, finite: jax.Array, owner: str) -> jax.Array:
+    """`values`, refused where a product of the operator was NaN or inf: Lanczos on it
+    has no meaning. Concrete, at once (a ValueError); traced, when the program runs."""
+    message = (
+        f"{owner}: the operator's products with vectors are not finite (NaN or inf), so "
+        "it has no eigenpairs to find. Check the operator's parameters and data (the point "
+        "`x` and the arguments of its function) for NaN or inf values."
+    )
+    if is_traced(finite):
+        return eqx.error_if(values, ~finite, message)
+    if not bool(finite):
+        raise ValueError(message)
+    return values

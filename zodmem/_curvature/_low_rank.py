@@ -14,7 +14,7 @@ from .._checks import check_int, check_key, described
 from .._traceback import public
 from ._arguments import check_dtype
 from ._diagonal import diagonal as diagonal_of
-from ._eigsh import eigsh
+from ._eigsh import eigenpairs
 from ._flat import symmetric_view
 from ._low_rank_diagonal import LowRankDiagonal
 
@@ -141,8 +141,8 @@ def low_rank(
     if rank == 0:
         vectors, values = jnp.zeros((n, 0), dtype), jnp.zeros((0,), dtype)
     else:
-        values, vectors = eigsh(
-            operator, rank, tol=tol, max_steps=max_steps, key=key, progress=progress
+        values, vectors = eigenpairs(
+            operator, rank, owner=owner, tol=tol, max_steps=max_steps, key=key, progress=progress
         )
         values = jnp.maximum(values, 0)
     lowrank = LowRankDiagonal(vectors, values, jnp.zeros((n,), dtype))
