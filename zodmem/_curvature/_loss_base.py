@@ -5,13 +5,16 @@ of a diagonal Hessian, and the checks of their outputs and targets."""
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._checks import described
+from ._arguments import is_traced
 
 __all__ = ["AbstractLoss"]
 
@@ -79,7 +82,7 @@ class AbstractLoss(eqx.Module):
             assert jnp.allclose(jnp.einsum("kni,knj->ij", S, S), H[:, 0], atol=1e-6)
             ```
         """
-        outputs = _one_array(outputs, type(self).__name__, "for the default `hessian_sqrt`")
+        outputs = one_array(outputs, type(self).__name__, "for the default `hessian_sqrt`")
         if outputs.ndim == 0:
             value = self.hessian_product(outputs, jnp.ones_like(outputs), *args, **kwargs)
             return jnp.sqrt(jnp.maximum(value, 0))[None]
@@ -106,10 +109,10 @@ class AbstractLoss(eqx.Module):
         )
 
 
-_REDUCTIONS = ("sum", "mean")
+REDUCTIONS = ("sum", "mean")
 
 
-def _reduced(value: Any, outputs: Any, reduction: str, owner: str, *, classes: bool = False) -> Any:
+def reduced(value: Any, outputs: Any, reduction: str, owner: str, *, classes: bool = False) -> Any:
     """`value` (the loss, or a product with its Hessian) as `reduction` says: as it is for
     `"sum"`; for `"mean"`, divided by the number of examples, the length of the outputs'
     leading axis (which, with `classes`, must come before the classes' axis)."""
@@ -131,7 +134,7 @@ def _reduced(value: Any, outputs: Any, reduction: str, owner: str, *, classes: b
     return jax.tree_util.tree_map(lambda leaf: leaf / shape[0], value)
 
 
-def _diagonal_sqrt(diagonal: Any) -> Any:
+def diagonal_sqrt(diagonal: Any) -> Any:
     """`hessian_sqrt`'s columns for a diagonal Hessian, `diagonal` a pytree like the
     outputs: one column per entry of each leaf's last axis (a leaf of one axis holds that
     many terms of one entry: one column), zero on the other leaves."""
@@ -156,7 +159,7 @@ def _diagonal_sqrt(diagonal: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, columns)
 
 
-def _check_targets(targets: Any, owner: str) -> None:
+def check_targets(targets: Any, owner: str) -> None:
     if targets is None or isinstance(targets, str):
         return
     if isinstance(targets, bool) or not isinstance(targets, int):
@@ -167,7 +170,7 @@ def _check_targets(targets: Any, owner: str) -> None:
         )
 
 
-def _targets_of(targets: Any, args: tuple, kwargs: dict, owner: str) -> Any:
+def targets_of(targets: Any, args: tuple, kwargs: dict, owner: str) -> Any:
     """The data argument that `targets` names (`None`: none)."""
     if targets is None:
         return None
@@ -187,16 +190,16 @@ def _targets_of(targets: Any, args: tuple, kwargs: dict, owner: str) -> Any:
     return args[targets]
 
 
-def _one_array(outputs: Any, owner: str, what: str) -> jax.Array:
+def one_array(outputs: Any, owner: str, what: str) -> jax.Array:
     if not (eqx.is_array(outputs) or isinstance(outputs, jax.ShapeDtypeStruct)):
         raise TypeError(
             f"{owner}: the outputs of `fn` must be one array ({what}), but they are "
-            f"{_shapes(outputs)}."
+            f"{output_shapes(outputs)}."
         )
     return outputs
 
 
-def _check_shapes(outputs: Any, targets: Any, owner: str, what: str) -> None:
+def check_shapes(outputs: Any, targets: Any, owner: str, what: str) -> None:
     if jnp.shape(targets) != jnp.shape(outputs):
         raise TypeError(
             f"{owner}: the targets have shape {jnp.shape(targets)} and the {what} (the "
@@ -204,7 +207,7 @@ def _check_shapes(outputs: Any, targets: Any, owner: str, what: str) -> None:
         )
 
 
-def _shapes(tree: Any) -> Any:
+def output_shapes(tree: Any) -> Any:
     """`tree` with its arrays as shapes and dtypes, for messages."""
     return jax.tree_util.tree_map(
         lambda leaf: (
@@ -214,3 +217,60 @@ def _shapes(tree: Any) -> Any:
         ),
         tree,
     )
+
+
+def checked_labels(labels: Any, logits: Any, targets: Any, product: Any) -> Any:
+    """`product`, refused where class indices as labels fall outside `[0, C)` (the loss
+    would be NaN, and an empirical Fisher would count the example as a zero gradient)
+    or where probabilities as labels do not sum to one per example (the Hessian of the
+    loss is `diag(p) - p p^T` times each example's sum of labels, and the closed form
+    takes that sum to be one). Eagerly a ValueError; traced, the same through
+    `eqx.error_if` when the compiled call runs."""
+    if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+        return _in_range(labels, logits, targets, product)
+    check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+    dtype = jnp.result_type(labels)
+    eps = float(jnp.finfo(dtype).eps)
+    classes = jnp.shape(labels)[-1]
+    # Rounding each label, and the sum itself, may move a sum by about classes * eps.
+    tolerance = max(math.sqrt(eps), 2 * classes * eps)
+    head = (
+        f"SoftmaxCrossEntropy: the labels (targets={targets!r} among the call's data "
+        "arguments) are probabilities, so each example's must sum to 1 over the classes "
+        f"(the last axis), within {tolerance:.1e} in {jnp.dtype(dtype).name}"
+    )
+    tail = (
+        ". The closed-form Fisher information assumes it: normalise them "
+        "(labels / labels.sum(-1, keepdims=True)), or pass the loss as a plain function "
+        "to have its Hessian taken as it is."
+    )
+    if is_traced(labels):
+        wide = jnp.promote_types(dtype, jnp.float32)
+        off = jnp.abs(jnp.sum(labels, axis=-1, dtype=wide) - 1)
+        wrong = jnp.max(off, initial=0) > tolerance
+        return eqx.error_if(product, wrong, f"{head}, but one does not{tail}")
+    sums = np.sum(np.asarray(labels, dtype=np.float64), axis=-1).ravel()
+    if sums.size:
+        worst = sums[np.argmax(np.abs(sums - 1))]
+        if abs(worst - 1) > tolerance:
+            raise ValueError(f"{head}, but one sums to {worst:.7g}{tail}")
+    return product
+
+
+def _in_range(labels: Any, logits: Any, targets: Any, product: Any) -> Any:
+    """`product`, refused where class indices fall outside `[0, C)`."""
+    classes = logits.shape[-1]
+    head = (
+        f"SoftmaxCrossEntropy: the labels (targets={targets!r} among the call's data "
+        f"arguments) are class indices, so each must lie in [0, {classes}) for logits of "
+        f"{classes} classes (the last axis)"
+    )
+    tail = ". Give each example's class as an index from 0 to the number of classes less 1."
+    if is_traced(labels):
+        wrong = jnp.any((labels < 0) | (labels >= classes))
+        return eqx.error_if(product, wrong, f"{head}, but one is not{tail}")
+    labels = np.asarray(labels)
+    outside = labels[(labels < 0) | (labels >= classes)]
+    if outside.size:
+        raise ValueError(f"{head}, but one is {int(outside[0])}{tail}")
+    return product

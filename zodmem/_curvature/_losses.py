@@ -15,21 +15,20 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.scipy.special import gammaln
 
 from .._checks import check_choice, described
-from .._plan._compiled import is_traced
 from ._loss_base import (
-    _REDUCTIONS,
+    REDUCTIONS,
     AbstractLoss,
-    _check_shapes,
-    _check_targets,
-    _diagonal_sqrt,
-    _one_array,
-    _reduced,
-    _shapes,
-    _targets_of,
+    check_shapes,
+    check_targets,
+    checked_labels,
+    diagonal_sqrt,
+    one_array,
+    output_shapes,
+    reduced,
+    targets_of,
 )
 
 __all__ = [
@@ -105,8 +104,8 @@ class SquaredError(AbstractLoss):
     reduction: str = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
-        _check_targets(self.targets, "SquaredError")
-        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="SquaredError")
+        check_targets(self.targets, "SquaredError")
+        check_choice(self.reduction, "reduction", REDUCTIONS, owner="SquaredError")
         if self.weights is not None and self.covariance is not None:
             raise ValueError(
                 "SquaredError: give at most one of `weights` and `covariance`: weights "
@@ -121,11 +120,11 @@ class SquaredError(AbstractLoss):
                 )
 
     def _residuals(self, outputs: Any, args: tuple, kwargs: dict) -> Any:
-        outputs = _one_array(outputs, "SquaredError", "the predictions")
-        targets = _targets_of(self.targets, args, kwargs, "SquaredError")
+        outputs = one_array(outputs, "SquaredError", "the predictions")
+        targets = targets_of(self.targets, args, kwargs, "SquaredError")
         if targets is None:
             return outputs
-        _check_shapes(outputs, targets, "SquaredError", "predictions")
+        check_shapes(outputs, targets, "SquaredError", "predictions")
         return outputs - targets
 
     def _precision(self, vector: Any) -> Any:
@@ -147,19 +146,19 @@ class SquaredError(AbstractLoss):
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         r = self._residuals(outputs, args, kwargs)
         total = 0.5 * jnp.sum(r * self._precision(r))
-        return _reduced(total, r, self.reduction, "SquaredError")
+        return reduced(total, r, self.reduction, "SquaredError")
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
         self._residuals(outputs, args, kwargs)
-        product = _reduced(self._precision(tangents), outputs, self.reduction, "SquaredError")
+        product = reduced(self._precision(tangents), outputs, self.reduction, "SquaredError")
         return product.astype(tangents.dtype)
 
     def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         if self.covariance is not None:
             return super().hessian_sqrt(outputs, *args, **kwargs)
-        ones = jnp.ones_like(_one_array(outputs, "SquaredError", "the predictions"))
+        ones = jnp.ones_like(one_array(outputs, "SquaredError", "the predictions"))
         diagonal = self.hessian_product(outputs, ones, *args, **kwargs)
-        return _diagonal_sqrt(jnp.broadcast_to(diagonal, outputs.shape))
+        return diagonal_sqrt(jnp.broadcast_to(diagonal, outputs.shape))
 
     def sample(self, outputs: Any, key: Any) -> Any:
         """Targets `outputs + noise`, the noise Gaussian with precisions `weights` (none
@@ -169,7 +168,7 @@ class SquaredError(AbstractLoss):
                 "SquaredError: targets=None says `fn` returns residuals, so there are no "
                 "targets to draw; return predictions and pass the targets instead."
             )
-        outputs = _one_array(outputs, "SquaredError", "the predictions")
+        outputs = one_array(outputs, "SquaredError", "the predictions")
         noise = jax.random.normal(key, outputs.shape, outputs.dtype)
         if self.covariance is not None:
             return outputs + noise @ jnp.linalg.cholesky(self.covariance).T.astype(outputs.dtype)
@@ -221,14 +220,14 @@ class GaussianNLL(AbstractLoss):
     def __check_init__(self):
         if self.targets is None:
             raise TypeError("GaussianNLL: `targets` must be an int or a str, got None.")
-        _check_targets(self.targets, "GaussianNLL")
-        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="GaussianNLL")
+        check_targets(self.targets, "GaussianNLL")
+        check_choice(self.reduction, "reduction", REDUCTIONS, owner="GaussianNLL")
 
     def _pair(self, outputs: Any) -> tuple[Any, Any]:
         if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2):
             raise TypeError(
                 "GaussianNLL: the outputs of `fn` must be a pair (mean, log_variance) of "
-                f"arrays of the targets' shape, but they are {_shapes(outputs)}."
+                f"arrays of the targets' shape, but they are {output_shapes(outputs)}."
             )
         mean, log_variance = outputs
         if jnp.shape(mean) != jnp.shape(log_variance):
@@ -240,17 +239,17 @@ class GaussianNLL(AbstractLoss):
 
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
-        targets = _targets_of(self.targets, args, kwargs, "GaussianNLL")
-        _check_shapes(mean, targets, "GaussianNLL", "means")
+        targets = targets_of(self.targets, args, kwargs, "GaussianNLL")
+        check_shapes(mean, targets, "GaussianNLL", "means")
         squared = (targets - mean) ** 2 * jnp.exp(-log_variance)
         total = 0.5 * jnp.sum(log_variance + squared + math.log(2 * math.pi))
-        return _reduced(total, mean, self.reduction, "GaussianNLL")
+        return reduced(total, mean, self.reduction, "GaussianNLL")
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
         d_mean, d_log_variance = tangents
         on_mean = jnp.exp(-log_variance) * d_mean
-        on_mean, on_log_variance = _reduced(
+        on_mean, on_log_variance = reduced(
             (on_mean, 0.5 * d_log_variance), mean, self.reduction, "GaussianNLL"
         )
         return type(tangents)(
@@ -260,7 +259,7 @@ class GaussianNLL(AbstractLoss):
     def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
         ones = type(outputs)((jnp.ones_like(mean), jnp.ones_like(log_variance)))
-        return _diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
+        return diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
 
     def sample(self, outputs: Any, key: Any) -> Any:
         """Targets `mean + exp(log_variance / 2) * noise`, the noise standard normal."""
@@ -311,37 +310,37 @@ class PoissonNLL(AbstractLoss):
     def __check_init__(self):
         if self.targets is None:
             raise TypeError("PoissonNLL: `targets` must be an int or a str, got None.")
-        _check_targets(self.targets, "PoissonNLL")
+        check_targets(self.targets, "PoissonNLL")
         if not isinstance(self.log_rate, bool):
             raise TypeError(
                 f"PoissonNLL: `log_rate` must be True or False, got {described(self.log_rate)}."
             )
-        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="PoissonNLL")
+        check_choice(self.reduction, "reduction", REDUCTIONS, owner="PoissonNLL")
 
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
-        counts = _targets_of(self.targets, args, kwargs, "PoissonNLL")
-        _check_shapes(outputs, counts, "PoissonNLL", "rates")
+        outputs = one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        counts = targets_of(self.targets, args, kwargs, "PoissonNLL")
+        check_shapes(outputs, counts, "PoissonNLL", "rates")
         if self.log_rate:
             rate, log_rate = jnp.exp(outputs), outputs
         else:
             rate, log_rate = outputs, jnp.log(outputs)
         total = jnp.sum(rate - counts * log_rate + gammaln(counts + 1.0))
-        return _reduced(total, outputs, self.reduction, "PoissonNLL")
+        return reduced(total, outputs, self.reduction, "PoissonNLL")
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
-        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        outputs = one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
         fisher = jnp.exp(outputs) if self.log_rate else 1 / outputs
-        product = _reduced(fisher * tangents, outputs, self.reduction, "PoissonNLL")
+        product = reduced(fisher * tangents, outputs, self.reduction, "PoissonNLL")
         return product.astype(tangents.dtype)
 
     def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        ones = jnp.ones_like(_one_array(outputs, "PoissonNLL", "log-rates or rates"))
-        return _diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
+        ones = jnp.ones_like(one_array(outputs, "PoissonNLL", "log-rates or rates"))
+        return diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
 
     def sample(self, outputs: Any, key: Any) -> Any:
         """Counts drawn from the Poisson distributions, in the outputs' dtype."""
-        outputs = _one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
+        outputs = one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
         rate = jnp.exp(outputs) if self.log_rate else outputs
         return jax.random.poisson(key, rate, outputs.shape).astype(outputs.dtype)
 
@@ -400,11 +399,11 @@ class SoftmaxCrossEntropy(AbstractLoss):
     def __check_init__(self):
         if self.targets is None:
             raise TypeError("SoftmaxCrossEntropy: `targets` must be an int or a str, got None.")
-        _check_targets(self.targets, "SoftmaxCrossEntropy")
-        check_choice(self.reduction, "reduction", _REDUCTIONS, owner="SoftmaxCrossEntropy")
+        check_targets(self.targets, "SoftmaxCrossEntropy")
+        check_choice(self.reduction, "reduction", REDUCTIONS, owner="SoftmaxCrossEntropy")
 
     def _logits(self, outputs: Any) -> Any:
-        outputs = _one_array(outputs, "SoftmaxCrossEntropy", "the logits, classes last")
+        outputs = one_array(outputs, "SoftmaxCrossEntropy", "the logits, classes last")
         if outputs.ndim == 0:
             raise TypeError(
                 "SoftmaxCrossEntropy: the logits must have the classes on their last axis, "
@@ -414,7 +413,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
 
     def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         logits = self._logits(outputs)
-        labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
+        labels = targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
         log_p = jax.nn.log_softmax(logits, axis=-1)
         if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
             if jnp.shape(labels) != logits.shape[:-1]:
@@ -423,21 +422,21 @@ class SoftmaxCrossEntropy(AbstractLoss):
                     f"logits' shape without its last axis, {logits.shape[:-1]}, but have "
                     f"shape {jnp.shape(labels)}."
                 )
-            labels = self._checked_labels(labels, logits, labels)
+            labels = checked_labels(labels, logits, self.targets, labels)
             picked = jnp.take_along_axis(log_p, jnp.asarray(labels)[..., None], axis=-1)
             total = -jnp.sum(picked)
         else:
-            _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
+            check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
             total = -jnp.sum(labels * log_p)
-        return _reduced(total, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
+        return reduced(total, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
 
     def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
         logits = self._logits(outputs)
         p = jax.nn.softmax(logits, axis=-1)
         product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
-        product = _reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
-        labels = _targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
-        return self._checked_labels(labels, logits, product.astype(tangents.dtype))
+        product = reduced(product, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
+        labels = targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
+        return checked_labels(labels, logits, self.targets, product.astype(tangents.dtype))
 
     def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         # Column c is sqrt(p_c) (e_c - p): their outer products sum to diag(p) - p p^T.
@@ -445,7 +444,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
         p = jax.nn.softmax(logits, axis=-1)
         units = jnp.eye(logits.shape[-1], dtype=p.dtype)
         columns = jnp.sqrt(p)[..., None] * (units - p[..., None, :])
-        scale = _reduced(
+        scale = reduced(
             jnp.ones((), p.dtype), logits, self.reduction, "SoftmaxCrossEntropy", classes=True
         )
         return jnp.moveaxis(columns, -2, 0) * jnp.sqrt(scale)
@@ -453,57 +452,3 @@ class SoftmaxCrossEntropy(AbstractLoss):
     def sample(self, outputs: Any, key: Any) -> Any:
         """Class indices drawn from the softmax of the logits (integer labels)."""
         return jax.random.categorical(key, self._logits(outputs), axis=-1)
-
-    def _checked_labels(self, labels: Any, logits: Any, product: Any) -> Any:
-        """`product`, refused where class indices as labels fall outside `[0, C)` (the loss
-        would be NaN, and an empirical Fisher would count the example as a zero gradient)
-        or where probabilities as labels do not sum to one per example (the Hessian of the
-        loss is `diag(p) - p p^T` times each example's sum of labels, and the closed form
-        takes that sum to be one). Eagerly a ValueError; traced, the same through
-        `eqx.error_if` when the compiled call runs."""
-        if jnp.issubdtype(jnp.result_type(labels), jnp.integer):
-            return self._in_range(labels, logits, product)
-        _check_shapes(logits, labels, "SoftmaxCrossEntropy", "logits")
-        dtype = jnp.result_type(labels)
-        eps = float(jnp.finfo(dtype).eps)
-        classes = jnp.shape(labels)[-1]
-        # Rounding each label, and the sum itself, may move a sum by about classes * eps.
-        tolerance = max(math.sqrt(eps), 2 * classes * eps)
-        head = (
-            f"SoftmaxCrossEntropy: the labels (targets={self.targets!r} among the call's data "
-            "arguments) are probabilities, so each example's must sum to 1 over the classes "
-            f"(the last axis), within {tolerance:.1e} in {jnp.dtype(dtype).name}"
-        )
-        tail = (
-            ". The closed-form Fisher information assumes it: normalise them "
-            "(labels / labels.sum(-1, keepdims=True)), or pass the loss as a plain function "
-            "to have its Hessian taken as it is."
-        )
-        if is_traced(labels):
-            wide = jnp.promote_types(dtype, jnp.float32)
-            off = jnp.abs(jnp.sum(labels, axis=-1, dtype=wide) - 1)
-            wrong = jnp.max(off, initial=0) > tolerance
-            return eqx.error_if(product, wrong, f"{head}, but one does not{tail}")
-        sums = np.sum(np.asarray(labels, dtype=np.float64), axis=-1).ravel()
-        if sums.size:
-            worst = sums[np.argmax(np.abs(sums - 1))]
-            if abs(worst - 1) > tolerance:
-                raise ValueError(f"{head}, but one sums to {worst:.7g}{tail}")
-        return product
-
-    def _in_range(self, labels: Any, logits: Any, product: Any) -> Any:
-        classes = logits.shape[-1]
-        head = (
-            f"SoftmaxCrossEntropy: the labels (targets={self.targets!r} among the call's data "
-            f"arguments) are class indices, so each must lie in [0, {classes}) for logits of "
-            f"{classes} classes (the last axis)"
-        )
-        tail = ". Give each example's class as an index from 0 to the number of classes less 1."
-        if is_traced(labels):
-            wrong = jnp.any((labels < 0) | (labels >= classes))
-            return eqx.error_if(product, wrong, f"{head}, but one is not{tail}")
-        labels = np.asarray(labels)
-        outside = labels[(labels < 0) | (labels >= classes)]
-        if outside.size:
-            raise ValueError(f"{head}, but one is {int(outside[0])}{tail}")
-        return product
