@@ -53,39 +53,95 @@ _FISHERS = ("type-2", "mc", "empirical")
 _DENSE_LIMIT = 4096
 
 
-def _example_axes(program: Callable, leaves: list, args: tuple, found: trace.Program, jaxpr: Any):
+def _example_axes(
+    program: Callable,
+    leaves: list,
+    args: tuple,
+    found: trace.Program,
+    jaxpr: Any,
+    variables: Variables,
+    owner: str,
+) -> tuple:
     """Per layer, which axis of its rows holds the examples, or None (each row then
-    counts as an example): the one axis that grows by one with the batch, where each
-    example's outputs are one loss term (outputs `(N,)` or `(N, C)`)."""
+    counts as an example): the one axis that grows by one when the data arguments whose
+    leading axis is the outputs' `N` grow to `N + 1`, where each example's outputs are
+    one loss term (outputs `(N,)` or `(N, C)`). An axis that cannot be found is refused."""
     none = (None,) * len(found.layers)
-    batched = [leaf for leaf in jax.tree_util.tree_leaves(args) if eqx.is_array(leaf)]
-    if not batched or any(leaf.ndim == 0 for leaf in batched):
-        return none
+    outputs = jax.tree_util.tree_leaves(jax.eval_shape(program, leaves, args))
     # With several terms an example, the square root's columns are shared by them, and
     # an example's gradient would hold products of its terms that the matrix lacks.
-    if any(
-        leaf.ndim > 2 for leaf in jax.tree_util.tree_leaves(jax.eval_shape(program, leaves, args))
-    ):
+    if not outputs or any(leaf.ndim == 0 or leaf.ndim > 2 for leaf in outputs):
         return none
+    count = outputs[0].shape[0]
+    paths = jax.tree_util.tree_flatten_with_path(args)[0]
+    # An array of another length (shared by every example) is passed as it is.
+    grown = {
+        path
+        for path, leaf in paths
+        if eqx.is_array(leaf) and leaf.ndim > 0 and leaf.shape[0] == count
+    }
+    names = ", ".join(
+        f"args{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}"
+        for path, leaf in paths
+        if path in grown
+    )
+    how = (
+        f"{owner}: the examples' axis of each layer's rows is found by tracing `fn` again "
+        f"with one more example, the data arguments whose leading axis has the outputs' "
+        f"length {count} grown by one ({names or 'none has'})"
+    )
+    advice = (
+        "Pass an array shared by every example (one whose leading axis does not index the "
+        "examples) as a keyword argument, which is passed whole, or close over it in `fn`."
+    )
 
-    def grown(leaf: Any) -> Any:
-        if not eqx.is_array(leaf):
+    if not grown:
+        return tuple(
+            _rows_are_examples(jaxpr, layer, count, variables, how) for layer in found.layers
+        )
+
+    def bigger(path: Any, leaf: Any) -> Any:
+        if path not in grown:
             return leaf
         return jax.ShapeDtypeStruct((leaf.shape[0] + 1,) + leaf.shape[1:], leaf.dtype)
 
     try:
-        bigger = jax.make_jaxpr(program)(leaves, jax.tree_util.tree_map(grown, args)).jaxpr
-    except Exception:  # a program that takes no other batch size shows no examples axis
-        return none
-    if trace.find_layers(bigger, len(leaves)) != found:
-        return none
+        more = jax.tree_util.tree_map_with_path(bigger, args)
+        larger = jax.make_jaxpr(program)(leaves, more).jaxpr
+    except Exception as error:
+        raise ValueError(
+            f"{how}, and that trace failed: {type(error).__name__}: {error}. {advice}"
+        ) from None
+    if trace.find_layers(larger, len(leaves)) != found:
+        raise ValueError(f"{how}, and then `fn`'s layers differ. {advice}")
     axes = []
     for layer in found.layers:
-        before, after = trace.rows_shape(jaxpr, layer), trace.rows_shape(bigger, layer)
+        before, after = trace.rows_shape(jaxpr, layer), trace.rows_shape(larger, layer)
         moved = [d for d, (m, n) in enumerate(zip(before, after, strict=True)) if m != n]
-        one = len(moved) == 1 and after[moved[0]] == before[moved[0]] + 1
-        axes.append(moved[0] if one else None)
+        if len(moved) != 1 or after[moved[0]] != before[moved[0]] + 1:
+            raise ValueError(
+                f"{how}; the rows of the layer of x{variables.names[layer.weight]} have "
+                f"shape {before}, then {after}: no one axis of them grows by one example. "
+                "Keep the examples on an axis of their own in each layer's input (a `vmap` "
+                "over them, not a reshape that merges them with positions), or use zm.KFAC, "
+                "which needs no examples' axis."
+            )
+        axes.append(moved[0])
     return tuple(axes)
+
+
+def _rows_are_examples(jaxpr: Any, layer: trace.Layer, count: int, variables, how: str) -> int:
+    """With no data to grow, a layer whose rows are `(N,)` has a row per example; any
+    other is refused."""
+    rows = trace.rows_shape(jaxpr, layer)
+    if rows != (count,):
+        raise ValueError(
+            f"{how}; the rows of the layer of x{variables.names[layer.weight]} have shape "
+            f"{rows}, not one per example ({count},), so its examples cannot be told apart. "
+            "Pass the examples' data as arguments after `x`, the examples on their leading "
+            "axis."
+        )
+    return 0
 
 
 def _blocks(found: trace.Program, variables: Variables, sums: dict) -> tuple:
@@ -176,7 +232,7 @@ class _KroneckerCurvature(eqx.Module):
         _check_others(found, variables, owner)
         examples = (None,) * len(found.layers)
         if self._corrected:
-            examples = _example_axes(program, leaves, args, found, jaxpr)
+            examples = _example_axes(program, leaves, args, found, jaxpr, variables, owner)
         mean = getattr(self.loss, "reduction", "sum") == "mean"
         settings = Settings(self.fisher, self.mc_samples, mean, found, examples)
         keys = None
@@ -390,10 +446,16 @@ class EKFAC(_KroneckerCurvature):
     the exact blocks than KFAC's. It costs a second pass over the data.
 
     Where each example's outputs are one loss term (outputs `(N, C)` or `(N,)`), the
-    examples' axis in a layer's rows is the one that grows with the batch (found by
-    tracing `fn` at one more example); where none does, or where an example has
-    several terms (outputs `(N, T, C)`: the square root's columns are shared by them),
-    each row counts as an example.
+    examples' axis in a layer's rows is the one that grows by one when `fn` is traced
+    again with the data arguments whose leading axis is `N` grown by one. An array of
+    another length (positions `(T, D)` shared by every example beside inputs
+    `(N, T, D)`) is passed as it is; a shared array of length `N` must be a keyword
+    argument or closed over in `fn`. Where that trace fails, or a layer's rows have no
+    such axis (the examples merged with positions by a reshape), the call is refused
+    with a `ValueError` that says which; where no data argument has length `N`, each
+    layer's rows must be one per example. Where an example has several terms (outputs
+    `(N, T, C)`: the square root's columns are shared by them), each row counts as an
+    example.
     The dense blocks of leaves in no layer are KFAC's, exact. The arguments and the
     result are `zm.KFAC`'s.
 

@@ -1,0 +1,83 @@
+"""`KFAC` and `EKFAC` at their corners: a data argument shared by every example, damping
+that is not a finite real number, an empty batch, a float32 model fed float64 data,
+PyTorch's layout `x @ w.T`, the empirical Fisher of a mean squared error against
+curvlinops' scaling, and where KFAC of a linear layer is exact."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import close
+
+import zodmem as zm
+
+
+@pytest.fixture(params=["float32", "float64"])
+def dtype(request):
+    if request.param == "float64":
+        request.getfixturevalue("float64")
+    return jnp.dtype(request.param)
+
+
+def normal(seed, shape, dtype):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+def predict(model, inputs, targets):
+    return jax.vmap(model)(inputs)
+
+
+def tolerance(dtype):
+    return {"rtol": 1e-10, "atol": 1e-12} if dtype == jnp.float64 else {"rtol": 2e-4, "atol": 1e-5}
+
+
+# -- a data argument shared by every example ------------------------------------------------
+
+
+def with_positions(params, inputs, positions, targets):
+    return jnp.tanh((inputs + positions) @ params["w"] + params["b"]).sum(axis=1)
+
+
+def test_ekfac_passes_a_data_argument_of_another_length_whole(dtype):
+    # Inputs (N, T, D) beside positions (T, D): only the inputs and targets hold examples.
+    params = {"w": normal(0, (4, 2), dtype), "b": normal(1, (2,), dtype)}
+    inputs, positions = normal(2, (6, 3, 4), dtype), normal(3, (3, 4), dtype)
+    targets, loss = normal(4, (6, 2), dtype), zm.losses.SquaredError()
+
+    def closed(params, inputs, targets):
+        return with_positions(params, inputs, positions, targets)
+
+    passed = zm.EKFAC(with_positions, loss)(params, inputs, positions, targets)
+    closed_over = zm.EKFAC(closed, loss)(params, inputs, targets)
+    close(passed.eigenvalues, closed_over.eigenvalues, **tolerance(dtype))
+    keyword = zm.EKFAC(lambda p, x, y, *, positions: with_positions(p, x, positions, y), loss)
+    close(keyword(params, inputs, targets, positions=positions).eigenvalues, passed.eigenvalues)
+    # The examples are the rows' first axis: the eigenvalues are the exact block's
+    # diagonal in the Kronecker eigenbasis.
+    G = zm.BatchedGGN(closed, loss)(params, inputs, targets)
+    (eigen,) = passed.eigh()
+    for i, j in [(0, 0), (1, 2), (0, 4)]:
+        u = passed._vector([jnp.outer(eigen.gradient_basis[:, i], eigen.input_basis[:, j])])
+        close(eigen.eigenvalues[i, j], u @ G @ u, **tolerance(dtype))
+
+
+def test_ekfac_refuses_in_words_an_examples_axis_it_cannot_find(dtype):
+    # Positions whose length is the batch's are grown with it, and the model then fails;
+    # as a keyword argument they are passed whole.
+    params = {"w": normal(0, (4, 2), dtype), "b": normal(1, (2,), dtype)}
+    inputs, positions = normal(2, (3, 3, 4), dtype), normal(3, (3, 4), dtype)
+    targets, loss = normal(4, (3, 2), dtype), zm.losses.SquaredError()
+    zm.KFAC(with_positions, loss)(params, inputs, positions, targets)  # KFAC needs no axis
+    keyword = zm.EKFAC(lambda p, x, y, *, positions: with_positions(p, x, positions, y), loss)
+    keyword(params, inputs, targets, positions=positions)
+    with pytest.raises(ValueError, match=r"zm.EKFAC: .*args\[1\] of shape \(3, 4\).* failed"):
+        zm.EKFAC(with_positions, loss)(params, inputs, positions, targets)
+
+    # Rows that mix the examples (flattened with the positions) have no examples axis.
+    def flattened(params, inputs, targets):
+        rows = inputs.reshape(-1, 4) @ params["w"]
+        return jnp.tanh(rows).reshape(inputs.shape[0], -1, 2).sum(axis=1)
+
+    with pytest.raises(ValueError, match=r"x\['w'\] have shape \(9,\), then \(12,\)"):
+        zm.EKFAC(flattened, loss)(params, inputs, targets)
