@@ -3,7 +3,7 @@ that is not a finite real number, an empty batch, a float32 model fed float64 da
 PyTorch's layout `x @ w.T`, the empirical Fisher of a mean squared error against
 curvlinops' scaling, and where KFAC of a linear layer is exact."""
 
-
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +81,40 @@ def test_ekfac_refuses_in_words_an_examples_axis_it_cannot_find(dtype):
 
     with pytest.raises(ValueError, match=r"x\['w'\] have shape \(9,\), then \(12,\)"):
         zm.EKFAC(flattened, loss)(params, inputs, targets)
+
+
+# -- damping --------------------------------------------------------------------------------
+
+
+def a_layer(dtype):
+    layer = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=dtype)
+    inputs, targets = normal(0, (5, 3), dtype), normal(1, (5, 2), dtype)
+    return zm.KFAC(predict, zm.losses.SquaredError())(layer, inputs, targets)
+
+
+@pytest.mark.parametrize("method", ["solve", "logdet"])
+def test_damping_must_be_a_finite_real_number(dtype, method):
+    F = a_layer(dtype)
+
+    def call(damping):
+        if method == "solve":
+            return F.solve(jnp.ones(8, dtype), damping=damping)
+        return F.logdet(damping=damping)
+
+    owner = rf"zm.KroneckerFactored.{method}"
+    for nan in [float("nan"), jnp.asarray(jnp.nan, dtype), np.float32("nan")]:
+        with pytest.raises(ValueError, match=rf"{owner}: `damping` must be a finite real number"):
+            call(nan)
+    with pytest.raises(
+        ValueError, match=r"`damping` must be a finite real number, got damping=inf"
+    ):
+        call(float("inf"))
+    for complex_ in [1 + 1j, np.complex64(1), jnp.asarray(1 + 1j)]:
+        with pytest.raises(TypeError, match=rf"{owner}: `damping` must be a real number, got"):
+            call(complex_)
+    with pytest.raises(TypeError, match=r"`damping` must be a real number, got \[0.1\]"):
+        call([0.1])
+    # Traced, a NaN fails the call when it runs.
+    with pytest.raises(Exception, match=r"plus `damping` must be > 0"):
+        jax.block_until_ready(jax.jit(call)(jnp.asarray(jnp.nan, dtype)))
+    assert call(0.1).dtype == dtype  # a finite damping is taken

@@ -24,6 +24,7 @@ import lineax as lx
 import numpy as np
 
 from .._checks import described
+from .._curvature._arguments import check_real
 from .._curvature._tags import register_symmetric
 from .._traceback import public
 from . import _kfac_products as compiled
@@ -303,16 +304,10 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         return compiled.diagonal(self)
 
     def _damping(self, damping: Any, owner: str) -> jax.Array:
-        """`damping` checked: a real scalar with every eigenvalue plus it `> 0` (where it
-        is concrete; traced, the same check fails the compiled call when it runs)."""
-        if isinstance(damping, (bool, np.bool_)) or not (
-            isinstance(damping, (int, float, np.number)) or eqx.is_array(damping)
-        ):
-            raise TypeError(f"{owner}: `damping` must be a real number, got {described(damping)}.")
-        if jnp.ndim(damping) != 0:
-            raise ValueError(
-                f"{owner}: `damping` must be a scalar, got shape {jnp.shape(damping)}."
-            )
+        """`damping` checked: a finite real scalar with every eigenvalue plus it `> 0`
+        (where it is concrete; traced, the same check fails the compiled call when it
+        runs)."""
+        damping = check_real(damping, "damping", owner=owner, minimum=None)
         value = jnp.asarray(damping, self.dtype)
         least = compiled.least(self) + value
         message = (
@@ -320,7 +315,8 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             "then positive definite); give damping > 0"
         )
         if isinstance(least, jax.core.Tracer):
-            return eqx.error_if(value, least <= 0, message + ".")
+            # Written so that a NaN, which compares false, fails too.
+            return eqx.error_if(value, jnp.logical_not(least > 0), message + ".")
         if float(least) <= 0:
             raise ValueError(f"{message}: the least is {float(least)!r} with damping={damping!r}.")
         return value
@@ -334,8 +330,10 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         **Arguments:**
 
         - `b`: an `(n,)` array, or `(n, k)` for `k` right-hand sides.
-        - `damping`: a real scalar; every eigenvalue plus it must be `> 0` (a
-          `ValueError`; under `jax.jit`, an error when the call runs).
+        - `damping`: a finite real scalar (a Python or NumPy number, or a 0-d real
+          array; anything else is a `TypeError`, NaN or infinity a `ValueError`); every
+          eigenvalue plus it must be `> 0` (a `ValueError`; under `jax.jit`, where NaN
+          fails too, an error when the call runs).
 
         **Returns:**
 
