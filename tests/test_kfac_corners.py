@@ -118,3 +118,17 @@ def test_damping_must_be_a_finite_real_number(dtype, method):
     with pytest.raises(Exception, match=r"plus `damping` must be > 0"):
         jax.block_until_ready(jax.jit(call)(jnp.asarray(jnp.nan, dtype)))
     assert call(0.1).dtype == dtype  # a finite damping is taken
+
+
+# -- an empty batch -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, reduction", [("KFAC", "sum"), ("KFAC", "mean"), ("EKFAC", "sum"), ("EKFAC", "mean")]
+)
+def test_an_empty_batch_is_refused_by_name(dtype, kind, reduction):
+    layer = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=dtype)
+    inputs, targets = jnp.zeros((0, 3), dtype), jnp.zeros((0, 2), dtype)
+    transform = getattr(zm, kind)(predict, zm.losses.SquaredError(reduction=reduction))
+    with pytest.raises(ValueError, match=rf"zm.{kind}: .*empty.*args\[0\] of shape \(0, 3\)"):
+        transform(layer, inputs, targets)

@@ -224,6 +224,7 @@ class _KroneckerCurvature(eqx.Module):
 
     def _factored(self, x: Any, args: tuple, kwargs: dict) -> KroneckerFactored:
         owner = self._owner
+        _check_not_empty(args, owner)
         _, variables = split_variables(x, owner=owner)
         leaves = variable_leaves(x, variables)
         program = traced(self.fn, variables, kwargs)
@@ -288,6 +289,20 @@ class _KroneckerCurvature(eqx.Module):
             progress=self.progress,
         )
         return batched(leaves, keys, *args)
+
+
+def _check_not_empty(args: tuple, owner: str) -> None:
+    """Refuse a batch of no examples, whose factors are undefined, by the argument
+    that shows it."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if eqx.is_array(leaf) and leaf.ndim > 0 and leaf.shape[0] == 0:
+            raise ValueError(
+                f"{owner}: the batch is empty: the data argument "
+                f"args{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} holds no "
+                "examples along its leading axis, and the factors of no examples are "
+                "undefined (the input factor is a mean over the rows). Give at least one "
+                "example."
+            )
 
 
 def _check_examples(args: tuple, owner: str) -> None:
@@ -381,7 +396,8 @@ class KFAC(_KroneckerCurvature):
       interact (no batch normalisation). The outputs' last axis holds one loss term's
       entries (the classes, or the features), every other axis indexes the terms, as
       curvlinops takes them: put the features last (`(N, C)`, `(N, T, C)`), and give a
-      single example's outputs a leading axis of one.
+      single example's outputs a leading axis of one. An empty batch (a data argument
+      with no examples) is refused with a `ValueError` naming it.
     - `loss`: a `zm.losses.AbstractLoss`, called as `loss(outputs, *args, **kwargs)`.
       A `reduction="mean"` loss averages over the examples (over microbatches too).
     - `fisher`: whose gradients `g` are:
