@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 
+from .._checks import check_bool
 from .._traceback import public
+from ._arguments import check_real, is_traced
 from ._tags import register_symmetric
 
 __all__ = ["BlockDiagonal"]
@@ -38,14 +40,25 @@ class BlockDiagonal(lx.AbstractLinearOperator):
 
     - `blocks`: the square symmetric blocks, `(n_i, n_i)` arrays of one real floating
       dtype.
+    - `positive_semidefinite`: whether every block is known to be positive
+      semi-definite (`zm.BatchedGGN`'s are; `zm.BatchedHessian`'s are not assumed to
+      be). Then the operator is tagged so for `lineax`, and each block's eigenvalues
+      below zero are taken as zeros, as rounding leaves those of its null space.
 
-    It is tagged symmetric for `lineax` (and positive semi-definite only if every block
-    is, which it does not assume). Besides `mv` and `as_matrix`:
+    It is tagged symmetric for `lineax`. Besides `mv` and `as_matrix`:
 
     - `solve(b, damping=0.0)`: `(A + damping I)^{-1} b`, block by block;
-    - `logdet(damping=0.0)`: `log det(A + damping I)`, `nan` where a block's determinant
-      is not positive (an indefinite Hessian);
+    - `logdet(damping=0.0)`: `log det(A + damping I)`, `nan` where the determinant is
+      negative (an indefinite Hessian);
     - `eigh()`: each block's eigenvalues and eigenvectors.
+
+    Each block's eigenvalues are known to within rounding of its largest, `n_i * eps *
+    max|lambda|` (`eps` the dtype's, as `numpy.linalg.matrix_rank` counts), so those
+    within that of zero are taken as exactly zero: a singular block is seen as
+    singular. `solve` and `logdet` refuse a singular `A + damping I`, every eigenvalue
+    plus `damping` nonzero (`> 0` where the blocks are positive semi-definite, as
+    `zm.KroneckerFactored` asks): a `ValueError` at once, or under `jax.jit` an error
+    when the call runs. `damping` is a finite real number, `0.0` by default.
 
     !!! example
 
@@ -70,9 +83,11 @@ class BlockDiagonal(lx.AbstractLinearOperator):
 
     blocks: tuple[jax.Array, ...]
     sizes: tuple[int, ...] = eqx.field(static=True)
+    positive_semidefinite: bool = eqx.field(static=True)
 
     @public
-    def __init__(self, blocks: Any):
+    def __init__(self, blocks: Any, *, positive_semidefinite: Any = False):
+        check_bool(positive_semidefinite, "positive_semidefinite", owner=_OWNER)
         blocks = tuple(jnp.asarray(block) for block in blocks)
         if not blocks:
             raise ValueError(f"{_OWNER}: `blocks` is empty; give at least one square block.")
@@ -95,6 +110,7 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             )
         self.blocks = blocks
         self.sizes = tuple(block.shape[0] for block in blocks)
+        self.positive_semidefinite = positive_semidefinite
 
     @property
     def _dtype(self) -> Any:
@@ -204,7 +220,9 @@ class BlockDiagonal(lx.AbstractLinearOperator):
 
     def eigh(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         """`(eigenvalues, eigenvectors)`: per block, its eigenvalues in ascending order
-        and the `(n_i, n_i)` matrix of its eigenvectors (as `jnp.linalg.eigh`).
+        and the `(n_i, n_i)` matrix of its eigenvectors (as `jnp.linalg.eigh`), the
+        eigenvalues those that `solve` and `logdet` use: those within rounding of zero
+        taken as zeros (and, where the blocks are positive semi-definite, those below).
 
         !!! example
 
@@ -217,12 +235,56 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(values[0], jnp.array([1.0, 3.0])) and values[1] == 4.0
             ```
         """
-        pairs = [jnp.linalg.eigh(_symmetric(block)) for block in self.blocks]
+        pairs = self._spectra()
         return tuple(values for values, _ in pairs), tuple(vectors for _, vectors in pairs)
+
+    def _spectra(self) -> list[tuple[jax.Array, jax.Array]]:
+        """Each block's eigenvalues, those within rounding of zero set to zero (and, where
+        the blocks are positive semi-definite, those below), and its eigenvectors."""
+        pairs = []
+        for block in self.blocks:
+            values, vectors = jnp.linalg.eigh(_symmetric(block))
+            rounding = block.shape[0] * jnp.finfo(block.dtype).eps * jnp.max(jnp.abs(values))
+            zero = values <= rounding if self.positive_semidefinite else jnp.abs(values) <= rounding
+            pairs.append((jnp.where(zero, 0, values), vectors))
+        return pairs
+
+    def _damped(self, damping: Any, owner: str) -> tuple[list[jax.Array], list[jax.Array], Any]:
+        """Per block, its eigenvalues plus `damping` and its eigenvectors, with a function
+        that refuses a singular damped operator: at once where the values are concrete,
+        or, traced, as the program runs, by the result it is given."""
+        damping = check_real(damping, "damping", owner=owner, minimum=None)
+        pairs = self._spectra()
+        shifted = [values + jnp.asarray(damping, self._dtype) for values, _ in pairs]
+        every = jnp.concatenate(shifted)
+        if self.positive_semidefinite:
+            allowed, advice = "> 0 (the damped operator is then positive definite)", "damping > 0"
+            fault = "not positive definite"
+            bad, least = every <= 0, jnp.min(every)
+        else:
+            allowed, advice = "nonzero (the damped operator is then invertible)", "another damping"
+            fault = "singular"
+            bad, least = every == 0, jnp.min(jnp.abs(every))
+        message = f"{owner}: every eigenvalue plus `damping` must be {allowed}"
+        rounding = "eigenvalues within rounding of zero count as zeros"
+
+        def refuse_singular(result: jax.Array) -> jax.Array:
+            if is_traced(every):
+                return eqx.error_if(result, jnp.any(bad), f"{message} ({rounding}).")
+            return result
+
+        if not is_traced(every) and bool(jnp.any(bad)):
+            what = "least" if self.positive_semidefinite else "least in magnitude"
+            raise ValueError(
+                f"{message}, but the {what} is {float(least)!r} with damping={damping!r} "
+                f"({rounding}): the damped operator is {fault}. Give {advice}."
+            )
+        return shifted, [vectors for _, vectors in pairs], refuse_singular
 
     def solve(self, b: Any, *, damping: Any = 0.0) -> jax.Array:
         """`(A + damping I)^{-1} b` for a flat vector `b`, one block at a time (each by its
-        eigendecomposition, so a singular block with a positive damping solves).
+        eigendecomposition, so a singular block with a positive damping solves). A
+        singular `A + damping I` is refused (see the class).
 
         !!! example
 
@@ -236,15 +298,19 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             ```
         """
         pieces = self._pieces(b, "b")
-        out = []
-        for block, piece in zip(self.blocks, pieces, strict=True):
-            values, vectors = jnp.linalg.eigh(_symmetric(block))
-            out.append(vectors @ ((vectors.T @ piece) / (values + damping)))
-        return jnp.concatenate(out)
+        shifted, bases, refuse_singular = self._damped(damping, f"{_OWNER}.solve")
+        out = [
+            vectors @ ((vectors.T @ piece) / values)
+            for values, vectors, piece in zip(shifted, bases, pieces, strict=True)
+        ]
+        return refuse_singular(jnp.concatenate(out))
 
     def logdet(self, *, damping: Any = 0.0) -> jax.Array:
-        """`log det(A + damping I)`, the sum of the blocks' log-determinants; `nan` where
-        one of them is not positive.
+        """`log det(A + damping I)`, from every block's eigenvalues plus `damping`: the sum
+        of the logarithms of their magnitudes where the determinant is positive (an even
+        count of them negative: `jnp.linalg.slogdet`'s log-determinant, its sign `+1`),
+        and `nan` where it is negative. A singular `A + damping I` is refused (see the
+        class).
 
         !!! example
 
@@ -256,11 +322,11 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(A.logdet(), jnp.log(3.0 * 4.0))
             ```
         """
-        total = jnp.zeros((), self._dtype)
-        for block in self.blocks:
-            values = jnp.linalg.eigvalsh(_symmetric(block)) + damping
-            total = total + jnp.sum(jnp.log(values))
-        return total
+        shifted, _, refuse_singular = self._damped(damping, f"{_OWNER}.logdet")
+        every = jnp.concatenate(shifted)
+        negative = jnp.count_nonzero(every < 0) % 2 == 1
+        total = jnp.where(negative, jnp.nan, jnp.sum(jnp.log(jnp.abs(every))))
+        return refuse_singular(total.astype(self._dtype))
 
 
 def _symmetric(block: jax.Array) -> jax.Array:
@@ -275,3 +341,5 @@ register_symmetric(
     diagonal=lambda operator: max(operator.sizes) == 1,
     tridiagonal=lambda operator: max(operator.sizes) <= 2,
 )
+# Positive semi-definite as each operator is declared, not for the whole type.
+lx.is_positive_semidefinite.register(BlockDiagonal)(lambda operator: operator.positive_semidefinite)

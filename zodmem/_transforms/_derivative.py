@@ -209,10 +209,14 @@ class AbstractDerivative(AbstractSharded, OperatorSource):
         self._refuse_leaf_blocks()
         return super()._streamed(sink, *args, **kwargs)
 
-    def _leaf_operator(self, args: tuple, kwargs: dict) -> BlockDiagonal:
-        """The operator of the blocks per leaf (`blocks="leaf"`)."""
+    def _leaf_operator(
+        self, args: tuple, kwargs: dict, *, positive_semidefinite: bool = False
+    ) -> BlockDiagonal:
+        """The operator of the blocks per leaf (`blocks="leaf"`), declared positive
+        semi-definite where the transform's matrix is."""
         blocks = leaf_blocks(self, args, kwargs)
-        return BlockDiagonal(blocks[0] if self.has_aux else blocks)
+        blocks = blocks[0] if self.has_aux else blocks
+        return BlockDiagonal(blocks, positive_semidefinite=positive_semidefinite)
 
     @abc.abstractmethod
     def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:

@@ -239,7 +239,7 @@ class BatchedGGN(AbstractDerivative):
             ```
         """
         if self.blocks == "leaf":
-            return self._leaf_operator((x, *args), kwargs)
+            return self._leaf_operator((x, *args), kwargs, positive_semidefinite=True)
         tags = (lx.symmetric_tag, lx.positive_semidefinite_tag)
         return make_operator(self, ggn_products, x, args, kwargs, square=True, tags=tags)
 
