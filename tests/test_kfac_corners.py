@@ -6,6 +6,7 @@ curvlinops' scaling, and where KFAC of a linear layer is exact."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 import pytest
 from helpers import close
@@ -132,3 +133,30 @@ def test_an_empty_batch_is_refused_by_name(dtype, kind, reduction):
     transform = getattr(zm, kind)(predict, zm.losses.SquaredError(reduction=reduction))
     with pytest.raises(ValueError, match=rf"zm.{kind}: .*empty.*args\[0\] of shape \(0, 3\)"):
         transform(layer, inputs, targets)
+
+
+# -- a float32 model on float64 data --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["KFAC", "EKFAC"])
+def test_a_float32_model_on_float64_data_keeps_its_dtype_and_its_biases(float64, kind):
+    model = eqx.nn.MLP(3, 2, 4, 1, activation=jnp.tanh, key=jax.random.key(0), dtype=jnp.float32)
+    inputs, targets = normal(0, (9, 3), jnp.float64), normal(1, (9, 2), jnp.float64)
+    loss = zm.losses.SquaredError()
+    F = getattr(zm, kind)(predict, loss)(model, inputs, targets)
+    assert [block.names for block in F.blocks] == [
+        (".layers[0].weight", ".layers[0].bias"),
+        (".layers[1].weight", ".layers[1].bias"),
+    ]
+    n = F.in_structure().shape[0]
+    assert F.in_structure() == jax.ShapeDtypeStruct((n,), jnp.float32)
+    v = normal(2, (n,), jnp.float32)
+    for value in [F.mv(v), F.solve(v, damping=0.1), F.diagonal(), F.as_matrix()]:
+        assert value.dtype == jnp.float32
+    assert F.logdet(damping=0.1).dtype == jnp.float32
+    damped = F.solve(v, damping=0.1)
+    solution = lx.linear_solve(F, F.mv(damped), lx.CG(rtol=1e-4, atol=1e-4), throw=False).value
+    assert solution.dtype == jnp.float32
+    # The same as on the data in float32.
+    narrow = (inputs.astype(jnp.float32), targets.astype(jnp.float32))
+    close(F.as_matrix(), getattr(zm, kind)(predict, loss)(model, *narrow).as_matrix(), rtol=1e-4)

@@ -120,13 +120,21 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         bases: Any = None,
     ):
         self.blocks = tuple(blocks)
-        self.input_factors = tuple(input_factors)
-        self.gradient_factors = tuple(gradient_factors)
         self.shapes = tuple(tuple(shape) for shape in shapes)
         self.dtype = jnp.dtype(dtype)
+
+        # Every array in the operator's dtype, so that its products are too (data of
+        # another dtype than the model's gives factors of the data's).
+        def own(arrays: Any) -> tuple:
+            return tuple(jnp.asarray(array, self.dtype) for array in arrays)
+
+        self.input_factors = own(input_factors)
+        self.gradient_factors = own(gradient_factors)
         self.corrected = eigenvalues is not None
+        if eigenvalues is not None:
+            eigenvalues = own(eigenvalues)
         if bases is not None:
-            self.input_bases, self.gradient_bases = (tuple(q) for q in bases)
+            self.input_bases, self.gradient_bases = (own(q) for q in bases)
         if eigenvalues is None or bases is None:
             inputs = [_eigh(factor) for factor in self.input_factors]
             gradients = [_eigh(factor) for factor in self.gradient_factors]

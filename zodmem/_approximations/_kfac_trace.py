@@ -6,7 +6,7 @@ a `conv_general_dilated` (`eqx.nn.Conv2d`) or as the matrix whose rows a `gather
 (`eqx.nn.Embedding`: a product with one-hot rows), the layer's input being the other
 operand. A
 bias leaf joins the layer when the layer's output reaches, through layout operations
-only (transpose, reshape, squeeze, unit axes) and no other use, an `add` whose other
+only (transpose, reshape, squeeze, unit axes, a change of dtype) and no other use, an `add` whose other
 operand is the bias broadcast along the output's features: checked entry by entry on
 index arrays, so that any layout of the features is found as long as it is the same.
 
@@ -52,8 +52,19 @@ _CALLS = frozenset(
         "custom_vjp_call",
     }
 )
-# Operations that only move entries: a layer's output may pass through them to its bias.
-_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "broadcast_in_dim", "copy", "copy_p"})
+# Operations that only move entries or change their dtype (a float32 bias beside float64
+# data is converted first): a layer's output, and its bias, may pass through them.
+_LAYOUT = frozenset(
+    {
+        "transpose",
+        "reshape",
+        "squeeze",
+        "broadcast_in_dim",
+        "copy",
+        "copy_p",
+        "convert_element_type",
+    }
+)
 
 
 class Layer(NamedTuple):
