@@ -129,3 +129,40 @@ def test_positive_semidefinite_is_a_checked_declaration():
     assert not lx.is_positive_semidefinite(zm.BlockDiagonal([jnp.eye(2)]))
     with pytest.raises(TypeError, match="`positive_semidefinite` must be True or False"):
         zm.BlockDiagonal([jnp.eye(2)], positive_semidefinite=1)
+
+
+def diagonal_blocks(matrix, sizes):
+    starts = np.cumsum([0, *sizes])
+    return [matrix[a:b, a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def mean_loss(params, inputs, targets):
+    return jnp.mean((jnp.tanh(inputs @ params["w"] + params["b"]) - targets) ** 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_microbatchers_leaf_operator_is_the_whole_batchs_blocks(dtype):
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0), dtype=dtype)
+    inputs = jax.random.normal(jax.random.key(1), (10, 3), dtype)
+    targets = jax.random.normal(jax.random.key(2), (10, 2), dtype)
+    ggn = zm.BatchedGGN(predict, zm.losses.SquaredError(), blocks="leaf")
+    batched = zm.Microbatcher(ggn, microbatch_size=4, argnums=(1, 2), accumulator="sum")
+    A = batched.operator(model, inputs, targets)
+    whole = zm.BatchedGGN(predict, zm.losses.SquaredError())(model, inputs, targets)
+    assert isinstance(A, zm.BlockDiagonal) and lx.is_positive_semidefinite(A)
+    assert A.blocks[0].dtype == dtype
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-12
+    for block, expected in zip(A.blocks, diagonal_blocks(whole, A.sizes), strict=True):
+        np.testing.assert_allclose(block, expected, rtol=rtol, atol=rtol * 1e-2)
+    # A Hessian of the mean loss, averaged over the microbatches of 4, 4 and 2.
+    params = {"b": jnp.array([0.1, -0.2], dtype), "w": jnp.linspace(-1, 1, 6, dtype=dtype)}
+    params["w"] = params["w"].reshape(3, 2)
+    hessian = zm.BatchedHessian(mean_loss, blocks="leaf")
+    mean = zm.Microbatcher(hessian, microbatch_size=4, argnums=(1, 2), accumulator="mean")
+    A = mean.operator(params, inputs, targets)
+    whole = zm.BatchedHessian(mean_loss)(params, inputs, targets)
+    assert isinstance(A, zm.BlockDiagonal) and not lx.is_positive_semidefinite(A)
+    for block, expected in zip(A.blocks, diagonal_blocks(whole, A.sizes), strict=True):
+        np.testing.assert_allclose(block, expected, rtol=rtol, atol=rtol * 1e-2)
+    v = jnp.linspace(-1, 1, sum(A.sizes), dtype=dtype)
+    np.testing.assert_allclose(A.mv(v), A.as_matrix() @ v, rtol=rtol)

@@ -13,6 +13,7 @@ from beartype import beartype
 from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
 from .._checks import as_index, check_bool, check_callable, check_int
+from .._curvature._block_diagonal import BlockDiagonal
 from .._curvature._operator import BlockedOperator, flat_product, make_operator
 from .._curvature._options import OperatorSource, TransformOptions, options_of
 from .._engine._sharding import to_mesh
@@ -265,7 +266,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
     def _unblocked(self) -> Microbatcher:
         return dataclasses.replace(self, max_memory=None, progress=False)
 
-    def operator(self, *args: Any, **kwargs: Any) -> BlockedOperator:
+    def operator(self, *args: Any, **kwargs: Any) -> BlockedOperator | BlockDiagonal:
         """The summed or mean matrix of `fn` over the batch, as a `lineax` linear
         operator: each product runs over the microbatches one after another, so it
         takes one microbatch's memory, never the whole batch's.
@@ -277,7 +278,9 @@ class Microbatcher(AbstractBlocked, OperatorSource):
         loss. Its products (`mv`, `mm`) and tags are those of `fn`'s operator; `mm`
         cuts the vectors into blocks as `fn`'s options say (`nbatches`, `batch_size`,
         `max_memory`) and takes each block through the microbatches once; `as_matrix()`
-        is this transform's call.
+        is this transform's call. Around a transform of blocks per leaf
+        (`blocks="leaf"`), it is a `zm.BlockDiagonal` of the blocks summed or averaged
+        over the microbatches, made once: the blocks of the whole batch's matrix.
 
         **Arguments:** as for the call; the first positional argument is the point `x`,
         which may not be a batch argument. The accumulator must be `"sum"`, `"mean"` or
@@ -312,6 +315,8 @@ class Microbatcher(AbstractBlocked, OperatorSource):
             )
         x, rest = args[0], args[1:]
         inner = _inner_operator(self, x, rest, kwargs)
+        if isinstance(inner, BlockDiagonal):
+            return _leaf_blocks_operator(self, x, rest, kwargs, inner)
         return make_operator(
             self, _microbatch_products, x, rest, kwargs, square=inner.square, tags=inner.tags
         )
@@ -377,6 +382,27 @@ class _ProductAt(eqx.Module):
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return flat_product(self.inner.operator(x, *args, **kwargs), self.vector)
+
+
+class _BlocksOf(eqx.Module):
+    """`fn`'s blocks per leaf at a microbatch, its aux left out: what the accumulator
+    sums or averages over the microbatches."""
+
+    inner: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        blocks = self.inner(*args, **kwargs)
+        return blocks[0] if self.inner.has_aux else blocks
+
+
+def _leaf_blocks_operator(
+    transform: Microbatcher, x: Any, args: tuple, kwargs: dict, inner: BlockDiagonal
+) -> BlockDiagonal:
+    """The operator of `fn`'s blocks per leaf reduced over the microbatches, positive
+    semi-definite where `fn`'s own operator is declared so."""
+    per_microbatch = dataclasses.replace(transform, fn=_BlocksOf(transform.fn))
+    blocks = per_microbatch(x, *args, **kwargs)
+    return BlockDiagonal(blocks, positive_semidefinite=inner.positive_semidefinite)
 
 
 def _microbatch_products(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) -> tuple:
