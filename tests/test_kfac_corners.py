@@ -160,3 +160,43 @@ def test_a_float32_model_on_float64_data_keeps_its_dtype_and_its_biases(float64,
     # The same as on the data in float32.
     narrow = (inputs.astype(jnp.float32), targets.astype(jnp.float32))
     close(F.as_matrix(), getattr(zm, kind)(predict, loss)(model, *narrow).as_matrix(), rtol=1e-4)
+
+
+# -- PyTorch's layout -----------------------------------------------------------------------
+
+
+def torch_layout(params, inputs, targets):
+    return jnp.tanh(inputs @ params["w"].T + params["b"])
+
+
+def jax_layout(params, inputs, targets):
+    return jnp.tanh(inputs @ params["w"] + params["b"])
+
+
+def test_pytorchs_layout_x_at_w_transposed_is_a_layer(dtype):
+    params = {"w": normal(0, (2, 3), dtype), "b": normal(1, (2,), dtype)}  # (out, in)
+    inputs, labels = normal(2, (7, 3), dtype), jnp.asarray([0, 1, 1, 0, 1, 0, 0])
+    loss = zm.losses.SoftmaxCrossEntropy()
+    F = zm.KFAC(torch_layout, loss)(params, inputs, labels)
+    assert [block.names for block in F.blocks] == [("['w']", "['b']")]
+    # One example: the block of one dense layer is its exact Gauss-Newton block.
+    one = zm.KFAC(torch_layout, loss)(params, inputs[:1], labels[:1])
+    close(one.as_matrix(), zm.BatchedGGN(torch_layout, loss)(params, inputs[:1], labels[:1]))
+    # The factors of `x @ w` with the weight transposed: the roles of its axes swap.
+    flipped = {"w": params["w"].T, "b": params["b"]}
+    G = zm.KFAC(jax_layout, loss)(flipped, inputs, labels)
+    close(F.input_factors, G.input_factors, **tolerance(dtype))
+    close(F.gradient_factors, G.gradient_factors, **tolerance(dtype))
+    # The same matrix, once the flat order of the transposed weight is undone.
+    order = np.concatenate([[0, 1], 2 + np.arange(6).reshape(3, 2).T.ravel()])  # b, then w
+    M, N = np.asarray(F.as_matrix()), np.asarray(G.as_matrix())
+    close(jnp.asarray(M), jnp.asarray(N[np.ix_(order, order)]), **tolerance(dtype))
+
+
+def test_a_large_weight_in_pytorchs_layout_is_not_a_dense_block(dtype):
+    params = {"w": normal(0, (70, 64), dtype), "b": normal(1, (70,), dtype)}
+    inputs, targets = normal(2, (3, 64), dtype), normal(3, (3, 70), dtype)
+    F = zm.KFAC(torch_layout, zm.losses.SquaredError())(params, inputs, targets)
+    assert [(block.names, block.out_size, block.in_size) for block in F.blocks] == [
+        (("['w']", "['b']"), 70, 64)
+    ]

@@ -364,8 +364,9 @@ class KFAC(_KroneckerCurvature):
     for the approximation, for natural-gradient steps and Laplace posteriors.
 
     **The layers** are found in the program: a weight leaf used as an operand of a
-    `dot_general` (`eqx.nn.Linear`, `w @ a` or `a @ w`, attention's projections, under
-    `vmap`, `jit` or `checkpoint`) or as the kernel of a `conv_general_dilated`
+    `dot_general` (`eqx.nn.Linear`, `w @ a` or `a @ w`, PyTorch's layout `a @ w.T`
+    through a transpose, attention's projections, under `vmap`, `jit` or `checkpoint`)
+    or as the kernel of a `conv_general_dilated`
     (`eqx.nn.Conv2d`, ungrouped), the other operand being the layer's input. A bias
     leaf added to that output joins the layer as a last column of the weight, its input
     a one. For each layer, with `a` its input in rows (one per example and per position

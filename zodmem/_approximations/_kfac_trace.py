@@ -1,14 +1,15 @@
 """The layers of a traced program, for Kronecker-factored curvature.
 
 A layer is a weight leaf of the variables used as one operand of a `dot_general`
-(`eqx.nn.Linear`, `w @ a`, attention's projections, under `vmap` too), as the kernel of
+(`eqx.nn.Linear`, `w @ a`, attention's projections, under `vmap` too), directly or
+through a transpose used by nothing else (PyTorch's layout `a @ w.T`), as the kernel of
 a `conv_general_dilated` (`eqx.nn.Conv2d`) or as the matrix whose rows a `gather` looks up
 (`eqx.nn.Embedding`: a product with one-hot rows), the layer's input being the other
-operand. A
-bias leaf joins the layer when the layer's output reaches, through layout operations
-only (transpose, reshape, squeeze, unit axes, a change of dtype) and no other use, an `add` whose other
-operand is the bias broadcast along the output's features: checked entry by entry on
-index arrays, so that any layout of the features is found as long as it is the same.
+operand. A bias leaf joins the layer when the layer's output reaches, through layout
+operations only (transpose, reshape, squeeze, unit axes, a change of dtype) and no
+other use, an `add` whose other operand is the bias broadcast along the output's
+features: checked entry by entry on index arrays, so that any layout of the features is
+found as long as it is the same.
 
 `find_layers` reads the program; `run` evaluates it as `jax.core.eval_jaxpr` would, but
 returns each layer's input and adds a perturbation to each layer's output, so that the
@@ -159,8 +160,11 @@ def _is_layout(eqn: Any, *, moves_only: bool) -> bool:
     return True
 
 
-def _dot_layer(eqn: Any, leaf: int, operand: int, path: tuple) -> Layer | None:
-    """The layer of a `dot_general` whose operand `operand` is the weight, or None."""
+def _dot_layer(
+    eqn: Any, leaf: int, operand: int, path: tuple, permutation: tuple | None = None
+) -> Layer | None:
+    """The layer of a `dot_general` whose operand `operand` is the weight, or None;
+    `permutation` that of a transpose of the weight leaf into that operand (`x @ w.T`)."""
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     if batch_l or batch_r:
         return None  # a batched product, such as per-head weights, is not one matrix
@@ -182,7 +186,10 @@ def _dot_layer(eqn: Any, leaf: int, operand: int, path: tuple) -> Layer | None:
         weight=leaf,
         bias=None,
         weight_operand=operand,
-        weight_axes=w_out + w_in,
+        # The operand's axis d is the leaf's axis permutation[d].
+        weight_axes=tuple(permutation[d] for d in w_out + w_in)
+        if permutation is not None
+        else w_out + w_in,
         out_shape=tuple(w_aval.shape[d] for d in w_out),
         in_shape=tuple(w_aval.shape[d] for d in w_in),
         input_axes=x_rows + x_in,
@@ -256,15 +263,21 @@ def _lookup_layer(eqn: Any, leaf: int, path: tuple) -> Layer | None:
     )
 
 
-def _candidate(eqn: Any, leaf_of: dict, path: tuple) -> Layer | None:
-    """The layer of `eqn` if it is one: exactly one operand is a leaf, the weight."""
+def _candidate(eqn: Any, leaf_of: dict, path: tuple, transposed: dict) -> Layer | None:
+    """The layer of `eqn` if it is one: exactly one operand is a leaf, the weight (for a
+    `dot_general`, a leaf or its transpose in `transposed`: var -> (leaf, permutation))."""
     name = eqn.primitive.name
     operands = [leaf_of.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
     if name == "dot_general" and len(operands) == 2:
+        views = [transposed.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+        operands = [
+            leaf if view is None else view[0] for leaf, view in zip(operands, views, strict=True)
+        ]
         if (operands[0] is None) == (operands[1] is None):
             return None
         operand = 0 if operands[0] is not None else 1
-        return _dot_layer(eqn, operands[operand], operand, path)
+        permutation = None if views[operand] is None else views[operand][1]
+        return _dot_layer(eqn, operands[operand], operand, path, permutation)
     if name == "conv_general_dilated" and operands[1] is not None and operands[0] is None:
         return _conv_layer(eqn, operands[1], path)
     if name == "gather" and operands[0] is not None and operands[1] is None:
@@ -326,6 +339,22 @@ def _bias(jaxpr: Any, index: int, layer: Layer, leaf_of: dict, uses: dict) -> tu
     return leaf_of[other], first
 
 
+def _transposed(jaxpr: Any, leaf_of: dict, uses: dict) -> dict:
+    """The transposes of a leaf whose only use is a `dot_general` (PyTorch's layout
+    `x @ w.T`): their outputs, each as `(leaf, permutation)`."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "transpose":
+            continue
+        source, out = eqn.invars[0], eqn.outvars[0]
+        if not isinstance(source, jcore.Var) or source not in leaf_of or len(uses[out]) != 1:
+            continue
+        user = uses[out][0][0]
+        if user >= 0 and jaxpr.eqns[user].primitive.name == "dot_general":
+            found[out] = (leaf_of[source], tuple(eqn.params["permutation"]))
+    return found
+
+
 def _walk(jaxpr: Any, leaf_of: dict, path: tuple, found: list, used: dict, calls: set) -> None:
     """Record the candidate layers in `found` and every leaf's uses in `used` (leaf ->
     paths of the equations that take it), reading through calls."""
@@ -333,12 +362,15 @@ def _walk(jaxpr: Any, leaf_of: dict, path: tuple, found: list, used: dict, calls
     for var, leaf in leaf_of.items():
         if any(i < 0 for i, _ in uses[var]):
             used[leaf].append(path + (-1,))  # a leaf among the program's outputs
+    transposed = _transposed(jaxpr, leaf_of, uses)
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
+        if eqn.outvars and eqn.outvars[0] in transposed:
+            continue  # the leaf's use is the product the transpose feeds
         taken = [
-            (p, leaf_of[v])
+            (p, leaf_of[v] if v in leaf_of else transposed[v][0])
             for p, v in enumerate(eqn.invars)
-            if isinstance(v, jcore.Var) and v in leaf_of
+            if isinstance(v, jcore.Var) and (v in leaf_of or v in transposed)
         ]
         if not taken:
             continue
@@ -351,7 +383,7 @@ def _walk(jaxpr: Any, leaf_of: dict, path: tuple, found: list, used: dict, calls
             continue
         for _, leaf in taken:
             used[leaf].append(here)
-        layer = _candidate(eqn, leaf_of, here)
+        layer = _candidate(eqn, leaf_of, here, transposed)
         if layer is None:
             continue
         bias = _bias(jaxpr, i, layer, leaf_of, uses)
