@@ -4,6 +4,8 @@ block of `jax.hessian` (or of the whole GGN), values and dtypes, for any block o
 under jit, vmap and grad; the operator's products, solves, log-determinants and
 eigenpairs equal dense NumPy's."""
 
+import re
+
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -196,3 +198,26 @@ def test_plan_and_streaming_are_refused_in_words(tmp_path):
         zm.to_host(hessian, params, data)
     with pytest.raises(ValueError, match="vector of the operator's 7 entries"):
         hessian.operator(params, data).mv(jnp.ones(3))
+
+
+def suggested_budget(error):
+    """The least budget a refusal suggests, read from its message: "at least 84.0 kB"."""
+    number, unit = re.search(r"budget of at least ([\d.]+) (\w+)", str(error)).groups()
+    assert unit == "kB"
+    return f"{number}{unit}"
+
+
+@pytest.mark.parametrize("budget, shown", [(5000, "5 kB"), ("30kB", "30 kB")])
+def test_a_refused_budget_quotes_the_budget_and_a_least_that_plans(budget, shown):
+    # The first leaf's block is refused at 5 kB, the second's after the first at 30 kB.
+    params = {"b": jnp.linspace(0.1, 0.3, 30), "w": jnp.linspace(-1, 1, 60)}
+    data = jnp.linspace(0, 1, 180).reshape(3, 60)
+    hessian = zm.BatchedHessian(loss, blocks="leaf", max_memory=budget)
+    with pytest.raises(zm.MemoryBudgetError) as refused:
+        hessian(params, data)
+    assert f"max_memory={shown} cannot hold" in str(refused.value)
+    suggestion = suggested_budget(refused.value)
+    assert refused.value.budget_bytes == 1000 * int(shown[:-3])
+    assert refused.value.suggested_bytes <= 1000 * float(suggestion[:-2])
+    blocks = zm.BatchedHessian(loss, blocks="leaf", max_memory=suggestion)(params, data)
+    np.testing.assert_allclose(blocks[1], dense_blocks(params, data)[1], rtol=1e-10)

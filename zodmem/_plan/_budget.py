@@ -435,19 +435,19 @@ class Planner:
         return least
 
     def refusal(self, nofit: _NoFit) -> MemoryBudgetError:
-        strategies = self.transform.strategies
-        error = refusal(
+        # The message of the strategy that needs less, noting where the other was tried.
+        note = (
+            " (Both strategies were tried: keeping one linearisation of `fn` for every "
+            "block, and evaluating `fn` again inside each block.)"
+            if len(self.transform.strategies) > 1
+            else ""
+        )
+        return refusal(
             self.owner,
             self.budget,
             nofit.least,
             output_bytes=self.output_bytes(nofit.strategy),
             output_what=self.work.output_what,
             suggested=self.least_budget(nofit),
+            note=note,
         )
-        if len(strategies) > 1:
-            # The message of the strategy that needs less, noting that the other was tried.
-            error = MemoryBudgetError(
-                f"{error} (Both strategies were tried: keeping one linearisation of `fn` "
-                "for every block, and evaluating `fn` again inside each block.)"
-            )
-        return error

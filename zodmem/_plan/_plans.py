@@ -36,7 +36,9 @@ class MemoryBudgetError(ValueError):
     """A `max_memory` budget that cannot hold even one item per block.
 
     A `ValueError`, raised before any computation, that names the budget, the least
-    that would do (and how much of it the result alone takes) and the way out.
+    that would do (and how much of it the result alone takes) and the way out. Its
+    `budget_bytes` is the budget refused and `suggested_bytes` the least budget that
+    plans, in bytes (`None` where it does not say).
 
     !!! example
 
@@ -50,6 +52,9 @@ class MemoryBudgetError(ValueError):
             print(error)
         ```
     """
+
+    budget_bytes: int | None = None
+    suggested_bytes: int | None = None
 
 
 class Plan(eqx.Module):
@@ -139,19 +144,29 @@ class Plan(eqx.Module):
 
 
 def refusal(
-    owner: str, budget: int, least: int, *, output_bytes: int, output_what: str, suggested: int
+    owner: str,
+    budget: int,
+    least: int,
+    *,
+    output_bytes: int,
+    output_what: str,
+    suggested: int,
+    note: str = "",
 ) -> MemoryBudgetError:
     """The error for a budget that cannot hold one item per block: `least` is the least
-    peak of the call's buffers, `suggested` the least budget that plans."""
+    peak of the call's buffers, `suggested` the least budget that plans; `note` is
+    added at the end."""
     way = f"a budget of at least {format_bytes_up(suggested)}"
     if output_bytes >= 0.5 * suggested:
         way += (
             f", or less work per call (the {output_what} itself takes most of it: fewer "
             "variables or outputs per call, each call's result moved off the device)"
         )
-    return MemoryBudgetError(
+    error = MemoryBudgetError(
         f"{owner}: max_memory={format_bytes(budget)} cannot hold even one item per block: "
         f"the call's buffers need at least {format_bytes(least)}, of which the "
         f"{output_what} alone is {format_bytes(output_bytes)}. More blocks are not enough; "
-        f"the way out is {way}."
+        f"the way out is {way}.{note}"
     )
+    error.budget_bytes, error.suggested_bytes = budget, suggested
+    return error
