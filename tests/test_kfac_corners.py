@@ -3,6 +3,8 @@ that is not a finite real number, an empty batch, a float32 model fed float64 da
 PyTorch's layout `x @ w.T`, the empirical Fisher of a mean squared error against
 curvlinops' scaling, and where KFAC of a linear layer is exact."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -200,3 +202,57 @@ def test_a_large_weight_in_pytorchs_layout_is_not_a_dense_block(dtype):
     assert [(block.names, block.out_size, block.in_size) for block in F.blocks] == [
         (("['w']", "['b']"), 70, 64)
     ]
+
+
+# -- the empirical Fisher of a mean squared error ------------------------------------------
+
+
+def test_empirical_fisher_of_mse_is_c_times_smaller_than_curvlinops(dtype):
+    # curvlinops scales `MSELoss(reduction="mean")` by sqrt(C) before its backward pass
+    # for the empirical Fisher: the loss `SquaredError(weights=2 / sqrt(C))` here.
+    model = eqx.nn.MLP(3, 4, 5, 1, activation=jnp.tanh, key=jax.random.key(0), dtype=dtype)
+    inputs, targets = normal(0, (7, 3), dtype), normal(1, (7, 4), dtype)
+    C = 4
+    mse = zm.losses.SquaredError(weights=2 / C, reduction="mean")
+    scaled = zm.losses.SquaredError(weights=2 / math.sqrt(C), reduction="mean")
+    ours = zm.KFAC(predict, mse, fisher="empirical")(model, inputs, targets)
+    theirs = zm.KFAC(predict, scaled, fisher="empirical")(model, inputs, targets)
+    close(ours.input_factors, theirs.input_factors, **tolerance(dtype))
+    close(tuple(C * b for b in ours.gradient_factors), theirs.gradient_factors, **tolerance(dtype))
+
+
+# -- where KFAC of a linear layer is exact -------------------------------------------------
+
+
+def test_a_linear_layer_is_exact_when_every_example_has_the_same_loss_hessian(dtype):
+    layer = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=dtype)
+    inputs, targets = normal(0, (7, 3), dtype), normal(1, (7, 2), dtype)
+
+    def error(loss):
+        F = zm.KFAC(predict, loss)(layer, inputs, targets).as_matrix()
+        G = zm.BatchedGGN(predict, loss)(layer, inputs, targets)
+        return float(jnp.linalg.norm(F - G) / jnp.linalg.norm(G))
+
+    same = jnp.asarray([1.0, 3.0], dtype)
+    exact = 1e-12 if dtype == jnp.float64 else 1e-5
+    # One precision per output, or per example but the same for every example: exact.
+    assert error(zm.losses.SquaredError(weights=same)) < exact
+    assert error(zm.losses.SquaredError(weights=jnp.tile(same, (7, 1)), reduction="mean")) < exact
+    covariance = jnp.asarray([[2.0, 0.5], [0.5, 1.0]], dtype)
+    assert error(zm.losses.SquaredError(covariance=covariance)) < exact
+    # Precisions that differ between examples: B ⊗ A is no longer the sum over examples.
+    varying = jnp.abs(normal(2, (7, 2), dtype)) + 0.1
+    assert error(zm.losses.SquaredError(weights=varying)) > 0.05
+    assert error(zm.losses.SquaredError(weights=varying[:, :1])) > 0.05
+
+
+def test_each_layer_of_a_linear_network_is_exact_but_not_the_blocks_between(dtype):
+    model = eqx.nn.MLP(3, 2, 4, 1, activation=lambda h: h, key=jax.random.key(0), dtype=dtype)
+    inputs, targets = normal(0, (7, 3), dtype), normal(1, (7, 2), dtype)
+    loss = zm.losses.SquaredError(weights=jnp.asarray([1.0, 3.0], dtype))
+    F = zm.KFAC(predict, loss)(model, inputs, targets).as_matrix()
+    G = zm.BatchedGGN(predict, loss)(model, inputs, targets)
+    first = 4 * 3 + 4  # the first layer's weight and bias
+    for block in [slice(0, first), slice(first, None)]:
+        close(F[block, block], G[block, block], **tolerance(dtype))
+    assert float(jnp.linalg.norm(F - G) / jnp.linalg.norm(G)) > 0.1

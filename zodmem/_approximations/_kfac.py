@@ -366,19 +366,25 @@ class KFAC(_KroneckerCurvature):
     **The layers** are found in the program: a weight leaf used as an operand of a
     `dot_general` (`eqx.nn.Linear`, `w @ a` or `a @ w`, PyTorch's layout `a @ w.T`
     through a transpose, attention's projections, under `vmap`, `jit` or `checkpoint`)
-    or as the kernel of a `conv_general_dilated`
-    (`eqx.nn.Conv2d`, ungrouped), the other operand being the layer's input. A bias
-    leaf added to that output joins the layer as a last column of the weight, its input
-    a one. For each layer, with `a` its input in rows (one per example and per position
-    where the weight is shared: a sequence's tokens, a convolution's patches) and `g`
-    the gradients with respect to its output in the same rows,
+    or as the kernel of a `conv_general_dilated` (`eqx.nn.Conv2d`, ungrouped), the
+    other operand being the layer's input. A bias leaf added to that output joins the
+    layer as a last column of the weight, its input a one. For each layer, with `a`
+    its input in rows (one per example and per position where the weight is shared: a
+    sequence's tokens, a convolution's patches) and `g` the gradients with respect to
+    its output in the same rows,
 
         A = sum(a a^T) / R,    B = sum(g g^T),    block ≈ B ⊗ A
 
     in the weight's layout `(out, in)`, `R` the number of rows: curvlinops'
     `KFACLinearOperator` with `kfac_approx="expand"` and
-    `separate_weight_and_bias=False`. For a linear model with `zm.losses.SquaredError`
-    the block is exact.
+    `separate_weight_and_bias=False`. A layer's block is exact where the gradients
+    `g` do not depend on the example: everything after the layer is linear (an affine
+    model, or each layer of a network without nonlinearities) and every example's loss
+    has the same Hessian, as `zm.losses.SquaredError` has with the same `weights` (or
+    `covariance`) for every example: a precision per output, or per-example rows that
+    are all equal. Weights that differ between examples break it: the exact block is
+    then `sum_n H_n ⊗ a_n a_n^T`, not `(sum_n H_n) ⊗ (sum_n a_n a_n^T) / N`. The blocks
+    between layers are left out, so only a model of one layer is exact as a whole.
 
     A row lookup of a matrix weight (`eqx.nn.Embedding`, `w[tokens]`) is a layer too,
     its input the one-hot rows of the indices (its input factor, diagonal, is held
@@ -408,6 +414,15 @@ class KFAC(_KroneckerCurvature):
         - `"mc"`: gradients of the loss at `mc_samples` targets drawn per example from
           the model's likelihood (`loss.sample`), averaged; needs `key`;
         - `"empirical"`: gradients of the loss at the true targets.
+
+      With `torch.nn.MSELoss()` written as `SquaredError(weights=2 / C,
+      reduction="mean")` (`C` the outputs' last axis), `"type-2"` equals curvlinops'
+      and `"mc"` does in expectation, but `"empirical"` is `C` times smaller than
+      curvlinops': it multiplies that loss by `√C` before its backward pass, so its
+      `B` is `C` times this `B`. Multiply by `C` to compare
+      (`F.with_eigenvalues([C * e for e in F.eigenvalues])`), or give
+      `SquaredError(weights=2 / sqrt(C), reduction="mean")`, its scaled loss. With
+      `reduction="sum"` (`SquaredError(weights=2.0)`) they agree.
     - `mc_samples`: draws per example for `"mc"` (1 otherwise).
     - `key`: a `jax.random` key for `"mc"`. Each microbatch draws from its own key.
     - `microbatch_size`, `max_memory`: to go over the data in microbatches of that
