@@ -27,6 +27,7 @@ __all__ = [
     "basis_block",
     "hessian_to_pytree",
     "jacobian_to_pytree",
+    "is_traced",
 ]
 
 
@@ -324,3 +325,8 @@ def jacobian_to_pytree(J: PyTree, x: PyTree) -> PyTree:
         return variables.fill(variables.split_per_leaf(leaf, axis=-1), keep_fixed=False)
 
     return jax.tree_util.tree_map(one_output, J)
+
+
+def is_traced(tree: Any) -> bool:
+    """Whether any leaf of `tree` is traced (a value inside an outer transform's program)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))

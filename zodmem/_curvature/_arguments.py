@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import as_index, check_key, described
+from .._pytree import is_traced
 
 __all__ = [
     "check_dtype",
@@ -26,10 +27,6 @@ __all__ = [
     "is_traced",
     "key_or_default",
 ]
-
-
-def is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
 
 
 def check_real(value: Any, name: str, *, owner: str, minimum: float | None = 0.0) -> Any:

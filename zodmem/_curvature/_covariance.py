@@ -12,9 +12,9 @@ import numpy as np
 from jaxtyping import Array
 
 from .._checks import check_bool, described
-from .._pytree import split_variables
+from .._pytree import is_traced, split_variables
 from .._traceback import public
-from ._arguments import check_real, is_traced
+from ._arguments import check_real
 
 __all__ = ["covariance"]
 

@@ -28,8 +28,9 @@ import lineax as lx
 import numpy as np
 
 from .._checks import check_key, described
+from .._pytree import is_traced
 from .._traceback import public
-from ._arguments import check_dtype, check_entries, check_real, check_shape, is_traced
+from ._arguments import check_dtype, check_entries, check_real, check_shape
 from ._tags import register_symmetric
 
 __all__ = ["LowRankDiagonal"]

@@ -16,8 +16,9 @@ import numpy as np
 from jaxtyping import Array
 
 from .._checks import check_int, described
+from .._pytree import is_traced
 from .._traceback import public
-from ._arguments import check_dtype, check_real, is_traced
+from ._arguments import check_dtype, check_real
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator, check_leaves, variables_of
 from ._probes import AbstractColumns, run_probes

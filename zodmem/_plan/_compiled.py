@@ -25,7 +25,6 @@ __all__ = [
     "collector_paused",
     "compile_call",
     "compiled_memory",
-    "is_traced",
     "run_compiled",
     "runs_compiled",
 ]
@@ -63,11 +62,6 @@ def collector_paused() -> Any:
     finally:
         if paused:
             gc.enable()
-
-
-def is_traced(tree: Any) -> bool:
-    """Whether any leaf of `tree` is traced (a call inside an outer transform's program)."""
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def abstract(tree: Any) -> Any:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._engine._block_plans import OutputSink
 from .._engine._progress import closing_bars
-from .._plan._compiled import is_traced
+from .._pytree import is_traced
 
 __all__ = [
     "Layout",
