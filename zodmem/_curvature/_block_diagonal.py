@@ -18,8 +18,9 @@ import lineax as lx
 import numpy as np
 
 from .._checks import check_bool
+from .._pytree import is_traced
 from .._traceback import public
-from ._arguments import check_real, is_traced
+from ._arguments import check_real
 from ._tags import register_symmetric
 
 __all__ = ["BlockDiagonal"]
