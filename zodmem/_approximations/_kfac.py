@@ -64,41 +64,40 @@ def _example_axes(
 ) -> tuple:
     """Per layer, which axis of its rows holds the examples, or None (each row then
     counts as an example): the one axis that grows by one when the data arguments whose
-    leading axis is the outputs' `N` grow to `N + 1`, where each example's outputs are
-    one loss term (outputs `(N,)` or `(N, C)`). An axis that cannot be found is refused."""
+    leading axis is the first one's, the number of examples, grow by one, where each
+    example's outputs are one loss term (outputs `(N,)` or `(N, C)`). An axis that
+    cannot be found is refused."""
     none = (None,) * len(found.layers)
     outputs = jax.tree_util.tree_leaves(jax.eval_shape(program, leaves, args))
     # With several terms an example, the square root's columns are shared by them, and
     # an example's gradient would hold products of its terms that the matrix lacks.
     if not outputs or any(leaf.ndim == 0 or leaf.ndim > 2 for leaf in outputs):
         return none
-    count = outputs[0].shape[0]
     paths = jax.tree_util.tree_flatten_with_path(args)[0]
-    # An array of another length (shared by every example) is passed as it is.
-    grown = {
-        path
-        for path, leaf in paths
-        if eqx.is_array(leaf) and leaf.ndim > 0 and leaf.shape[0] == count
-    }
+    arrays = [(path, leaf) for path, leaf in paths if eqx.is_array(leaf) and leaf.ndim > 0]
+    if not arrays:
+        return tuple(
+            _rows_are_examples(jaxpr, layer, outputs[0].shape[0], variables, owner)
+            for layer in found.layers
+        )
+    # The examples are counted as `_batch_size` counts them; an array of another length
+    # (shared by every example) is passed as it is.
+    count = arrays[0][1].shape[0]
+    grown = {path for path, leaf in arrays if leaf.shape[0] == count}
     names = ", ".join(
         f"args{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}"
-        for path, leaf in paths
+        for path, leaf in arrays
         if path in grown
     )
     how = (
         f"{owner}: the examples' axis of each layer's rows is found by tracing `fn` again "
-        f"with one more example, the data arguments whose leading axis has the outputs' "
-        f"length {count} grown by one ({names or 'none has'})"
+        f"with one more example, the data arguments whose leading axis has the first "
+        f"one's length {count} grown by one ({names})"
     )
     advice = (
         "Pass an array shared by every example (one whose leading axis does not index the "
         "examples) as a keyword argument, which is passed whole, or close over it in `fn`."
     )
-
-    if not grown:
-        return tuple(
-            _rows_are_examples(jaxpr, layer, count, variables, how) for layer in found.layers
-        )
 
     def bigger(path: Any, leaf: Any) -> Any:
         if path not in grown:
@@ -130,16 +129,19 @@ def _example_axes(
     return tuple(axes)
 
 
-def _rows_are_examples(jaxpr: Any, layer: trace.Layer, count: int, variables, how: str) -> int:
-    """With no data to grow, a layer whose rows are `(N,)` has a row per example; any
-    other is refused."""
+def _rows_are_examples(
+    jaxpr: Any, layer: trace.Layer, count: int, variables: Variables, owner: str
+) -> int:
+    """With no data arguments to grow, a layer whose rows are `(N,)`, `N` the outputs'
+    examples, has a row per example; any other is refused."""
     rows = trace.rows_shape(jaxpr, layer)
     if rows != (count,):
         raise ValueError(
-            f"{how}; the rows of the layer of x{variables.names[layer.weight]} have shape "
-            f"{rows}, not one per example ({count},), so its examples cannot be told apart. "
-            "Pass the examples' data as arguments after `x`, the examples on their leading "
-            "axis."
+            f"{owner}: the call has no data arguments (after `x`) whose leading axis holds "
+            "the examples, so each layer's rows must be one per example, but the rows of "
+            f"the layer of x{variables.names[layer.weight]} have shape {rows} for {count} "
+            "examples. Pass the examples' data as arguments after `x`, the examples on "
+            "their leading axis."
         )
     return 0
 
@@ -479,15 +481,15 @@ class EKFAC(_KroneckerCurvature):
 
     Where each example's outputs are one loss term (outputs `(N, C)` or `(N,)`), the
     examples' axis in a layer's rows is the one that grows by one when `fn` is traced
-    again with the data arguments whose leading axis is `N` grown by one. An array of
-    another length (positions `(T, D)` shared by every example beside inputs
-    `(N, T, D)`) is passed as it is; a shared array of length `N` must be a keyword
-    argument or closed over in `fn`. Where that trace fails, or a layer's rows have no
-    such axis (the examples merged with positions by a reshape), the call is refused
-    with a `ValueError` that says which; where no data argument has length `N`, each
-    layer's rows must be one per example. Where an example has several terms (outputs
-    `(N, T, C)`: the square root's columns are shared by them), each row counts as an
-    example.
+    again with one more example: the data arguments whose leading axis has the first
+    one's length grown by one. An array of another length (positions `(T, D)` shared
+    by every example beside inputs `(N, T, D)`) is passed as it is; a shared array of
+    the examples' length must be a keyword argument or closed over in `fn`. Where that
+    trace fails, or a layer's rows have no such axis (the examples merged with
+    positions by a reshape), the call is refused with a `ValueError` that says which;
+    with no data arguments, each layer's rows must be one per example. Where an example
+    has several terms (outputs `(N, T, C)`: the square root's columns are shared by
+    them), each row counts as an example.
     The dense blocks of leaves in no layer are KFAC's, exact. The arguments and the
     result are `zm.KFAC`'s.
 
