@@ -256,3 +256,15 @@ def test_each_layer_of_a_linear_network_is_exact_but_not_the_blocks_between(dtyp
     for block in [slice(0, first), slice(first, None)]:
         close(F[block, block], G[block, block], **tolerance(dtype))
     assert float(jnp.linalg.norm(F - G) / jnp.linalg.norm(G)) > 0.1
+
+
+def test_ekfac_without_data_arguments_takes_a_row_per_example(dtype):
+    layer = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=dtype)
+    inputs, loss = normal(0, (5, 3), dtype), zm.losses.SquaredError(targets=None)
+    closed = zm.EKFAC(lambda model: jax.vmap(model)(inputs), loss)(layer)
+    passed = zm.EKFAC(lambda model, inputs: jax.vmap(model)(inputs), loss)(layer, inputs)
+    close(closed.eigenvalues, passed.eigenvalues, **tolerance(dtype))
+    # Rows over positions cannot be told apart from examples without data to grow.
+    sequences = normal(1, (5, 4, 3), dtype)
+    with pytest.raises(ValueError, match=r"rows of the layer of x.weight have shape \(5, 4\)"):
+        zm.EKFAC(lambda model: jax.vmap(jax.vmap(model))(sequences).sum(1), loss)(layer)
