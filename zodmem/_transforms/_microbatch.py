@@ -31,14 +31,14 @@ from ._accumulate import (
 )
 from ._derivative import AbstractDerivative
 from ._microbatch_checks import (
-    _as_count,
-    _as_indices,
-    _as_tuple,
-    _batch_size,
-    _check_argnames,
-    _check_argnums,
-    _check_in_axes,
-    _check_num_real_microbatches,
+    as_count,
+    as_indices,
+    as_tuple,
+    check_argnames,
+    check_argnums,
+    check_in_axes,
+    check_num_real_microbatches,
+    common_batch_size,
 )
 from ._microbatch_run import (
     batch_of,
@@ -163,17 +163,17 @@ class Microbatcher(AbstractBlocked, OperatorSource):
         default=None, static=True, kw_only=True, converter=as_index
     )
     argnums: int | Sequence[int] = eqx.field(
-        default=0, static=True, kw_only=True, converter=_as_indices
+        default=0, static=True, kw_only=True, converter=as_indices
     )
     argnames: str | Sequence[str] = eqx.field(
-        default=(), static=True, kw_only=True, converter=_as_tuple
+        default=(), static=True, kw_only=True, converter=as_tuple
     )
     in_axes: int | Sequence[int] = eqx.field(
-        default=0, static=True, kw_only=True, converter=_as_indices
+        default=0, static=True, kw_only=True, converter=as_indices
     )
     accumulator: Any = eqx.field(default="sum", static=True, kw_only=True)
     num_real_microbatches: Int[ArrayLike, ""] | None = eqx.field(
-        default=None, kw_only=True, converter=_as_count
+        default=None, kw_only=True, converter=as_count
     )
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
@@ -189,16 +189,16 @@ class Microbatcher(AbstractBlocked, OperatorSource):
             meaning="the examples per microbatch",
             blocks="microbatches",
         )
-        _check_argnums(self.argnums)
-        _check_argnames(self.argnames)
+        check_argnums(self.argnums)
+        check_argnames(self.argnames)
         if not self.batch_argnums and not self.batch_argnames:
             raise ValueError(
                 f"{_OWNER}: there must be at least one batch argument, but argnums="
                 f"{self.argnums!r} and argnames={self.argnames!r} are both empty."
             )
-        _check_in_axes(self.in_axes, len(self.batch_argnums) + len(self.batch_argnames))
+        check_in_axes(self.in_axes, len(self.batch_argnums) + len(self.batch_argnames))
         check_accumulator(self.accumulator)
-        _check_num_real_microbatches(self.num_real_microbatches)
+        check_num_real_microbatches(self.num_real_microbatches)
         if self.max_memory is not None and self.num_real_microbatches is not None:
             count = self.num_real_microbatches
             shown = count if isinstance(count, int) else "(an array)"
@@ -241,7 +241,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
         batch = batch_of(self, args, kwargs)
-        total = _batch_size(batch)
+        total = common_batch_size(batch)
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
         split = batch_split_of(batch, planned=True)
         return Work(total, "examples", "result", size).per_device(split)
@@ -355,7 +355,9 @@ def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) 
         )
     # At one microbatch's shapes, placed nowhere: as each microbatch will be seen.
     call_args, call_kwargs = [x, *args], dict(kwargs)
-    size = min(transform.microbatch_size, _batch_size(batch_of(transform, (x, *args), kwargs)))
+    size = min(
+        transform.microbatch_size, common_batch_size(batch_of(transform, (x, *args), kwargs))
+    )
     positions = [*transform.batch_argnums, *transform.batch_argnames]
     for position, axis in zip(positions, transform.batch_in_axes, strict=True):
         holder = call_args if isinstance(position, int) else call_kwargs

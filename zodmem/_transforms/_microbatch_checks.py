@@ -15,21 +15,21 @@ from .._checks import as_index, check_int, common_size
 _OWNER = "Microbatcher"
 
 
-def _as_tuple(value: Any) -> Any:
+def as_tuple(value: Any) -> Any:
     """Turn a list (or other non-string sequence) into a tuple; leave the rest as is."""
     if isinstance(value, Sequence) and not isinstance(value, (str, tuple)):
         return tuple(value)
     return value
 
 
-def _as_indices(value: Any) -> Any:
+def as_indices(value: Any) -> Any:
     """An integer, or each entry of a sequence of them, as Python ints (in a tuple)."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return tuple(as_index(item) for item in value)
     return as_index(value)
 
 
-def _as_count(value: Any) -> Any:
+def as_count(value: Any) -> Any:
     """An integer as a Python int; a JAX array (maybe traced) stays an array."""
     return value if isinstance(value, jax.Array) else as_index(value)
 
@@ -42,7 +42,7 @@ def _check_ints(value: Any, name: str, allowed: str) -> tuple[int, ...]:
     return items
 
 
-def _check_argnums(value: Any) -> None:
+def check_argnums(value: Any) -> None:
     items = _check_ints(
         value, "argnums", "an int or a sequence of ints (positional argument indices)"
     )
@@ -54,7 +54,7 @@ def _check_argnums(value: Any) -> None:
         raise ValueError(f"{_OWNER}: `argnums` has repeated indices: argnums={value!r}.")
 
 
-def _check_argnames(value: Any) -> None:
+def check_argnames(value: Any) -> None:
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, tuple) or not all(isinstance(n, str) for n in items):
         raise TypeError(
@@ -65,7 +65,7 @@ def _check_argnames(value: Any) -> None:
         raise ValueError(f"{_OWNER}: `argnames` has repeated names: argnames={value!r}.")
 
 
-def _check_in_axes(value: Any, count: int) -> None:
+def check_in_axes(value: Any, count: int) -> None:
     _check_ints(value, "in_axes", "an int or a sequence of ints (one per batch argument)")
     if isinstance(value, tuple) and len(value) != count:
         raise ValueError(
@@ -74,7 +74,7 @@ def _check_in_axes(value: Any, count: int) -> None:
         )
 
 
-def _check_num_real_microbatches(value: Any) -> None:
+def check_num_real_microbatches(value: Any) -> None:
     if not hasattr(value, "dtype"):
         check_int(
             value,
@@ -92,13 +92,13 @@ def _check_num_real_microbatches(value: Any) -> None:
         )
 
 
-def _describe(position: int | str) -> str:
+def describe_position(position: int | str) -> str:
     if isinstance(position, int):
         return f"positional argument {position}"
     return f"keyword argument {position!r}"
 
 
-def _batch_axes(value: Any, axis: int, where: str) -> Any:
+def leaf_batch_axes(value: Any, axis: int, where: str) -> Any:
     """The normalised batch axis of every leaf of one batch argument."""
 
     def leaf_axis(leaf):
@@ -118,7 +118,7 @@ def _batch_axes(value: Any, axis: int, where: str) -> Any:
     return jax.tree_util.tree_map(leaf_axis, value)
 
 
-def _batch_size(batch: list[tuple[str, Any, Any]]) -> int:
+def common_batch_size(batch: list[tuple[str, Any, Any]]) -> int:
     """The one batch size that every leaf of every batch argument has."""
     sizes = {}
     for where, value, axes in batch:

@@ -16,7 +16,7 @@ from .._engine._blocks import reduce_blocks
 from .._engine._progress import label
 from .._engine._sharding import Split, batch_split, check_divides, dispatch, everywhere
 from ._accumulate import AccumulationType, accumulator_for, is_accumulator_leaf, resolve
-from ._microbatch_checks import _batch_axes, _batch_size, _describe
+from ._microbatch_checks import common_batch_size, describe_position, leaf_batch_axes
 
 if TYPE_CHECKING:
     from ._microbatch import Microbatcher
@@ -42,8 +42,8 @@ def batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
                 f"but the call passed keyword arguments {sorted(kwargs)}."
             )
         value = args[position] if isinstance(position, int) else kwargs[position]
-        where = _describe(position)
-        batch.append((where, value, _batch_axes(value, axis, where)))
+        where = describe_position(position)
+        batch.append((where, value, leaf_batch_axes(value, axis, where)))
 
     return batch
 
@@ -85,8 +85,8 @@ def reduce_microbatches(
         split = batch_split_of(batch)
     if split is None:
         return dispatch(_whole_batch(transform, batch), (args, kwargs))
-    check_divides(_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
-    local = _batch_size(batch) // split.count
+    check_divides(common_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
+    local = common_batch_size(batch) // split.count
     size = transform.microbatch_size
     # Each device reduces its own part of the batch, then the parts are combined once;
     # that gives the same result when the accumulators are built in and each device's
@@ -160,7 +160,9 @@ def _microbatch_local(
         batch = batch_of(transform, args, kwargs)
     positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     plan = plan_blocks(
-        _batch_size(batch), batch_size=transform.microbatch_size, batch_size_name="microbatch_size"
+        common_batch_size(batch),
+        batch_size=transform.microbatch_size,
+        batch_size_name="microbatch_size",
     )
     num_blocks = transform.num_real_microbatches
     if isinstance(num_blocks, int) and num_blocks > plan.num_blocks:
