@@ -1,7 +1,8 @@
 """Structured approximations of a curvature, for models whose `n x n` never fits.
 
 - `_kfac`: `KFAC` and `EKFAC`, Kronecker factors of a model's layers accumulated over
-  the data in planned microbatches; `_kfac_trace` finds the layers in the traced program,
+  the data in planned microbatches; `_kfac_trace` finds the layers in the traced
+  program, `_kfac_examples` where the examples are in the data and in each layer's rows,
   `_kfac_statistics` gathers each layer's inputs and output gradients, `_kfac_operator`
   is the resulting `KroneckerFactored` operator and `_kfac_products` its compiled
   operations;

@@ -43,6 +43,7 @@ from .._pytree import Variables, split_variables
 from .._traceback import public
 from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
+from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
 from ._kfac_operator import KroneckerBlock, KroneckerFactored
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
 
@@ -51,99 +52,6 @@ __all__ = ["EKFAC", "KFAC"]
 _FISHERS = ("type-2", "mc", "empirical")
 # The most entries a leaf in no layer may have: its dense block holds their square.
 _DENSE_LIMIT = 4096
-
-
-def _example_axes(
-    program: Callable,
-    leaves: list,
-    args: tuple,
-    found: trace.Program,
-    jaxpr: Any,
-    variables: Variables,
-    owner: str,
-) -> tuple:
-    """Per layer, which axis of its rows holds the examples, or None (each row then
-    counts as an example): the one axis that grows by one when the data arguments whose
-    leading axis is the first one's, the number of examples, grow by one, where each
-    example's outputs are one loss term (outputs `(N,)` or `(N, C)`). An axis that
-    cannot be found is refused."""
-    none = (None,) * len(found.layers)
-    outputs = jax.tree_util.tree_leaves(jax.eval_shape(program, leaves, args))
-    # With several terms an example, the square root's columns are shared by them, and
-    # an example's gradient would hold products of its terms that the matrix lacks.
-    if not outputs or any(leaf.ndim == 0 or leaf.ndim > 2 for leaf in outputs):
-        return none
-    paths = jax.tree_util.tree_flatten_with_path(args)[0]
-    arrays = [(path, leaf) for path, leaf in paths if eqx.is_array(leaf) and leaf.ndim > 0]
-    if not arrays:
-        return tuple(
-            _rows_are_examples(jaxpr, layer, outputs[0].shape[0], variables, owner)
-            for layer in found.layers
-        )
-    # The examples are counted as `_batch_size` counts them; an array of another length
-    # (shared by every example) is passed as it is.
-    count = arrays[0][1].shape[0]
-    grown = {path for path, leaf in arrays if leaf.shape[0] == count}
-    names = ", ".join(
-        f"args{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)}"
-        for path, leaf in arrays
-        if path in grown
-    )
-    how = (
-        f"{owner}: the examples' axis of each layer's rows is found by tracing `fn` again "
-        f"with one more example, the data arguments whose leading axis has the first "
-        f"one's length {count} grown by one ({names})"
-    )
-    advice = (
-        "Pass an array shared by every example (one whose leading axis does not index the "
-        "examples) as a keyword argument, which is passed whole, or close over it in `fn`."
-    )
-
-    def bigger(path: Any, leaf: Any) -> Any:
-        if path not in grown:
-            return leaf
-        return jax.ShapeDtypeStruct((leaf.shape[0] + 1,) + leaf.shape[1:], leaf.dtype)
-
-    try:
-        more = jax.tree_util.tree_map_with_path(bigger, args)
-        larger = jax.make_jaxpr(program)(leaves, more).jaxpr
-    except Exception as error:
-        raise ValueError(
-            f"{how}, and that trace failed: {type(error).__name__}: {error}. {advice}"
-        ) from None
-    if trace.find_layers(larger, len(leaves)) != found:
-        raise ValueError(f"{how}, and then `fn`'s layers differ. {advice}")
-    axes = []
-    for layer in found.layers:
-        before, after = trace.rows_shape(jaxpr, layer), trace.rows_shape(larger, layer)
-        moved = [d for d, (m, n) in enumerate(zip(before, after, strict=True)) if m != n]
-        if len(moved) != 1 or after[moved[0]] != before[moved[0]] + 1:
-            raise ValueError(
-                f"{how}; the rows of the layer of x{variables.names[layer.weight]} have "
-                f"shape {before}, then {after}: no one axis of them grows by one example. "
-                "Keep the examples on an axis of their own in each layer's input (a `vmap` "
-                "over them, not a reshape that merges them with positions), or use zm.KFAC, "
-                "which needs no examples' axis."
-            )
-        axes.append(moved[0])
-    return tuple(axes)
-
-
-def _rows_are_examples(
-    jaxpr: Any, layer: trace.Layer, count: int, variables: Variables, owner: str
-) -> int:
-    """With no data arguments to grow, a layer whose rows are `(N,)`, `N` the outputs'
-    examples, has a row per example; any other is refused."""
-    rows = trace.rows_shape(jaxpr, layer)
-    if rows != (count,):
-        raise ValueError(
-            f"{owner}: the call has no data arguments (after `x`) whose leading axis holds "
-            "the examples, so each layer's rows must be one per example, but the rows of "
-            f"the layer of x{variables.names[layer.weight]} have shape {rows} for {count} "
-            "examples. Pass the examples' data as arguments after `x`, the examples on "
-            "their leading axis."
-        )
-    return 0
 
 
 def _blocks(found: trace.Program, variables: Variables, sums: dict) -> tuple:
@@ -226,7 +134,7 @@ class _KroneckerCurvature(eqx.Module):
 
     def _factored(self, x: Any, args: tuple, kwargs: dict) -> KroneckerFactored:
         owner = self._owner
-        _check_not_empty(args, owner)
+        check_not_empty(args, owner)
         _, variables = split_variables(x, owner=owner)
         leaves = variable_leaves(x, variables)
         program = traced(self.fn, variables, kwargs)
@@ -235,12 +143,12 @@ class _KroneckerCurvature(eqx.Module):
         _check_others(found, variables, owner)
         examples = (None,) * len(found.layers)
         if self._corrected:
-            examples = _example_axes(program, leaves, args, found, jaxpr, variables, owner)
+            examples = example_axes(program, leaves, args, found, jaxpr, variables, owner)
         mean = getattr(self.loss, "reduction", "sum") == "mean"
         settings = Settings(self.fisher, self.mc_samples, mean, found, examples)
         keys = None
         if self.fisher == "mc":
-            keys = jax.random.split(self.key, _batch_size(args, owner))
+            keys = jax.random.split(self.key, batch_size(args, owner))
         statistics = Statistics(self.fn, self.loss, variables, settings, kwargs)
         each = "mean" if mean else "sum"
         accumulator = {"inputs": "sum", "rows": "sum", "gradients": each, "dense": each}
@@ -280,7 +188,7 @@ class _KroneckerCurvature(eqx.Module):
                 f"{self._owner}: `microbatch_size` and `max_memory` cut the data arguments "
                 "(those after `x`) into microbatches, but the call has none."
             )
-        _check_examples(args, self._owner)
+        check_examples(args, self._owner)
         argnums = tuple(range(2, 2 + len(args))) + ((1,) if keys is not None else ())
         batched = Microbatcher(
             statistics,
@@ -291,40 +199,6 @@ class _KroneckerCurvature(eqx.Module):
             progress=self.progress,
         )
         return batched(leaves, keys, *args)
-
-
-def _check_not_empty(args: tuple, owner: str) -> None:
-    """Refuse a batch of no examples, whose factors are undefined, by the argument
-    that shows it."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
-        if eqx.is_array(leaf) and leaf.ndim > 0 and leaf.shape[0] == 0:
-            raise ValueError(
-                f"{owner}: the batch is empty: the data argument "
-                f"args{jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} holds no "
-                "examples along its leading axis, and the factors of no examples are "
-                "undefined (the input factor is a mean over the rows). Give at least one "
-                "example."
-            )
-
-
-def _check_examples(args: tuple, owner: str) -> None:
-    """Refuse data arguments whose leading axes are not one count of examples, named as
-    the user passed them, before microbatches are cut along those axes."""
-    paths = jax.tree_util.tree_flatten_with_path(args)[0]
-    lengths = {
-        f"args{jax.tree_util.keystr(path)}": leaf.shape[0]
-        for path, leaf in paths
-        if eqx.is_array(leaf) and leaf.ndim > 0
-    }
-    if len(set(lengths.values())) > 1:
-        shown = ", ".join(f"{name}: {length}" for name, length in lengths.items())
-        raise ValueError(
-            f"{owner}: `microbatch_size` and `max_memory` cut the data arguments (those after "
-            "`x`) into microbatches along their leading axis, the examples', which must then "
-            f"have one length in every argument, but they have {shown}. Give every data "
-            "argument the examples on its leading axis, or leave out `microbatch_size` and "
-            "`max_memory`."
-        )
 
 
 def _check_others(found: trace.Program, variables: Variables, owner: str) -> None:
@@ -340,17 +214,6 @@ def _check_others(found: trace.Program, variables: Variables, owner: str) -> Non
                 f"{_DENSE_LIMIT} entries. Hold it fixed (outside `x`), or use it as a "
                 "layer's weight."
             )
-
-
-def _batch_size(args: tuple, owner: str) -> int:
-    """The number of examples: the length of the data arguments' leading axis."""
-    for leaf in jax.tree_util.tree_leaves(args):
-        if eqx.is_array(leaf) and leaf.ndim > 0:
-            return leaf.shape[0]
-    raise ValueError(
-        f"{owner}: fisher='mc' draws targets per example, counted along the leading axis of "
-        "the data arguments (those after `x`), but the call has no array among them."
-    )
 
 
 class KFAC(_KroneckerCurvature):
