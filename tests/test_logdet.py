@@ -66,19 +66,19 @@ def test_logdet_is_trace_function_of_log():
     )
 
 
-def coverage(n, condition, steps):
-    """Of 100 seeds, how many estimates of 10 probes lie within 3 standard errors of
-    `slogdet`."""
-    matrix = spd(n, condition, seed=n)
-    exact = jnp.linalg.slogdet(matrix)[1]
+def coverage(matrix, exact, steps, *, damping=0.0, function="log", width=3.0, seeds=100):
+    """Of `seeds` seeds, how many estimates of 10 probes lie within `width` reported
+    errors of `exact`."""
 
     @jax.jit
     def estimate(key):
-        return zm.logdet(operator(matrix), num_probes=10, num_steps=steps, key=key)
+        return zm.trace_function(
+            operator(matrix), function, num_probes=10, num_steps=steps, key=key, damping=damping
+        )
 
-    estimates, errors = np.array([estimate(jax.random.key(seed)) for seed in range(100)]).T
+    estimates, errors = np.array([estimate(jax.random.key(seed)) for seed in range(seeds)]).T
     assert np.all(errors > 0)
-    return np.sum(np.abs(estimates - exact) <= 3 * errors)
+    return np.sum(np.abs(estimates - exact) <= width * errors)
 
 
 # (n, condition, steps): a rule of `steps` nodes for log on eigenvalues in
@@ -91,13 +91,107 @@ def test_logdet_is_within_three_standard_errors_for_most_seeds(n, condition, ste
     # With 10 probes the standardised error is about Student's t with 9 degrees of
     # freedom, outside 3 with chance 0.015: 8 misses or more in 100 has chance below
     # 1e-3 (the false-alarm rate of each case).
-    assert coverage(n, condition, steps) >= 93
+    matrix = spd(n, condition, seed=n)
+    assert coverage(matrix, jnp.linalg.slogdet(matrix)[1], steps) >= 93
 
 
-def test_too_few_steps_show_as_missed_coverage():
-    # The test can tell a biased estimate: 4 nodes for log on [1, 1000] miss by several
-    # standard errors, which count only the probes' randomness.
-    assert coverage(60, 1e3, 4) < 60
+def geometric_diagonal(dtype):
+    """`diag(geomspace(1e-3, 1e3, 500))`: every sign probe gives the same Lanczos run,
+    so the probes' spread is nil and the quadrature's error is the whole error."""
+    return jnp.diag(jnp.geomspace(1e-3, 1e3, 500).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", ["log", "inv", "sqrt"])
+def test_the_error_bounds_the_quadrature_where_it_is_the_whole_error(dtype, name):
+    # Deterministic: the Gauss and Gauss-Radau rules bracket each probe's quadratic form,
+    # and the probes agree, so the truth lies within one reported error (no false alarm).
+    matrix = geometric_diagonal(dtype)
+    eigenvalues = np.geomspace(1e-3, 1e3, 500)
+    for damping in (1e-3, 1.0):
+        exact = np.sum(FUNCTIONS[name](eigenvalues + damping))
+        estimate, error = zm.trace_function(
+            operator(matrix), name, num_probes=4, key=jax.random.key(0), damping=damping
+        )
+        assert estimate.dtype == error.dtype == dtype
+        assert abs(estimate - exact) <= error, (damping, estimate, error, exact)
+    # With more steps the bracket narrows, and the estimate with it.
+    wide = zm.trace_function(
+        operator(matrix), name, num_probes=4, key=jax.random.key(0), damping=1.0, num_steps=10
+    )[1]
+    assert error < wide
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_an_unbounded_quadrature_is_refused(dtype):
+    # The undamped diagonal: 30 steps leave its smallest Ritz value far from converged
+    # (its residual is larger than it), so nothing bounds the spectrum away from zero:
+    # the rule alone was 389 against a log-determinant of 0.
+    op = operator(geometric_diagonal(dtype))
+    message = r"zm\.logdet: for the operator plus damping .*no positive lower bound of its spectrum"
+    with pytest.raises(ValueError, match=message):
+        zm.logdet(op, num_probes=4, key=jax.random.key(0))
+    with pytest.raises(RuntimeError, match=message.replace(" .*", ".*")):
+        jax.block_until_ready(
+            jax.jit(lambda m: zm.logdet(operator(m), num_probes=4, key=jax.random.key(0)))(
+                op.matrix
+            )
+        )
+    # sqrt is bounded at zero: a positive semi-definite spectrum needs no more.
+    estimate, error = zm.trace_function(op, "sqrt", num_probes=4, key=jax.random.key(0))
+    exact = np.sum(np.sqrt(np.geomspace(1e-3, 1e3, 500)))
+    assert abs(estimate - exact) <= error
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_an_unfound_negative_eigenvalue_is_refused(dtype):
+    # -0.05 below a spectrum reaching down to 1e-3: 8 steps find no Ritz value below
+    # zero (the rule alone gave 286 with no spread), but none bounds the spectrum above it.
+    spectrum = np.concatenate([[-0.05], np.geomspace(1e-3, 1e3, 499)])
+    matrix = jnp.diag(jnp.asarray(spectrum, dtype))
+    for run in (
+        lambda m: zm.logdet(operator(m), num_probes=4, num_steps=8, key=jax.random.key(0)),
+        lambda m: zm.trace_function(
+            operator(m), "inv", num_probes=4, num_steps=8, key=jax.random.key(0)
+        ),
+    ):
+        with pytest.raises(ValueError, match=r"no positive lower bound of its spectrum"):
+            run(matrix)
+        with pytest.raises(RuntimeError, match=r"no positive lower bound of its spectrum"):
+            jax.block_until_ready(jax.jit(run)(matrix))
+
+
+def wide_spd(n, low, high, seed):
+    q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
+    eigenvalues = np.geomspace(low, high, n)
+    return jnp.asarray((q * eigenvalues) @ q.T), eigenvalues
+
+
+@pytest.mark.parametrize(
+    ("name", "damping", "steps"), [("log", 1e-3, 20), ("inv", 1e-2, 20), ("sqrt", 0.0, 12)]
+)
+def test_a_wide_spectrum_is_covered_at_the_stated_rate(name, damping, steps):
+    # Eigenvalues over six decades: 20 steps leave a quadrature error larger than the
+    # probes' spread. The reported error adds the bound on it to the standard error, so
+    # a miss of 3 errors needs the probes' mean to miss by 3 standard errors (Student's t
+    # with 9 degrees of freedom: chance 0.015): 8 misses or more in 100 seeds has chance
+    # below 1e-3, the test's false-alarm rate.
+    matrix, eigenvalues = wide_spd(80, 1e-4, 1e2, seed=3)
+    exact = np.sum(FUNCTIONS[name](eigenvalues + damping))
+    assert coverage(matrix, exact, steps, damping=damping, function=name) >= 93
+
+
+def test_a_near_indefinite_operator_is_refused_or_covered():
+    # One eigenvalue of 1e-6 below a bulk in [0.5, 5]: undamped, its Ritz value converges
+    # but not within its residual of zero, so the run is refused; damped by 1e-4, the
+    # estimate is covered as above (false-alarm rate below 1e-3).
+    q, _ = np.linalg.qr(np.random.default_rng(4).normal(size=(60, 60)))
+    eigenvalues = np.concatenate([[1e-6], np.linspace(0.5, 5.0, 59)])
+    matrix = jnp.asarray((q * eigenvalues) @ q.T)
+    with pytest.raises(ValueError, match=r"no positive lower bound of its spectrum"):
+        zm.logdet(operator(matrix), num_probes=10, num_steps=12, key=jax.random.key(0))
+    exact = np.sum(np.log(eigenvalues + 1e-4))
+    assert coverage(matrix, exact, 12, damping=1e-4) >= 93
 
 
 @pytest.mark.parametrize("name", ["inv", "sqrt"])

@@ -1,8 +1,11 @@
 """Traces of functions of a symmetric operator, `tr f(A)`, by stochastic Lanczos
 quadrature (`trace_function`), and the log-determinant `tr log(A + damping I)`
-(`logdet`): the Gauss rules of the spectral density's random sign probes
-(`_spectral.Quadrature`), each giving one sample `n * sum_j w_j f(theta_j)`, and the
-samples' mean and standard error."""
+(`logdet`): the Lanczos matrices of the spectral density's random sign probes
+(`_spectral.Quadrature`), each giving one sample `n * sum_j w_j f(theta_j)` of its Gauss
+rule, and the samples' mean and standard error. For log, inv and sqrt, each probe's
+Gauss rule and its Gauss-Radau rule at a lower bound of the spectrum bracket the probe's
+quadratic form: the sample is their midpoint, and the brackets' mean half-width is added
+to the error."""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ import jax.numpy as jnp
 from .._checks import check_int, check_key, described
 from .._traceback import public
 from ._arguments import check_real, is_traced
-from ._diagonal import _mean_and_error
 from ._flat import symmetric_view
+from ._lanczos import tridiagonal
 from ._spectral import quadrature_rules
 
 __all__ = ["logdet", "trace_function"]
@@ -38,21 +41,61 @@ def _check_function(function: Any, owner: str) -> Callable:
     return function
 
 
-@eqx.filter_jit
-def _samples(
-    nodes: jax.Array, weights: jax.Array, damping: Any, function: Callable, size: int, owner: str
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each probe's quadrature `size * sum_j w_j f(theta_j + damping)` (the probe has
-    norm `sqrt(size)`), their mean and summed squared deviations from it, and the
-    smallest shifted node. The shift is applied to the nodes: Lanczos on `A + damping I`
-    from the same probe gives the same basis, and the tridiagonal's diagonal shifted."""
-    dtype = nodes.dtype
-    shifted = nodes + jnp.asarray(damping, dtype)
-    values = function(shifted)
-    if jnp.shape(values) != shifted.shape:
+def _positive(
+    estimate: tuple, lowest: jax.Array, bound: jax.Array, name: str, damping: Any, owner: str
+) -> tuple:
+    """The estimate, refused where a Ritz value of the damped operator is not positive
+    (`name`, log, inv or sqrt, is undefined there, or its quadrature unreliable near a
+    pole), or where no positive lower bound of its spectrum is known (for sqrt, none at
+    or above zero): an eigenvalue at or below zero may then remain unfound, and the
+    quadrature's error has no bound. Concrete, at once; traced, as the program runs."""
+    what = "log det" if owner == "zm.logdet" else f"function={name!r}"
+    advice = (
+        f"{what} needs a positive definite operator: give one, or add `damping` > 0 "
+        "(a positive semi-definite curvature, such as a Gauss-Newton matrix, needs it)."
+    )
+    unbounded = (
+        "no positive lower bound of its spectrum is known: its smallest Ritz value less "
+        "that Ritz value's residual is not above zero, so an eigenvalue at or below zero "
+        "may remain unfound and the quadrature's error has no bound. Raise `num_steps` "
+        "until the smallest Ritz value converges, or add `damping` > 0 (the spectrum of a "
+        "positive semi-definite operator plus damping lies at or above the damping)."
+    )
+    allowed = (lambda b: b >= 0) if name == "sqrt" else (lambda b: b > 0)
+    if is_traced(lowest) or is_traced(damping):
+        estimate = eqx.error_if(
+            estimate,
+            lowest <= 0,
+            f"{owner}: a Ritz value of the operator plus damping is <= 0, so it is not "
+            f"positive definite. {advice}",
+        )
+        return eqx.error_if(
+            estimate, ~allowed(bound), f"{owner}: for the operator plus damping, {unbounded}"
+        )
+    lowest, bound = float(lowest), float(bound)
+    if not lowest > 0:
+        raise ValueError(
+            f"{owner}: the operator plus damping (damping={damping!r}) is not positive "
+            f"definite: its smallest Ritz value is {lowest:.6g}. {advice}"
+        )
+    if not allowed(bound):
+        raise ValueError(
+            f"{owner}: for the operator plus damping (damping={damping!r}), {unbounded} "
+            f"Its smallest Ritz value is {lowest:.6g}, and that less its residual {bound:.6g}."
+        )
+    return estimate
+
+
+def _rule_sums(
+    nodes: jax.Array, weights: jax.Array, function: Callable, size: int, owner: str
+) -> jax.Array:
+    """Each probe's sample `size * sum_j w_j f(theta_j)` (the probe has norm
+    `sqrt(size)`), from rules `(num_probes, nodes)`."""
+    values = function(nodes)
+    if jnp.shape(values) != nodes.shape:
         raise ValueError(
             f"{owner}: `function` must map the Ritz values elementwise, an array of shape "
-            f"{shifted.shape} to one of the same shape, but it returned shape "
+            f"{nodes.shape} to one of the same shape, but it returned shape "
             f"{jnp.shape(values)}."
         )
     if jnp.issubdtype(jnp.result_type(values), jnp.complexfloating):
@@ -60,37 +103,82 @@ def _samples(
             f"{owner}: `function` must return real values, but it returned "
             f"{jnp.result_type(values)}."
         )
-    samples = size * jnp.sum(weights * jnp.asarray(values).astype(dtype), axis=1)
+    return size * jnp.sum(weights * jnp.asarray(values).astype(nodes.dtype), axis=1)
+
+
+def _radau(
+    alphas: jax.Array, betas: jax.Array, nodes: jax.Array, last_row: jax.Array, bound: Any
+) -> tuple[jax.Array, jax.Array]:
+    """One probe's Gauss-Radau rule with a node prescribed at `bound`, at or below the
+    spectrum (Golub and Meurant, "Matrices, Moments and Quadrature"): the tridiagonal
+    matrix grown by a row, coupled by the Lanczos run's last `beta` and with the
+    diagonal entry that puts an eigenvalue at `bound`. `nodes` and `last_row` are the
+    Gauss rule's nodes and its eigenvectors' last entries; no product is needed."""
+    residuals = betas[-1] * last_row  # each Ritz pair's residual, beta_m s_{m,j}
+    # The last entry of (T - bound I)^{-1} beta_m^2 e_m, by T's eigenpairs; a pair with
+    # no residual (an exhausted Krylov space) adds nothing, even at the bound itself.
+    gaps = jnp.where(residuals == 0, 1, nodes - bound)
+    shift = jnp.sum(jnp.where(residuals == 0, 0, residuals**2 / gaps))
+    m = alphas.shape[0]
+    grown = jnp.pad(tridiagonal(alphas, betas[:-1]), ((0, 1), (0, 1)))
+    grown = grown.at[m, m - 1].set(betas[-1]).at[m - 1, m].set(betas[-1])
+    grown = grown.at[m, m].set(bound + shift)
+    radau_nodes, vectors = jnp.linalg.eigh(grown)
+    # The node at the bound comes back a rounding below it, where sqrt is undefined.
+    return jnp.maximum(radau_nodes, bound), vectors[0] ** 2
+
+
+def _mean_and_error(samples: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The samples' mean and its standard error (their standard deviation over the
+    square root of their number)."""
+    count = samples.shape[0]
     mean = jnp.mean(samples)
     # Deviations from the mean, not sums of squares: a trace far larger than the
     # samples' spread would lose the spread to rounding.
     spread = jnp.sum((samples - mean) ** 2)
-    return mean, spread, jnp.min(shifted)
+    return mean, jnp.sqrt(spread / (count * (count - 1)))
 
 
-def _positive(estimate: tuple, lowest: jax.Array, name: str, damping: Any, owner: str) -> tuple:
-    """The estimate, refused where a Ritz value of the damped operator is not positive:
-    `name` (log, inv, sqrt) is undefined there, or its quadrature unreliable near a
-    pole. Concrete, at once; traced, as the program runs."""
-    what = "log det" if owner == "zm.logdet" else f"function={name!r}"
-    advice = (
-        f"{what} needs a positive definite operator: give one, or add `damping` > 0 "
-        "(a positive semi-definite curvature, such as a Gauss-Newton matrix, needs it)."
+@eqx.filter_jit
+def _estimate(
+    alphas: jax.Array,
+    betas: jax.Array,
+    damping: Any,
+    function: Callable,
+    bracket: bool,
+    size: int,
+    owner: str,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The estimate and its error from the probes' Lanczos matrices, the smallest Ritz
+    value of the damped operator, and the lower bound of its spectrum that the Radau
+    rules take (without `bracket`, that Ritz value). The damping shifts the matrices'
+    diagonals: Lanczos on `A + damping I` from the same probe gives the same basis.
+
+    With `bracket` (`function` one whose derivatives of each order keep one sign above
+    zero: log, inv, sqrt), each probe's Gauss rule and its Gauss-Radau rule at the bound
+    lie on either side of the probe's quadratic form: the sample is their midpoint, and
+    the mean of their half-widths, a bound on the quadrature's error in the mean, is
+    added to the standard error."""
+    dtype = alphas.dtype
+    shift = jnp.asarray(damping, dtype)
+    raw, vectors = jnp.linalg.eigh(jax.vmap(tridiagonal)(alphas, betas[:, :-1]))
+    nodes = raw + shift
+    gauss = _rule_sums(nodes, vectors[:, 0, :] ** 2, function, size, owner)
+    lowest = jnp.min(nodes)
+    if not bracket:
+        return *_mean_and_error(gauss), lowest, lowest
+    # The smallest Ritz value less its residual: below the spectrum once that Ritz value
+    # has converged to the smallest eigenvalue.
+    below = jnp.min(nodes[:, 0] - jnp.abs(betas[:, -1] * vectors[:, -1, 0]))
+    # The operator is taken positive semi-definite unless a Ritz value below zero shows
+    # otherwise: its damped spectrum then lies at or above the damping.
+    bound = jnp.where(jnp.min(raw) >= 0, jnp.maximum(below, shift), below)
+    radau = jax.vmap(_radau, in_axes=(0, 0, 0, 0, None))(
+        alphas + shift, betas, nodes, vectors[:, -1, :], bound
     )
-    if is_traced(lowest) or is_traced(damping):
-        return eqx.error_if(
-            estimate,
-            lowest <= 0,
-            f"{owner}: a Ritz value of the operator plus damping is <= 0, so it is not "
-            f"positive definite. {advice}",
-        )
-    lowest = float(lowest)
-    if not lowest > 0:
-        raise ValueError(
-            f"{owner}: the operator plus damping (damping={damping!r}) is not positive "
-            f"definite: its smallest Ritz value is {lowest:.6g}. {advice}"
-        )
-    return estimate
+    other = _rule_sums(*radau, function, size, owner)
+    mean, error = _mean_and_error((gauss + other) / 2)
+    return mean, error + jnp.mean(jnp.abs(gauss - other)) / 2, lowest, bound
 
 
 def _trace_function(
@@ -121,15 +209,14 @@ def _trace_function(
     key = check_key(key, owner=owner)
     damping = check_real(damping, "damping", owner=owner, minimum=None)
     options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
-    nodes, weights = quadrature_rules(
-        view, key, num_probes, num_steps, owner=owner, progress=progress, **options
-    )
+    options.update(owner=owner, progress=progress, tridiagonals=True)
+    alphas, betas = quadrature_rules(view, key, num_probes, num_steps, **options)
     shift = damping if is_traced(damping) else jnp.asarray(damping, view.dtype)
-    mean, spread, lowest = _samples(nodes, weights, shift, apply, view.size, owner)
-    estimate = _mean_and_error((num_probes, mean, spread), num_probes)
-    if isinstance(function, str):
-        estimate = _positive(estimate, lowest, function, damping, owner)
-    return estimate
+    named = isinstance(function, str)
+    mean, error, lowest, bound = _estimate(alphas, betas, shift, apply, named, view.size, owner)
+    if named:
+        return _positive((mean, error), lowest, bound, function, damping, owner)
+    return mean, error
 
 
 @public
@@ -160,6 +247,24 @@ def trace_function(
     standard deviation over `sqrt(num_probes)`. With `num_steps = n` each rule is exact
     and the estimate is Hutchinson's, the mean of `g^T f(A) g`.
 
+    For `"log"`, `"inv"` and `"sqrt"` the error also bounds the quadrature's. These
+    functions' derivatives of each order keep one sign above zero, so each probe's Gauss
+    rule and its Gauss-Radau rule with a node prescribed at a lower bound `a` of the
+    spectrum of `A + damping I` lie on either side of `g^T f(A + damping I) g` (Golub and
+    Meurant, *Matrices, Moments and Quadrature*: for log and sqrt the Gauss rule above and
+    the Radau rule below, for inv the other way). The Radau rule is the Lanczos
+    tridiagonal matrix grown by one row, from the run's last coupling, so it costs no
+    product. Each sample is then the midpoint of the two rules, and the error returned is
+    the samples' standard error plus the mean of the brackets' half-widths: for `z >= 1` the
+    truth lies within `z` errors of the estimate at least as often as the probes' mean
+    alone lies within `z` standard errors of its expectation. The bound `a` is the damping (the
+    operator taken positive semi-definite) or, where larger, the smallest Ritz value
+    less its residual `|beta_m s_{m,1}|` (below the spectrum once that Ritz value has
+    converged to the smallest eigenvalue); where a Ritz value below zero shows the
+    operator indefinite, only the latter. Where no `a > 0` is known (for `"sqrt"`, none
+    `>= 0`) the call is refused (see below): an eigenvalue at or below zero may remain
+    unfound, and nothing bounds the quadrature's error.
+
     **Arguments:**
 
     - `operator`: a symmetric real operator: `transform.operator(x, *args)` of
@@ -188,25 +293,36 @@ def trace_function(
 
     **Returns:**
 
-    `(estimate, standard_error)`, two scalars in the operator's dtype.
+    `(estimate, standard_error)`, two scalars in the operator's dtype. For `"log"`,
+    `"inv"` and `"sqrt"` the `standard_error` is the probes' standard error plus the
+    bound on the quadrature's error above.
 
     **Cost:** `num_probes * num_steps` products; memory for one block's Lanczos bases,
     `num_steps * n` numbers a probe, beside the products' own.
 
     !!! warning
 
-        The standard error counts the probes' randomness only, not the quadrature's
-        error, which falls as `num_steps` grows, fast for a well-conditioned operator
-        and slowly for an ill-conditioned one (or for `f` with a pole near its
-        smallest eigenvalue, as `"inv"` and `"log"` have at 0). Where it matters,
-        check that the estimate does not move with more steps.
+        For a callable `function` the standard error counts the probes' randomness
+        only, not the quadrature's error, which falls as `num_steps` grows, fast for a
+        well-conditioned operator and slowly for an ill-conditioned one (or for `f`
+        with a pole near its smallest eigenvalue). Where it matters, check that the
+        estimate does not move with more steps. For the named functions the bound
+        grows wide where the quadrature has not converged: raise `num_steps` (or
+        `damping`) until the error is small enough.
 
     !!! warning
 
         For `"log"`, `"inv"` and `"sqrt"`, a Ritz value of `A + damping I` at or below
-        zero (the operator is not positive definite) raises a `ValueError`; under
-        `jax.jit` the same message is raised when the program runs. A positive
-        semi-definite curvature (a Gauss-Newton matrix) needs `damping > 0`.
+        zero (the operator is not positive definite), or no lower bound `a > 0` of its
+        spectrum (`a >= 0` for `"sqrt"`: the smallest Ritz value has not converged
+        within its residual of zero, as for an undamped operator with eigenvalues near
+        zero, or one with a negative eigenvalue the steps have not found), raises a
+        `ValueError` that says which; under `jax.jit` the same message is raised when
+        the program runs. A positive semi-definite curvature (a Gauss-Newton matrix)
+        needs `damping > 0`. The bound takes the operator positive semi-definite unless
+        a Ritz value below zero shows it is not: an indefinite operator whose negative
+        eigenvalues the steps have not found, made definite by `damping`, gets an error
+        that may not bound its quadrature.
 
     !!! example
 
@@ -271,9 +387,11 @@ def logdet(
     !!! warning
 
         The operator plus `damping` must be positive definite: a Ritz value at or
-        below zero raises a `ValueError` (under `jax.jit`, when the program runs). The
-        standard error counts the probes' randomness, not the quadrature's error:
-        raise `num_steps` for an ill-conditioned operator.
+        below zero, or no positive lower bound of its spectrum from the Lanczos runs
+        (see `zm.trace_function`), raises a `ValueError` (under `jax.jit`, when the
+        program runs). The error returned is the probes' standard error plus a bound on
+        the quadrature's error (from each probe's Gauss and Gauss-Radau rules): it is
+        wide where `num_steps` is too few for an ill-conditioned operator; raise it.
 
     !!! example
 

@@ -54,6 +54,18 @@ def lanczos_quadrature(
     to 1). After a breakdown (the Krylov space of `probe` is invariant), the steps go on
     in a new direction and its nodes get weight 0.
     """
+    alphas, betas = lanczos_tridiagonal(product, probe, num_steps)
+    nodes, vectors = jnp.linalg.eigh(tridiagonal(alphas, betas[:-1]))
+    return nodes, vectors[0] ** 2
+
+
+def lanczos_tridiagonal(
+    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The Lanczos tridiagonal matrix of `num_steps` steps from `probe / |probe|`, as
+    its diagonal `alphas` and its couplings `betas`, each `(num_steps,)`: `betas[-1]`
+    couples the last step to the next Lanczos vector (the residual of the Ritz pairs,
+    and the entry a Gauss-Radau rule extends the matrix by)."""
     n = probe.shape[-1]
     num_steps = check_int(num_steps, "num_steps", owner="lanczos_quadrature", minimum=1)
     if num_steps > n:
@@ -78,17 +90,18 @@ def lanczos_quadrature(
         jnp.zeros((), dtype),
     )
     _, alphas, betas, _, _, _ = jax.lax.fori_loop(0, num_steps, canonical_body(body), init)
-    nodes, vectors = jnp.linalg.eigh(tridiagonal(alphas, betas[:-1]))
-    return nodes, vectors[0] ** 2
+    return alphas, betas
 
 
 class Quadrature(ProbeJob):
     """The Gauss quadrature rules of random sign probes (probe `i` drawn from
-    `sign_probes(key, i)`): `num_steps` nodes and weights each."""
+    `sign_probes(key, i)`): `num_steps` nodes and weights each; with `tridiagonals`,
+    the Lanczos tridiagonal matrices they come from instead (`lanczos_tridiagonal`)."""
 
     key: jax.Array
     num: int = eqx.field(static=True)
     num_steps: int = eqx.field(static=True)
+    tridiagonals: bool = eqx.field(default=False, static=True)
     reduce: ClassVar[bool] = False
     what: ClassVar[str] = "probes"
 
@@ -98,16 +111,26 @@ class Quadrature(ProbeJob):
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
         indices = start + jnp.arange(size, dtype=jnp.int32)
         probes = sign_probes(self.key, indices, view.size, view.dtype)
-        return jax.vmap(lambda probe: lanczos_quadrature(product, probe, self.num_steps))(probes)
+        run = lanczos_tridiagonal if self.tridiagonals else lanczos_quadrature
+        return jax.vmap(lambda probe: run(product, probe, self.num_steps))(probes)
 
 
 @eqx.filter_jit
 def quadrature_rules(
-    view: FlatView, key: Any, num_probes: int, num_steps: int, *, owner: str, **options: Any
+    view: FlatView,
+    key: Any,
+    num_probes: int,
+    num_steps: int,
+    *,
+    owner: str,
+    tridiagonals: bool = False,
+    **options: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """The Gauss rules `(nodes, weights)` of `num_probes` sign probes of `key`, each
-    `(num_probes, num_steps)`, in blocks that `options` plan (`run_probes`'s)."""
-    return run_probes(view, Quadrature(key, num_probes, num_steps), owner=owner, **options)
+    `(num_probes, num_steps)`, in blocks that `options` plan (`run_probes`'s); with
+    `tridiagonals`, their Lanczos matrices `(alphas, betas)` instead, of the same shapes."""
+    job = Quadrature(key, num_probes, num_steps, tridiagonals)
+    return run_probes(view, job, owner=owner, **options)
 
 
 def _density(
