@@ -350,3 +350,14 @@ def test_an_operator_of_nan_or_inf_products_is_refused_in_words(bad, dtype):
         jax.block_until_ready(jax.jit(lambda m: eigsh(operator_of(m), 2))(matrix))
     with pytest.raises(RuntimeError, match=r"not finite \(NaN or inf\)"):
         jax.block_until_ready(jax.jit(lambda m: zm.low_rank(operator_of(m), 2).as_matrix())(matrix))
+
+
+def test_a_hessian_at_a_nan_parameter_is_refused_in_words():
+    def loss(w):
+        return jnp.sum(jnp.arange(1.0, 9.0) * jnp.cosh(w))  # its Hessian depends on w
+
+    op = zm.BatchedHessian(loss).operator(jnp.zeros(8).at[2].set(jnp.nan))
+    with pytest.raises(ValueError, match=r"zm\.eigsh: the operator's products .* not finite"):
+        eigsh(op, 2)
+    with pytest.raises(ValueError, match=r"zm\.low_rank: the operator's products .* not finite"):
+        zm.low_rank(op, 2)
