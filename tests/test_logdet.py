@@ -125,8 +125,8 @@ def test_the_error_bounds_the_quadrature_where_it_is_the_whole_error(dtype, name
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_an_unbounded_quadrature_is_refused(dtype):
     # The undamped diagonal: 30 steps leave its smallest Ritz value far from converged
-    # (its residual is larger than it), so nothing bounds the spectrum away from zero:
-    # the rule alone was 389 against a log-determinant of 0.
+    # (its residual is larger than it), so nothing bounds the spectrum away from zero,
+    # and the Gauss rule alone is far above the log-determinant, 0.
     op = operator(geometric_diagonal(dtype))
     message = r"zm\.logdet: for the operator plus damping .*no positive lower bound of its spectrum"
     with pytest.raises(ValueError, match=message):
@@ -146,7 +146,8 @@ def test_an_unbounded_quadrature_is_refused(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_an_unfound_negative_eigenvalue_is_refused(dtype):
     # -0.05 below a spectrum reaching down to 1e-3: 8 steps find no Ritz value below
-    # zero (the rule alone gave 286 with no spread), but none bounds the spectrum above it.
+    # zero, and every probe gives the same rule (no spread), but the smallest Ritz value
+    # is within its residual of zero, so nothing bounds the spectrum above zero.
     spectrum = np.concatenate([[-0.05], np.geomspace(1e-3, 1e3, 499)])
     matrix = jnp.diag(jnp.asarray(spectrum, dtype))
     for run in (
@@ -161,33 +162,36 @@ def test_an_unfound_negative_eigenvalue_is_refused(dtype):
             jax.block_until_ready(jax.jit(run)(matrix))
 
 
-def wide_spd(n, low, high, seed):
+def rotated(eigenvalues, seed, dtype):
+    """`Q diag(eigenvalues) Q^T` for a random orthogonal `Q`: a dense matrix."""
+    n = len(eigenvalues)
     q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(n, n)))
-    eigenvalues = np.geomspace(low, high, n)
-    return jnp.asarray((q * eigenvalues) @ q.T), eigenvalues
+    return jnp.asarray((q * eigenvalues) @ q.T, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize(
     ("name", "damping", "steps"), [("log", 1e-3, 20), ("inv", 1e-2, 20), ("sqrt", 0.0, 12)]
 )
-def test_a_wide_spectrum_is_covered_at_the_stated_rate(name, damping, steps):
-    # Eigenvalues over six decades: 20 steps leave a quadrature error larger than the
-    # probes' spread. The reported error adds the bound on it to the standard error, so
-    # a miss of 3 errors needs the probes' mean to miss by 3 standard errors (Student's t
-    # with 9 degrees of freedom: chance 0.015): 8 misses or more in 100 seeds has chance
-    # below 1e-3, the test's false-alarm rate.
-    matrix, eigenvalues = wide_spd(80, 1e-4, 1e2, seed=3)
+def test_a_wide_spectrum_is_covered_at_the_stated_rate(name, damping, steps, dtype):
+    # Eigenvalues over six decades: for log and inv these steps leave a quadrature error
+    # larger than the probes' spread. The reported error adds the bound on it to the
+    # standard error, so a miss of 3 errors needs the probes' mean to miss by 3 standard
+    # errors (Student's t with 9 degrees of freedom: chance 0.015): 8 misses or more in
+    # 100 seeds has chance below 1e-3, the test's false-alarm rate.
+    eigenvalues = np.geomspace(1e-4, 1e2, 80)
+    matrix = rotated(eigenvalues, 3, dtype)
     exact = np.sum(FUNCTIONS[name](eigenvalues + damping))
     assert coverage(matrix, exact, steps, damping=damping, function=name) >= 93
 
 
-def test_a_near_indefinite_operator_is_refused_or_covered():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_a_near_indefinite_operator_is_refused_or_covered(dtype):
     # One eigenvalue of 1e-6 below a bulk in [0.5, 5]: undamped, its Ritz value converges
     # but not within its residual of zero, so the run is refused; damped by 1e-4, the
     # estimate is covered as above (false-alarm rate below 1e-3).
-    q, _ = np.linalg.qr(np.random.default_rng(4).normal(size=(60, 60)))
     eigenvalues = np.concatenate([[1e-6], np.linspace(0.5, 5.0, 59)])
-    matrix = jnp.asarray((q * eigenvalues) @ q.T)
+    matrix = rotated(eigenvalues, 4, dtype)
     with pytest.raises(ValueError, match=r"no positive lower bound of its spectrum"):
         zm.logdet(operator(matrix), num_probes=10, num_steps=12, key=jax.random.key(0))
     exact = np.sum(np.log(eigenvalues + 1e-4))
