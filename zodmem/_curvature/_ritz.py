@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import scipy.linalg
 
 __all__ = ["ritz_pairs"]
 
@@ -106,7 +105,7 @@ def _largest_pairs(diagonal: np.ndarray, couplings: np.ndarray, count: int) -> t
     try:
         # Bisection and inverse iteration (LAPACK's stebz and stein): no BLAS threads,
         # and only the wanted pairs.
-        values, vectors = scipy.linalg.eigh_tridiagonal(
+        values, vectors = _scipy_linalg().eigh_tridiagonal(
             diagonal,
             couplings,
             select="i",
@@ -124,6 +123,14 @@ def _smallest_value(diagonal: np.ndarray, couplings: np.ndarray) -> Any:
     """The smallest eigenvalue of a symmetric tridiagonal matrix (by bisection)."""
     if diagonal.shape[0] == 1:
         return diagonal[0]
-    return scipy.linalg.eigvalsh_tridiagonal(
+    return _scipy_linalg().eigvalsh_tridiagonal(
         diagonal, couplings, select="i", select_range=(0, 0), check_finite=False
     )[0]
+
+
+def _scipy_linalg() -> Any:
+    """`scipy.linalg`, imported at its first use rather than with zodmem: a program that
+    finds no eigenvalues does not pay for scipy's import."""
+    import scipy.linalg
+
+    return scipy.linalg
