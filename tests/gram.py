@@ -35,7 +35,7 @@ class BlockedGram(AbstractSharded):
     def work(self, x: Any) -> Work:
         rows = jax.eval_shape(self.fn, x).shape[0]
         size = rows if self.batch_size is None else min(self.batch_size, rows)
-        return Work(rows, "rows", "Gram matrix", size).per_device(self._split)
+        return Work(rows, "rows", "Gram matrix", size).per_device(self.split(x))
 
     def with_block_size(self, size: int, strategy: Any) -> BlockedGram:
         return dataclasses.replace(self, batch_size=size, max_memory=None)

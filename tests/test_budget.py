@@ -25,9 +25,9 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 def measured_peak(transform, *args, **kwargs):
     """The peak of the planned call, compiled independently of the planner."""
-    planned = transform._planned(args, kwargs)
+    planned = transform.planned(args, kwargs).transform
     return compiled_memory(
-        lambda t, a, k: t._run(*a, **k), abstract(planned), abstract(args), abstract(kwargs)
+        lambda t, a, k: t.run(*a, **k), abstract(planned), abstract(args), abstract(kwargs)
     )[0]
 
 

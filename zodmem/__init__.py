@@ -20,7 +20,6 @@ from ._curvature._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
 from ._curvature._solve import marginal_variances as marginal_variances, solve as solve
 from ._curvature._spectral import spectral_density as spectral_density
 from ._plan._plans import MemoryBudgetError as MemoryBudgetError, Plan as Plan
-from ._plan._transform import AbstractTransform as AbstractTransform
 from ._pytree import (
     hessian_to_pytree as hessian_to_pytree,
     jacobian_to_pytree as jacobian_to_pytree,
@@ -32,6 +31,7 @@ from ._serialise import (
 )
 from ._static import Static as Static
 from ._stream._api import to_file as to_file, to_host as to_host
+from ._transforms._base import AbstractTransform as AbstractTransform
 from ._transforms._ggn import BatchedGGN as BatchedGGN
 from ._transforms._hessian import BatchedHessian as BatchedHessian
 from ._transforms._jacobian import BatchedJacobian as BatchedJacobian

@@ -1,13 +1,18 @@
 """What a new transform fills in, and the engine it runs its blocks with.
 
-A zodmem transform is an `eqx.Module` that derives from one of these bases and fills
-its abstract methods; the base gives it the rest. `AbstractSharded` is the base to
-start from: a subclass that says what its work is (`work`), how a plan fixes its block
-size (`with_block_size`) and how to compute its result in blocks (`compute_share`, with
-`map_blocks`, `scan_blocks` or `reduce_blocks`) is planned from `max_memory`
-(`plan()`), runs under `jax.jit`, shows a progress bar from inside its compiled loop,
-streams to the host or a file with `zm.to_host`/`zm.to_file`, and spreads its result
-over devices with `sharding`.
+A zodmem blocked transform is an `eqx.Module` that derives from `AbstractBlocked` and
+fills its abstract methods; the base owns the call and gives it the rest. A subclass that
+says what its work is (`work`), how a plan fixes its block size (`with_block_size`) and
+how to compute its result, or one device's share of it, in blocks (`compute_share`, with
+`map_blocks`, `scan_blocks` or `reduce_blocks`) is planned from `max_memory` (`plan()`),
+runs under `jax.jit`, shows a progress bar from inside its compiled loop, streams to the
+host or a file with `zm.to_host`/`zm.to_file`, and spreads its result over devices with
+`sharding` (or, restating `split` and `specs`, its batch where it lies). Every built-in
+blocked transform (`BatchedJacobian`, `BatchedHessian`, `BatchedGGN`, `ChunkedVmap`,
+`Microbatcher`) is written this way.
+
+`AbstractStreamable` and `AbstractSharded`, the names of the streamed and sharded bases
+of earlier releases, are kept as other names of `AbstractBlocked`, which now does both.
 
 !!! example
 
@@ -23,7 +28,7 @@ over devices with `sharding`.
     from zodmem import contract
 
 
-    class RowNorms(contract.AbstractSharded):
+    class RowNorms(contract.AbstractBlocked):
         # The norm of every row of `fn(x)`, a block of rows at a time.
         fn: Callable[..., Any]
         batch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
@@ -35,7 +40,7 @@ over devices with `sharding`.
         def work(self, x):
             rows = jax.eval_shape(self.fn, x).shape[0]
             size = rows if self.batch_size is None else min(self.batch_size, rows)
-            return contract.Work(rows, "rows", "row norms", size).per_device(self._split)
+            return contract.Work(rows, "rows", "row norms", size).per_device(self.split(x))
 
         def with_block_size(self, size, strategy):
             return dataclasses.replace(self, batch_size=size, max_memory=None)
@@ -74,7 +79,7 @@ from ._engine._blocks import (
 from ._engine._progress import label as progress_label
 from ._engine._sharding import share_of as share_of
 from ._plan._plans import Work as Work
-from ._plan._transform import (
+from ._transforms._base import (
     AbstractBlocked as AbstractBlocked,
     AbstractSharded as AbstractSharded,
     AbstractStreamable as AbstractStreamable,

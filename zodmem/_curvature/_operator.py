@@ -210,7 +210,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
             return memo[signature]((matrix,), {})
         blocks = ProductBlocks.of(self)
         if signature is not None:
-            bound = blocks._planned_bound((matrix,), {})[1]
+            bound = blocks.planned((matrix,), {}).bound
             if bound is not None:
                 memo[signature] = bound
                 return bound((matrix,), {})

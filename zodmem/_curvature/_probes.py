@@ -104,7 +104,7 @@ class Probes(AbstractVectorBlocks):
         total = self.job.count(self.fn)
         return Work(total, self.job.what, "result", self._block_size(total)).per_device(self._split)
 
-    def _run(self) -> Any:
+    def run(self) -> Any:
         return (_probes_jit if self.jit else _probes)(self)
 
 

@@ -1,7 +1,8 @@
-"""Work on many vectors of an operator in blocks of vectors (`AbstractVectorBlocks`): a
-blocked transform, whose block size is planned from a budget like any other's, and whose
-vectors may be spread over devices. `ProductBlocks` is an operator's `mm`, the products
-with the columns of a matrix; the probes of the estimators are the other kind
+"""Work on many vectors of an operator in blocks of vectors (`AbstractVectorBlocks`):
+planned work (`zodmem._plan._planned.AbstractPlanned`, the part of a blocked transform
+that the planner needs), whose block size is planned from a budget like a transform's,
+and whose vectors may be spread over devices. `ProductBlocks` is an operator's `mm`, the
+products with the columns of a matrix; the probes of the estimators are the other kind
 (`_probes.py`)."""
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from jax.sharding import NamedSharding
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._sharding import Split, check_divides, dispatch, split_of
+from .._plan._planned import AbstractPlanned
 from .._plan._plans import Work
-from .._plan._transform import AbstractBlocked
 from ._options import options_of
 
 if TYPE_CHECKING:
@@ -28,9 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["AbstractVectorBlocks", "ProductBlocks", "vector_options"]
 
 
-class AbstractVectorBlocks(AbstractBlocked):
-    """Work on many vectors of an operator (products, probes) in blocks of vectors: a
-    blocked transform, so a budget is planned as for any other. The options are those
+class AbstractVectorBlocks(AbstractPlanned):
+    """Work on many vectors of an operator (products, probes) in blocks of vectors:
+    planned work, so a budget is planned as for a transform. The options are those
     of the operator's transform; `sharding` spreads the vectors over the devices of the
     mesh axes it splits (whichever axis of the transform's result it splits)."""
 
@@ -106,7 +107,7 @@ class ProductBlocks(AbstractVectorBlocks):
         k = matrix.shape[1]
         return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
 
-    def _run(self, matrix: Any) -> Any:
+    def run(self, matrix: Any) -> Any:
         return (_blocked_jit if self.jit else _blocked)(self, matrix)
 
 

@@ -163,7 +163,7 @@ def _cache_key(tree: Any, budget: Any) -> Any:
 
 
 def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
-    return transform._run(*args, **kwargs)
+    return transform.run(*args, **kwargs)
 
 
 def make_plan(

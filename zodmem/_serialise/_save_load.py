@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._plan._transform import AbstractTransform
+from .._transforms._base import AbstractTransform
 from ._error import SerialisationError
 from ._file import corrupt, read_file, write_file
 from ._stack import build, describe, leaf_table, read_arrays, skeleton_of, write_arrays

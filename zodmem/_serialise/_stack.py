@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._plan._transform import AbstractTransform
+from .._transforms._base import AbstractTransform
 from ._error import SerialisationError
 from ._file import corrupt
 from ._import_path import class_name, import_path, resolve_class

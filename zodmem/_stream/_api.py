@@ -9,9 +9,9 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._plan._transform import AbstractSharded, AbstractStreamable
 from .._serialise import SerialisationError
 from .._traceback import public
+from .._transforms._base import AbstractBlocked
 from ._call import (
     block_view,
     check_arrays,
@@ -264,11 +264,12 @@ def _write_or_resume(
 
 def _is_sharded(transform: Any) -> bool:
     """Whether `transform` spreads its result over devices (it was given a `sharding`)."""
-    return isinstance(transform, AbstractSharded) and transform.sharding is not None
+    sharding = getattr(transform, "sharding", None)  # a transform may have no such option
+    return isinstance(transform, AbstractBlocked) and sharding is not None
 
 
 def _check_transform(transform: Any, name: str) -> None:
-    if not isinstance(transform, AbstractStreamable):
+    if not isinstance(transform, AbstractBlocked) or not transform.result_in_blocks:
         raise TypeError(
             f"zm.{name}: the transform must be a zm.BatchedJacobian, zm.BatchedHessian or "
             f"zm.ChunkedVmap, whose results are cut into blocks, but got {transform!r} of "

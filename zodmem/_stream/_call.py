@@ -54,7 +54,7 @@ def result_layout(transform: Any, args: tuple, kwargs: dict) -> Layout:
         # Any block size gives the same result; the one the count options would give.
         size = max(transform.work(*args, **kwargs).block_size, 1)
         transform = transform.with_block_size(size, transform.strategies[0])
-    program, dynamic, static = eqx.filter_make_jaxpr(lambda t, a, k: t._run(*a, **k))(
+    program, dynamic, static = eqx.filter_make_jaxpr(lambda t, a, k: t.run(*a, **k))(
         transform, args, kwargs
     )
     shapes = eqx.combine(dynamic, static)
@@ -67,7 +67,7 @@ def result_layout(transform: Any, args: tuple, kwargs: dict) -> Layout:
 
 def streamed_call(transform: Any, args: tuple, kwargs: dict) -> Any:
     """The streamed call with a sink that keeps nothing: what the planner compiles."""
-    return transform._streamed(OutputSink(keep_nothing, 0), *args, **kwargs)
+    return transform.streamed(OutputSink(keep_nothing, 0), *args, **kwargs)
 
 
 def keep_nothing(*_: Any) -> None:
@@ -76,7 +76,7 @@ def keep_nothing(*_: Any) -> None:
 
 def planned_for_streaming(transform: Any, args: tuple, kwargs: dict) -> Any:
     """The transform with the block size its budget allows for the streamed call."""
-    return transform._planned(args, kwargs, run=streamed_call)
+    return transform.planned(args, kwargs, call=streamed_call).transform
 
 
 def planned_block_size(planned: Any, args: tuple, kwargs: dict) -> tuple[int, Any]:
@@ -93,7 +93,7 @@ def run_streamed(
     @eqx.filter_jit
     def call(transform, args, kwargs, first):
         sink = OutputSink(write, first)
-        out = transform._streamed(sink, *args, **kwargs)
+        out = transform.streamed(sink, *args, **kwargs)
         return out, tuple(sink.leaves)  # not arrays: returned as they are
 
     with closing_bars():

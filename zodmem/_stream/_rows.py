@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._engine._block_plans import BlockPlan, OutputSink
 from .._engine._progress import closing_bars
-from .._engine._sharding import Share, Split, run_sharded, to_mesh
+from .._engine._sharding import Share, Split, run_sharded, split_of, to_mesh
 from .._serialise import SerialisationError
 from ._call import Layout, check_arrays, keep_nothing, result_layout, streamed_call
 from ._fingerprint import call_fingerprint
@@ -35,8 +35,8 @@ __all__ = ["rows_split", "to_file_sharded", "to_host_sharded"]
 def rows_split(transform: Any, name: str) -> Split:
     """The split of a sharded transform whose result is streamed: its rows (the first
     axis) over every device of its mesh, so each device writes contiguous rows."""
-    split = transform._split
     spec = transform.sharding.spec
+    split = split_of(transform.sharding, owner=type(transform).__name__)
     if split.dim != 0:
         what = "splits nothing" if split.dim is None else "splits the columns of the result"
         raise ValueError(
@@ -177,7 +177,7 @@ def _planned_sharded(transform: Any, args: tuple, kwargs: dict) -> Any:
     if transform.max_memory is None:
         return transform
     placed = to_mesh((args, kwargs), transform.sharding.mesh)
-    return transform._planned(*placed, run=streamed_call)
+    return transform.planned(*placed, call=streamed_call).transform
 
 
 def _sharded_layout(transform: Any, args: tuple, kwargs: dict, name: str) -> tuple[Any, Layout]:

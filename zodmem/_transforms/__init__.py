@@ -1,5 +1,9 @@
-"""The transforms users construct.
+"""The transforms users construct, and their base.
 
+- the base: `_base` (`AbstractTransform`, every transform; `AbstractBlocked`, the one base
+  of the blocked ones, which `zodmem.contract` makes public: it owns the call, and a
+  transform fills `work`, `with_block_size` and `compute_share`, and where its work is
+  spread over devices by its inputs, `split` and `specs`);
 - derivatives: `_derivative` (their base, `AbstractDerivative`, whose one hook,
   `_prepare`, each fills), `_jacobian`, `_hessian`, `_ggn`, and `_leafwise` (the dense
   curvature matrices of the last two, with per-leaf products), `_leaf_blocks` (their
@@ -11,6 +15,7 @@
   accumulators) and `_microbatch_checks`;
 - scans: `_scan` (`SlicedScan`, `CheckpointedScan`).
 
-Each fills the contract of `zodmem._plan._transform`; derivatives return operators from
-`zodmem._curvature`.
+Every blocked one (the derivatives, `ChunkedVmap`, `Microbatcher`) fills the contract of
+`_base` and nothing else of the call; the scans derive from `AbstractTransform` alone (no
+budget cuts them). Derivatives return operators from `zodmem._curvature`.
 """

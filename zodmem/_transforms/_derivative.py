@@ -30,9 +30,9 @@ from .._engine._block_plans import plan_blocks
 from .._engine._sharding import Kept, Split, check_sharding
 from .._plan._memory import check_memory
 from .._plan._plans import Work
-from .._plan._transform import AbstractSharded
 from .._pytree import Variables, called_as, split_variables
 from .._traceback import public
+from ._base import AbstractBlocked
 from ._leaf_blocks import leaf_blocks
 
 __all__ = ["AbstractDerivative", "Prepared", "product_function", "split_aux"]
@@ -87,7 +87,7 @@ class Prepared(NamedTuple):
         return value if self.restore_aux is None else (value, self.restore_aux(aux))
 
 
-class AbstractDerivative(AbstractSharded, OperatorSource):
+class AbstractDerivative(AbstractBlocked, OperatorSource):
     """The configuration, the checks and the planned work that `BatchedJacobian`,
     `BatchedHessian` and `BatchedGGN` share.
 
@@ -205,9 +205,11 @@ class AbstractDerivative(AbstractSharded, OperatorSource):
                 "blocks='full' with plan(), zm.to_host and zm.to_file."
             )
 
-    def _streamed(self, sink: Any, *args: Any, **kwargs: Any) -> Any:
+    def split(self, *args: Any, **kwargs: Any) -> Split | None:
+        # Read first by every run of one call: none with blocks per leaf, whose call
+        # makes one per leaf.
         self._refuse_leaf_blocks()
-        return super()._streamed(sink, *args, **kwargs)
+        return super().split(*args, **kwargs)
 
     def _leaf_operator(
         self, args: tuple, kwargs: dict, *, positive_semidefinite: bool = False
@@ -238,10 +240,10 @@ class AbstractDerivative(AbstractSharded, OperatorSource):
         )
 
     def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
-        self._refuse_leaf_blocks()
+        split = self.split(x, *args, **kwargs)
 
         def count(x, args, kwargs):
-            prepared = self._prepare(x, args, kwargs, self._split)
+            prepared = self._prepare(x, args, kwargs, split)
             return prepared.n, prepared.m, prepared.mode  # not arrays: returned as they are
 
         n, m, mode = eqx.filter_eval_shape(count, x, args, kwargs)
@@ -251,7 +253,7 @@ class AbstractDerivative(AbstractSharded, OperatorSource):
         else:
             total, what = n, "variables"
         plan = plan_blocks(total, nbatches=self.nbatches, batch_size=self.batch_size)
-        return Work(total, what, self._result, plan.block_size).per_device(self._split)
+        return Work(total, what, self._result, plan.block_size).per_device(split)
 
     def result_specs(self, spec: PartitionSpec) -> Any:
         if self._square is not None and len(spec) > 2:

@@ -145,7 +145,7 @@ class BatchedHessian(AbstractDerivative):
     ):
         if self.blocks == "leaf":
             return leaf_blocks(self, (x, *args), kwargs)
-        return self._call((x, *args), kwargs)
+        return super().__call__(x, *args, **kwargs)
 
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any

@@ -125,7 +125,7 @@ class BatchedJacobian(AbstractDerivative):
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:
-        return self._call((x, *args), kwargs)
+        return super().__call__(x, *args, **kwargs)
 
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -16,10 +16,9 @@ from .._checks import as_index, check_bool, check_callable, check_int
 from .._curvature._block_diagonal import BlockDiagonal
 from .._curvature._operator import BlockedOperator, flat_product, make_operator
 from .._curvature._options import OperatorSource, TransformOptions, options_of
-from .._engine._sharding import to_mesh
+from .._engine._sharding import Split
 from .._plan._memory import check_size_or_memory
 from .._plan._plans import Work
-from .._plan._transform import AbstractBlocked
 from .._pytree import split_variables
 from .._traceback import public
 from ._accumulate import (
@@ -29,6 +28,7 @@ from ._accumulate import (
     is_accumulator_leaf,
     resolve,
 )
+from ._base import AbstractBlocked, in_shares
 from ._derivative import AbstractDerivative
 from ._microbatch_checks import (
     as_count,
@@ -42,9 +42,10 @@ from ._microbatch_checks import (
 )
 from ._microbatch_run import (
     batch_of,
+    batch_specs,
     batch_split_of,
-    reduce_microbatches,
-    reduce_microbatches_jit,
+    reduce_share,
+    split_of_batch,
 )
 
 __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
@@ -177,6 +178,9 @@ class Microbatcher(AbstractBlocked, OperatorSource):
     )
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
+    # A reduction: its result is not made in blocks, for zm.to_host or zm.to_file.
+    result_in_blocks: ClassVar[bool] = False
+
     @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
@@ -229,15 +233,20 @@ class Microbatcher(AbstractBlocked, OperatorSource):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-        return self._call(args, kwargs)
+        return super().__call__(*args, **kwargs)
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        # Read here, where the arrays are concrete: traced, an array shows its sharding
-        # only over explicit mesh axes.
-        split = batch_split_of(batch_of(self, args, kwargs))
-        if split is not None:  # under jax.distributed: the other inputs as global arrays
-            args, kwargs = to_mesh((args, kwargs), split.mesh)
-        return reduce_microbatches_jit(self, args, kwargs, split)
+    def split(self, *args: Any, **kwargs: Any) -> Split | None:
+        return split_of_batch(self, batch_of(self, args, kwargs))
+
+    def specs(self, split: Split, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return batch_specs(self, split, args, kwargs)
+
+    def compute_share(
+        self, sink: Any, share: Any, split: Split | None, *args: Any, **kwargs: Any
+    ) -> Any:
+        # A reduction, not made in blocks: nothing goes to a sink (there is none: the
+        # streamed calls refuse a Microbatcher).
+        return reduce_share(self, split, args, kwargs)
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
         batch = batch_of(self, args, kwargs)
@@ -414,6 +423,7 @@ def _microbatch_products(transform: Microbatcher, x: Any, args: tuple, kwargs: d
 
     def mv(vector):
         per_microbatch = dataclasses.replace(transform, fn=_ProductAt(transform.fn, vector))
-        return reduce_microbatches(per_microbatch, (x, *args), kwargs)
+        split = per_microbatch.split(x, *args, **kwargs)
+        return in_shares(per_microbatch, (x, *args), kwargs, split)
 
     return flat, variables, mv

@@ -1,12 +1,13 @@
-"""The computation of a `Microbatcher` call: its batch arguments found and checked, the
-batch split over devices where it lies split, and the reduction of the batch microbatch
-by microbatch through the block engine (`reduce_blocks`) with the call's accumulators."""
+"""The computation of a `Microbatcher` call, behind the hooks it fills of the transform
+base: its batch arguments found and checked (`batch_of`), how the call is spread over the
+devices its batch lies on (`split_of_batch`, `batch_specs`), and one device's share
+(`reduce_share`): the reduction of the batch microbatch by microbatch through the block
+engine (`reduce_blocks`) with the call's accumulators, then across devices."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -14,14 +15,20 @@ from jax.sharding import PartitionSpec
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import reduce_blocks
 from .._engine._progress import label
-from .._engine._sharding import Split, batch_split, check_divides, dispatch, everywhere
+from .._engine._sharding import Split, batch_split, check_divides, everywhere
 from ._accumulate import AccumulationType, accumulator_for, is_accumulator_leaf, resolve
 from ._microbatch_checks import common_batch_size, describe_position, leaf_batch_axes
 
 if TYPE_CHECKING:
     from ._microbatch import Microbatcher
 
-__all__ = ["batch_of", "batch_split_of", "reduce_microbatches", "reduce_microbatches_jit"]
+__all__ = [
+    "batch_of",
+    "batch_split_of",
+    "batch_specs",
+    "reduce_share",
+    "split_of_batch",
+]
 
 _OWNER = "Microbatcher"
 
@@ -77,14 +84,13 @@ def _kinds_per_leaf(transform: Microbatcher, output: Any) -> list:
     return per_leaf
 
 
-def reduce_microbatches(
-    transform: Microbatcher, args: tuple, kwargs: dict, split: Split | None = None
-) -> Any:
-    batch = batch_of(transform, args, kwargs)
+def split_of_batch(transform: Microbatcher, batch: list) -> Split | None:
+    """How the call is spread over devices: the batch's own split where each device can
+    reduce its part, every device reducing the whole batch where it cannot, `None` for a
+    batch that is not split."""
+    split = batch_split_of(batch)
     if split is None:
-        split = batch_split_of(batch)
-    if split is None:
-        return dispatch(_whole_batch(transform, batch), (args, kwargs))
+        return None
     check_divides(common_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
     local = common_batch_size(batch) // split.count
     size = transform.microbatch_size
@@ -102,23 +108,22 @@ def reduce_microbatches(
         and size is not None
         and local % size == 0
     )
-    if not local_ok:
-        # Every device reduces the whole batch, in order, as one device would.
-        return dispatch(_whole_batch(transform, batch), (args, kwargs), everywhere(split.mesh))
+    # Otherwise every device reduces the whole batch, in order, as one device would.
+    return split if local_ok else everywhere(split.mesh)
+
+
+def batch_specs(transform: Microbatcher, split: Split, args: tuple, kwargs: dict) -> tuple:
+    """`(in_specs, out_specs)` of a batch reduced where it lies: each device reads its own
+    part of the batch arguments; a `"concat"` result stays split along axis 0, every
+    other is whole on each device. Over devices that each reduce the whole batch, every
+    input and result whole."""
+    if split.dim is None:
+        return None, PartitionSpec()
+    batch = batch_of(transform, args, kwargs)
     positions = [*transform.batch_argnums, *transform.batch_argnames]
 
     def specs_of(value, axes):
         return jax.tree_util.tree_map(lambda leaf, a: split.spec(jnp.ndim(leaf), a), value, axes)
-
-    def compute(share, split, inputs):
-        args, kwargs = inputs
-        result = _microbatch_local(transform, args, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(result)
-        combined = [
-            leaf if _ACROSS_DEVICES[kind] is None else _ACROSS_DEVICES[kind](leaf, split.axes)
-            for leaf, kind in zip(leaves, _kinds_per_leaf(transform, result), strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, combined)
 
     def in_specs(arrays):
         specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), arrays)
@@ -138,26 +143,27 @@ def reduce_microbatches(
         ]
         return jax.tree_util.tree_unflatten(treedef, specs)
 
-    return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
+    return in_specs, out_specs
 
 
-def _whole_batch(transform: Microbatcher, batch: list) -> Any:
-    """The reduction of the whole batch, by one device or by each of a mesh's; `batch`,
-    the inputs' layout here, is that of the one device's inputs (a device of a mesh reads
-    its own)."""
+def reduce_share(transform: Microbatcher, split: Split | None, args: tuple, kwargs: dict) -> Any:
+    """The reduction of the batch as this device holds it; where each device holds its
+    own part (`split` along the batch), the devices' results combined once, by one
+    all-reduce for `"sum"`, `"mean"` and `"running_mean"` (`"concat"`'s rows stay)."""
+    result = _microbatch_local(transform, args, kwargs)
+    if split is None or split.dim is None:
+        return result
+    leaves, treedef = jax.tree_util.tree_flatten(result)
+    combined = [
+        leaf if _ACROSS_DEVICES[kind] is None else _ACROSS_DEVICES[kind](leaf, split.axes)
+        for leaf, kind in zip(leaves, _kinds_per_leaf(transform, result), strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, combined)
 
-    def whole(share, split, inputs):
-        return _microbatch_local(transform, *inputs, batch if share is None else None)
 
-    return whole
-
-
-def _microbatch_local(
-    transform: Microbatcher, args: tuple, kwargs: dict, batch: list | None = None
-) -> Any:
+def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any:
     """The reduction of the batch as this device holds it, microbatch by microbatch."""
-    if batch is None:
-        batch = batch_of(transform, args, kwargs)
+    batch = batch_of(transform, args, kwargs)
     positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     plan = plan_blocks(
         common_batch_size(batch),
@@ -217,6 +223,3 @@ def _microbatch_local(
         block_fn, plan, init, update, num_blocks=num_blocks, read=read, progress=label(transform)
     )
     return accumulator.finalize(carry)
-
-
-reduce_microbatches_jit = eqx.filter_jit(reduce_microbatches)

@@ -19,8 +19,8 @@ from .._checks import as_index, as_int_or_bool, check_bool, check_callable, chec
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import scan_blocks, write_once
 from .._engine._progress import closing_bars, label, progress_bar
-from .._plan._transform import AbstractTransform
 from .._traceback import public
+from ._base import AbstractTransform
 
 __all__ = ["SlicedScan", "CheckpointedScan", "scan_length", "default_chunk_size"]
 

@@ -17,21 +17,13 @@ from .._checks import as_index, check_bool, check_callable, check_int
 from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label, progress_bar
-from .._engine._sharding import (
-    Split,
-    batch_split,
-    check_divides,
-    dispatch,
-    replicate,
-    to_mesh,
-)
+from .._engine._sharding import Split, batch_split, check_divides
 from .._plan._memory import check_size_or_memory
 from .._plan._plans import Work
 from .._plan._search import largest_made_from
-from .._plan._transform import AbstractStreamable
 from .._traceback import public
+from ._base import AbstractBlocked
 from ._vmap_axes import (
-    Mapped,
     axis_spec,
     check_axis_spec,
     element_leaves,
@@ -45,7 +37,7 @@ __all__ = ["ChunkedVmap"]
 _OWNER = "ChunkedVmap"
 
 
-class ChunkedVmap(AbstractStreamable):
+class ChunkedVmap(AbstractBlocked):
     """Vectorise `fn` like `eqx.filter_vmap`, but at most `chunk_size` elements at a time.
 
     Use it where `jax.vmap` / `eqx.filter_vmap` of a function with large
@@ -167,19 +159,46 @@ class ChunkedVmap(AbstractStreamable):
     @jaxtyped(typechecker=beartype)
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
-        return self._call(args, kwargs)
+        return super().__call__(*args, **kwargs)
 
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
-        # Read here, where the arrays are concrete: traced, an array shows its sharding
-        # only over explicit mesh axes.
+    def split(self, *args: Any, **kwargs: Any) -> Split | None:
+        # A batch sharded along its mapped axis is mapped where it lies.
         mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
-        split = batch_split(mapped.leaves, mapped.axes) if mapped.total else None
-        if split is not None:  # under jax.distributed: the other inputs as global arrays
-            args, kwargs = to_mesh((args, kwargs), split.mesh)
-        return _chunked_vmap_jit(self, args, kwargs, split=split)
+        return batch_split(mapped.leaves, mapped.axes) if mapped.total else None
 
-    def _streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
-        return _chunked_vmap(self, args, kwargs, sink=sink)
+    def specs(self, split: Split, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        check_divides(mapped.total, split, owner=_OWNER, what="elements of the batch")
+        leaf_specs = [
+            PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
+            for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
+        ]
+        axes_of_output = output_axes(self.fn, self.out_axes, mapped)
+
+        def in_specs(arrays):
+            leaves = mapped.input_def.flatten_up_to(arrays)
+            specs = [
+                None if leaf is None else spec
+                for leaf, spec in zip(leaves, leaf_specs, strict=True)
+            ]
+            return mapped.input_def.unflatten(specs)
+
+        def out_specs(shapes):
+            leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=is_none)
+            specs = [
+                PartitionSpec() if leaf is None or axis is None else split.spec(leaf.ndim, axis)
+                for leaf, axis in zip(leaves, treedef.flatten_up_to(axes_of_output), strict=True)
+            ]
+            return jax.tree_util.tree_unflatten(treedef, specs)
+
+        return in_specs, out_specs
+
+    def compute_share(
+        self, sink: OutputSink | None, share: Any, split: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        # The batch as this device holds it: whole, or its own part of a sharded batch.
+        return _chunked_vmap_local(self, args, kwargs, sink)
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
         mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
@@ -216,70 +235,16 @@ class ChunkedVmap(AbstractStreamable):
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
 
 
-def _chunked_vmap(
-    transform: ChunkedVmap,
-    args: tuple,
-    kwargs: dict,
-    sink: OutputSink | None = None,
-    split: Split | None = None,
-) -> Any:
-    fn, out_axes = transform.fn, transform.out_axes
-    mapped = mapped_inputs(fn, transform.in_axes, args, kwargs)
-    if split is None and mapped.total:
-        split = batch_split(mapped.leaves, mapped.axes)
-    if split is not None and sink is not None:
-        # Streamed to the host in order: the batch is made whole on every device first.
-        args, kwargs = replicate((args, kwargs), split.mesh)
-        split = None
-    if split is None:
-
-        def whole(share, split, inputs):
-            # The inputs as they are here, or whole on each device: the layout holds.
-            return _chunked_vmap_local(transform, *inputs, sink, mapped if share is None else None)
-
-        return dispatch(whole, (args, kwargs), here=sink is not None)
-    # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
-    check_divides(mapped.total, split, owner=_OWNER, what="elements of the batch")
-    leaf_specs = [
-        PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
-        for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
-    ]
-    axes_of_output = output_axes(fn, out_axes, mapped)
-
-    def compute(share, split, inputs):
-        return _chunked_vmap_local(transform, *inputs)
-
-    def in_specs(arrays):
-        specs = [
-            None if leaf is None else spec
-            for leaf, spec in zip(mapped.input_def.flatten_up_to(arrays), leaf_specs, strict=True)
-        ]
-        return mapped.input_def.unflatten(specs)
-
-    def out_specs(shapes):
-        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=is_none)
-        specs = [
-            PartitionSpec() if leaf is None or axis is None else split.spec(leaf.ndim, axis)
-            for leaf, axis in zip(leaves, treedef.flatten_up_to(axes_of_output), strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, specs)
-
-    return dispatch(compute, (args, kwargs), split, in_specs=in_specs, out_specs=out_specs)
-
-
 def _chunked_vmap_local(
     transform: ChunkedVmap,
     args: tuple,
     kwargs: dict,
     sink: OutputSink | None = None,
-    mapped: Mapped | None = None,
 ) -> Any:
-    """The chunked map of the batch on this device; `mapped`, the inputs' layout when the
-    caller has it."""
+    """The chunked map of the batch on this device."""
     fn, out_axes, progress = transform.fn, transform.out_axes, label(transform)
     inputs = (args, kwargs)
-    if mapped is None:
-        mapped = mapped_inputs(fn, transform.in_axes, args, kwargs)
+    mapped = mapped_inputs(fn, transform.in_axes, args, kwargs)
     input_axes, input_def, leaves, axes, total = mapped
     axes_of_output = output_axes(fn, out_axes, mapped)  # checked before any map is traced
 
@@ -345,6 +310,3 @@ def _chunked_vmap_local(
         for i in unmapped_arrays:
             results[i] = block_leaves[i]
     return jax.tree_util.tree_unflatten(out_def, results)
-
-
-_chunked_vmap_jit = eqx.filter_jit(_chunked_vmap)
