@@ -1,6 +1,6 @@
 """A blocked transform written against zodmem's declared contract (`zodmem.contract`),
-for the tests: it fills in `AbstractSharded`'s abstract methods and nothing else, and
-gets budgets, sharding, progress bars and streaming from the base."""
+for the tests: it fills in `AbstractBlocked`'s abstract methods and nothing else, reads
+nothing private, and gets budgets, sharding, progress bars and streaming from the base."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from zodmem.contract import (
-    AbstractSharded,
+    AbstractBlocked,
     Work,
     map_blocks,
     plan_blocks,
@@ -22,7 +22,7 @@ from zodmem.contract import (
 )
 
 
-class BlockedGram(AbstractSharded):
+class BlockedGram(AbstractBlocked):
     """`A @ A.T` for `A = fn(x)` of shape `(m, k)`, a block of rows at a time."""
 
     fn: Callable[..., Any]

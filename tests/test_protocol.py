@@ -2,6 +2,9 @@
 (tests/gram.py) gets budgets, plans, progress bars and streaming to the host and to a
 file from the base classes, and equals the plain JAX answer."""
 
+import ast
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,3 +93,30 @@ def test_derivatives_fill_one_hook_of_one_base(name):
     close(prepared.fn(prepared.leaves), transform.fn(params, data))
     rows = prepared.m if name == "jacobian" and prepared.mode == "rev" else prepared.n
     assert transform.work(params, data).total == rows
+
+
+def test_the_contract_is_one_base_that_every_built_in_fills():
+    """The contract's base owns the call: the built-in blocked transforms fill its hooks
+    (`work`, `with_block_size`, `compute_share`, and where they spread a batch, `split`
+    and `specs`) and take the call itself (plan, run, stream) from it, as `BlockedGram`
+    does; the older names of the contract are that base."""
+    base = zm.contract.AbstractBlocked
+    assert zm.contract.AbstractSharded is base and zm.contract.AbstractStreamable is base
+    built_in = [zm.BatchedJacobian, zm.BatchedHessian, zm.BatchedGGN, zm.ChunkedVmap]
+    for cls in [*built_in, zm.Microbatcher, BlockedGram]:
+        assert issubclass(cls, base) and issubclass(cls, zm.AbstractTransform)
+        assert not cls.__abstractmethods__
+        for name in ("plan", "planned", "run", "streamed"):
+            assert getattr(cls, name) is getattr(base, name), (cls.__name__, name)
+        assert cls.compute_share is not base.compute_share
+    assert not zm.Microbatcher.result_in_blocks  # a reduction: not streamed
+
+
+def test_a_user_transform_reads_nothing_private():
+    tree = ast.parse(inspect.getsource(inspect.getmodule(BlockedGram)))
+    private = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+    ]
+    assert not private, f"tests/gram.py reads private names: {private}"
