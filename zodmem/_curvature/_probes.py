@@ -102,7 +102,8 @@ class Probes(AbstractVectorBlocks):
 
     def work(self) -> Work:
         total = self.job.count(self.fn)
-        return Work(total, self.job.what, "result", self._block_size(total)).per_device(self._split)
+        size = self._block_size(total)
+        return Work(total, self.job.what, "result", size).per_device(self.vector_split)
 
     def run(self) -> Any:
         return (_probes_jit if self.jit else _probes)(self)
@@ -110,7 +111,7 @@ class Probes(AbstractVectorBlocks):
 
 def _probes(engine: Probes) -> Any:
     total = engine.job.count(engine.fn)
-    split = engine._split
+    split = engine.vector_split
     padded = total
     if split is not None:
         # Probes that the devices do not divide: the last device's share runs past the

@@ -58,7 +58,7 @@ class AbstractVectorBlocks(AbstractPlanned):
         return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
 
     @property
-    def _split(self) -> Split | None:
+    def vector_split(self) -> Split | None:
         """The vectors spread over the devices of the mesh axes that `sharding` splits;
         `None` without a split."""
         if self.sharding is None:
@@ -105,14 +105,14 @@ class ProductBlocks(AbstractVectorBlocks):
 
     def work(self, matrix: Any) -> Work:
         k = matrix.shape[1]
-        return Work(k, "vectors", "result", self._block_size(k)).per_device(self._split)
+        return Work(k, "vectors", "result", self._block_size(k)).per_device(self.vector_split)
 
     def run(self, matrix: Any) -> Any:
         return (_blocked_jit if self.jit else _blocked)(self, matrix)
 
 
 def _blocked(blocks: ProductBlocks, matrix: jax.Array) -> jax.Array:
-    split = blocks._split
+    split = blocks.vector_split
     if split is not None:
         check_divides(
             matrix.shape[1], split, owner=blocks.fn._owner, what="vectors (columns of `matrix`)"
