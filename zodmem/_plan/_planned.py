@@ -41,13 +41,6 @@ class Planned(NamedTuple):
     transform: Any
     bound: Callable[..., Any] | None
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        """The planned call: the compiled program where it runs these arguments, else
-        `transform.run`."""
-        if self.bound is not None:
-            return self.bound(args, kwargs)
-        return self.transform.run(*args, **kwargs)
-
 
 class AbstractPlanned(eqx.Module):
     """Work cut into blocks, sized by a count option or by a memory budget, `max_memory`.
@@ -161,4 +154,7 @@ class AbstractPlanned(eqx.Module):
         left for the next run to draw beneath. Transforms restate it with their own
         annotations."""
         with closing_bars():
-            return self.planned(args, kwargs)(args, kwargs)
+            planned, bound = self.planned(args, kwargs)
+            if bound is not None:
+                return bound(args, kwargs)
+            return planned.run(*args, **kwargs)
