@@ -99,10 +99,12 @@ class AbstractBlocked(AbstractPlanned, AbstractTransform):
     - `compute_share(sink, share, split, *args, **kwargs)`: the result, or one device's
       share of it, with the block loops of `zodmem.contract`.
 
-    It may restate `strategies`, `item_bytes`, `split`, `specs` and `result_specs`. Every
-    built-in blocked transform (`BatchedJacobian`, `BatchedHessian`, `BatchedGGN`,
-    `ChunkedVmap`, `Microbatcher`) fills these and nothing else of the call. The page
-    "Writing your own transform" of the documentation builds one.
+    It may restate `strategies`, `item_bytes`, `split`, `specs` and `result_specs`, and
+    the class variable `result_in_blocks` (`False` for a reduction, which `zm.to_host` and
+    `zm.to_file` then refuse). Every built-in blocked transform (`BatchedJacobian`,
+    `BatchedHessian`, `BatchedGGN`, `ChunkedVmap`, `Microbatcher`) fills these and
+    nothing else of the call. The page "Writing your own transform" of the
+    documentation builds one.
 
     `AbstractStreamable` and `AbstractSharded`, names of earlier releases, are this base.
     """
