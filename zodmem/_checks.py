@@ -6,19 +6,35 @@ what is allowed. Integer options are read with `operator.index`, so NumPy intege
 are welcome and floats and bools are refused. A value is shown by its `repr` and its
 type's full name (`numpy.float64`, not `float64`), so that NumPy's scalars, whose short
 names repeat Python's (`numpy.bool` is not `bool`), are told apart.
+
+The public functions and methods of the estimators and operators declare their
+arguments' types (`Integer`, `Number`, `RealScalar`, `Memory`, jaxtyping's arrays) and
+are wrapped in `typechecked`, which checks them at every call; the checks here are for
+what a type cannot say (a range, a choice among strings) and for words that say more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import operator
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeAlias, TypeVar
 
+import equinox as eqx
 import jax
 import numpy as np
+from beartype import beartype
+from jaxtyping import Array, Real, TypeCheckError, jaxtyped
 
 __all__ = [
+    "Integer",
+    "Memory",
+    "Number",
+    "RealScalar",
+    "typechecked",
     "as_index",
     "as_int_or_bool",
     "check_bool",
@@ -31,6 +47,74 @@ __all__ = [
     "refuses_forward_mode",
     "taking_jvps_of_fn",
 ]
+
+
+# -- the types of public arguments, checked at every call ----------------------------------
+
+Integer: TypeAlias = int | np.integer
+"""An integer option: a Python or a NumPy int."""
+Number: TypeAlias = int | float | np.integer | np.floating
+"""A real number given as a Python or a NumPy scalar."""
+RealScalar: TypeAlias = Number | Real[Array, ""]
+"""A real number, also as a 0-d JAX array (traced too, under `jax.jit`)."""
+Memory: TypeAlias = int | np.integer | str | None
+"""A memory budget: bytes, a size with a unit (`"750MB"`), `"auto"`, or none."""
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+_PARAMETER = re.compile(r"typechecking parameter '(\w+)'")
+
+
+def typechecked(function: _Function) -> _Function:
+    """`function` with its annotations checked by beartype at every call, through
+    jaxtyping (array dtypes and shapes, tracers under `jax.jit` too), as the transforms'
+    `__call__`s are: a wrong type raises a `TypeError` that names the parameter.
+
+    Where the function's own checks word the refusal better (what is allowed, what to do
+    instead), their message is raised in its place: the call is then traced abstractly
+    (`eqx.filter_eval_shape`, so nothing is computed; a constructor, which computes
+    nothing, is run with its `__check_init__`), and a `TypeError` or `ValueError` whose
+    message names the parameter is raised instead.
+    """
+    checked = jaxtyped(typechecker=beartype)(function)
+    # The function itself, beneath `public` and any other checking wrapper.
+    body = inspect.unwrap(function)
+    checking = f"the parameters of {body.__module__}.{body.__qualname__}"
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as error:
+            if checking not in str(error):
+                raise
+            found = _PARAMETER.search(str(error))
+            explained = _explained(body, args, kwargs, found.group(1) if found else None)
+            if explained is None:
+                raise
+            raise explained from None
+
+    return call  # type: ignore[return-value]
+
+
+def _explained(body: Callable, args: tuple, kwargs: dict, name: str | None) -> Exception | None:
+    """The refusal that `body`'s own checks make of the arguments, where it names the
+    parameter `name`; `None` where they make none."""
+    try:
+        if body.__name__ == "__init__":
+            # A constructor computes nothing: run, with the checks that follow it.
+            body(*args, **kwargs)
+            check = getattr(type(args[0]), "__check_init__", None)
+            if check is not None:
+                check(args[0])
+        else:
+            eqx.filter_eval_shape(body, *args, **kwargs)
+    except Exception as error:
+        # The house's messages name a parameter as `name` (or an entry, `name[...]`); any
+        # other failure leaves beartype's words.
+        named = name is not None and re.search(rf"`{name}[`\[]", str(error))
+        if isinstance(error, (TypeError, ValueError)) and named:
+            return error
+    return None
 
 
 def as_index(value: Any) -> Any:
@@ -60,6 +144,8 @@ def as_int_or_bool(value: Any) -> Any:
 def described(value: Any) -> str:
     """`value` and its type for a message: `np.True_ of type numpy.bool`, `2.0 of type
     float`."""
+    if isinstance(value, jax.core.Tracer):  # traced: its shape and dtype are what is known
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
     kind = type(value)
     name = (
         kind.__qualname__

@@ -11,8 +11,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import lineax as lx
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_int, check_key, described
+from .._checks import Integer, check_int, check_key, typechecked
 from .._curvature._eigsh import eigsh
 from .._traceback import public
 
@@ -46,20 +47,15 @@ class ApproximationError(NamedTuple):
         ```
     """
 
-    products: jax.Array
-    eigenvalues: jax.Array
-    approx_eigenvalues: jax.Array
-    exact_eigenvalues: jax.Array
+    products: Float[Array, " num_vectors"]
+    eigenvalues: Float[Array, " k"]
+    approx_eigenvalues: Float[Array, " k"]
+    exact_eigenvalues: Float[Array, " k"]
 
 
-def _flat(operator: Any, name: str, owner: str) -> tuple[Any, int, Any]:
+def _flat(operator: lx.AbstractLinearOperator) -> tuple[Any, int, Any]:
     """`operator`'s product as a function of flat vectors (a pytree of variables raveled in
     leaf order, as zodmem's operators ravel them), their size and dtype."""
-    if not isinstance(operator, lx.AbstractLinearOperator):
-        raise TypeError(
-            f"{owner}: `{name}` must be a lineax linear operator (such as zm.KFAC's result or "
-            f"zm.BatchedGGN(...).operator(x, *args)), got {described(operator)}."
-        )
     leaves, treedef = jax.tree_util.tree_flatten(operator.in_structure())
     sizes = [math.prod(leaf.shape) for leaf in leaves]
     dtype = jnp.result_type(*leaves)
@@ -76,8 +72,14 @@ def _flat(operator: Any, name: str, owner: str) -> tuple[Any, int, Any]:
 
 
 @public
+@typechecked
 def approximation_error(
-    approx: Any, exact: Any, *, key: Any, num_vectors: Any = 8, k: Any = 4
+    approx: lx.AbstractLinearOperator,
+    exact: lx.AbstractLinearOperator,
+    *,
+    key: PRNGKeyArray,
+    num_vectors: Integer = 8,
+    k: Integer = 4,
 ) -> ApproximationError:
     """How well `approx` approximates `exact`: relative errors of products on random
     vectors and of the top `k` eigenvalues.
@@ -122,8 +124,8 @@ def approximation_error(
         ```
     """
     owner = "zm.approximation_error"
-    approx_product, n, dtype = _flat(approx, "approx", owner)
-    exact_product, m, _ = _flat(exact, "exact", owner)
+    approx_product, n, dtype = _flat(approx)
+    exact_product, m, _ = _flat(exact)
     if n != m:
         raise ValueError(
             f"{owner}: `approx` takes vectors of size {n} and `exact` of size {m}; they must "

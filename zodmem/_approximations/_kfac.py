@@ -23,20 +23,22 @@ that the result is the one of the whole batch at once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._checks import (
+    Integer,
+    Memory,
     as_index,
-    check_bool,
-    check_callable,
     check_choice,
     check_int,
     check_key,
     described,
+    typechecked,
 )
 from .._curvature._losses import AbstractLoss
 from .._pytree import Variables, split_variables
@@ -74,25 +76,51 @@ def _blocks(found: trace.Program, variables: Variables, sums: dict) -> tuple:
 class _KroneckerCurvature(eqx.Module):
     """What `KFAC` and `EKFAC` share: their options, checks and call."""
 
+    # The constructor checks its annotations itself (`typechecked`), in its own words
+    # where they say more: jaxtyping's check of a dataclass's constructor, which its
+    # import hook would add, is left out, as it would check them again, first.
+    __no_type_check__: ClassVar[bool] = True
+
     fn: Callable[..., Any]
     loss: Any
     fisher: str = eqx.field(default="type-2", static=True, kw_only=True)
-    mc_samples: int = eqx.field(default=1, static=True, kw_only=True, converter=as_index)
+    mc_samples: int = eqx.field(default=1, static=True, kw_only=True)
     key: Any = eqx.field(default=None, kw_only=True)
-    microbatch_size: int | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
-    )
-    max_memory: int | str | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
-    )
+    microbatch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
+    max_memory: int | str | None = eqx.field(default=None, static=True, kw_only=True)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
 
     _corrected: ClassVar[bool]
     _owner: ClassVar[str]
 
+    @public
+    @typechecked
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        loss: AbstractLoss,
+        *,
+        fisher: Literal["type-2", "mc", "empirical"] = "type-2",
+        mc_samples: Integer = 1,
+        key: PRNGKeyArray | None = None,
+        microbatch_size: Integer | None = None,
+        max_memory: Memory = None,
+        progress: bool = False,
+    ):
+        self.fn = fn
+        self.loss = loss
+        self.fisher = fisher
+        # Stored, hashed and saved as Python ints, NumPy ones read with operator.index.
+        self.mc_samples = as_index(mc_samples)
+        self.key = key
+        self.microbatch_size = as_index(microbatch_size)
+        self.max_memory = as_index(max_memory)
+        self.progress = progress
+
     def __check_init__(self):
+        # The checks of values, and of the types whose refusal says more in words than
+        # the annotations do.
         owner = self._owner
-        check_callable(self.fn, "fn", owner=owner)
         if not isinstance(self.loss, AbstractLoss):
             raise TypeError(
                 f"{owner}: `loss` must be a zm.losses.AbstractLoss (such as "
@@ -120,7 +148,6 @@ class _KroneckerCurvature(eqx.Module):
                 f"{owner}: give at most one of `microbatch_size` and `max_memory`, got "
                 f"microbatch_size={self.microbatch_size} and max_memory={self.max_memory!r}."
             )
-        check_bool(self.progress, "progress", owner=owner)
         if self.max_memory is not None:  # refused as zm.Microbatcher refuses it
             try:
                 Microbatcher(self.fn, max_memory=self.max_memory)
@@ -128,7 +155,8 @@ class _KroneckerCurvature(eqx.Module):
                 raise type(error)(f"{owner}: {str(error).split(': ', 1)[-1]}") from None
 
     @public
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> KroneckerFactored:
+    @typechecked
+    def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> KroneckerFactored:
         # One compiled program: the statistics are many small operations.
         return eqx.filter_jit(type(self)._factored)(self, x, args, kwargs)
 

@@ -15,15 +15,18 @@ and EKFAC replaces the eigenvalues `b a^T` by its own matrix `E` of the same sha
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Real, Shaped
 
-from .._checks import described
+from .._checks import Integer, RealScalar, typechecked
 from .._curvature._arguments import check_real
 from .._curvature._tags import register_symmetric
 from .._traceback import public
@@ -32,6 +35,10 @@ from . import _kfac_products as compiled
 __all__ = ["KroneckerBlock", "KroneckerEigen", "KroneckerFactored"]
 
 _OWNER = "zm.KroneckerFactored"
+
+
+# A factor, a basis or a block's eigenvalues: a matrix, cast to the operator's dtype.
+Factor = Real[Array | np.ndarray, "_ _"]
 
 
 class KroneckerBlock(NamedTuple):
@@ -98,6 +105,11 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         ```
     """
 
+    # The constructor checks its annotations itself (`typechecked`), in its own words
+    # where they say more: jaxtyping's check of a dataclass's constructor, which its
+    # import hook would add, is left out, as it would check them again, first.
+    __no_type_check__: ClassVar[bool] = True
+
     blocks: tuple[KroneckerBlock, ...] = eqx.field(static=True)
     input_factors: tuple[jax.Array, ...]
     gradient_factors: tuple[jax.Array, ...]
@@ -108,16 +120,18 @@ class KroneckerFactored(lx.AbstractLinearOperator):
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
 
+    @public
+    @typechecked
     def __init__(
         self,
-        blocks: Any,
-        input_factors: Any,
-        gradient_factors: Any,
+        blocks: Sequence[KroneckerBlock],
+        input_factors: Sequence[Factor],
+        gradient_factors: Sequence[Factor],
         *,
-        shapes: Any,
-        dtype: Any,
-        eigenvalues: Any = None,
-        bases: Any = None,
+        shapes: Sequence[Sequence[Integer]],
+        dtype: DTypeLike,
+        eigenvalues: Sequence[Factor] | None = None,
+        bases: tuple[Sequence[Factor], Sequence[Factor]] | None = None,
     ):
         self.blocks = tuple(blocks)
         self.shapes = tuple(tuple(shape) for shape in shapes)
@@ -182,12 +196,10 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         return jnp.concatenate([jnp.ravel(piece) for piece in pieces])
 
     def _read(self, vector: Any, name: str, owner: str, *, columns: bool = False) -> jax.Array:
+        """`vector`, an array (as annotated), checked to be `(n,)` (or `(n, k)` where
+        `columns`), in the operator's dtype."""
         n = self._size
         shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
-        if not eqx.is_array(vector):
-            raise TypeError(
-                f"{owner}: `{name}` must be an array of shape {shapes}, got {described(vector)}."
-            )
         if jnp.ndim(vector) not in ((1, 2) if columns else (1,)) or jnp.shape(vector)[0] != n:
             raise ValueError(
                 f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors over the "
@@ -234,7 +246,8 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         return self.in_structure()
 
     @public
-    def mv(self, vector: Any) -> jax.Array:
+    @typechecked
+    def mv(self, vector: Shaped[Array | np.ndarray, " n"]) -> Float[Array, " n"]:
         """The product with a flat `(n,)` vector: `B V A` for each block (KFAC), or in the
         eigenbasis with the corrected eigenvalues (EKFAC).
 
@@ -330,7 +343,13 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         return value
 
     @public
-    def solve(self, b: Any, *, damping: Any = 0.0) -> jax.Array:
+    @typechecked
+    def solve(
+        self,
+        b: Shaped[Array | np.ndarray, " n"] | Shaped[Array | np.ndarray, "n k"],
+        *,
+        damping: RealScalar = 0.0,
+    ) -> Float[Array, " n"] | Float[Array, "n k"]:
         """The solution `y` of `(F + damping I) y = b`, exactly for this `F`, in its
         eigenbasis: `damping` is added to every eigenvalue, not to the factors (as the
         factored damping `(B + sqrt(damping) I) ⊗ (A + sqrt(damping) I)` would).
@@ -367,7 +386,8 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         return compiled.solve(self, b, self._damping(damping, owner))
 
     @public
-    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+    @typechecked
+    def logdet(self, *, damping: RealScalar = 0.0) -> Float[Array, ""]:
         """`log det(F + damping I)`, exactly: the sum of the logarithms of the eigenvalues
         plus `damping`, which must all be `> 0`.
 
@@ -412,7 +432,9 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             )
         )
 
-    def with_eigenvalues(self, eigenvalues: Any) -> KroneckerFactored:
+    @public
+    @typechecked
+    def with_eigenvalues(self, eigenvalues: Sequence[Factor]) -> KroneckerFactored:
         """The same factors and eigenvectors with other eigenvalues, one `(out, in)`
         array per block: EKFAC's correction.
 

@@ -9,15 +9,17 @@ products, damped solves and log-determinants by each block's eigendecomposition.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jaxtyping import Array, Float, Inexact, Shaped
 
-from .._checks import check_bool
+from .._checks import RealScalar, check_bool, typechecked
 from .._pytree import is_traced
 from .._traceback import public
 from ._arguments import check_real
@@ -82,12 +84,23 @@ class BlockDiagonal(lx.AbstractLinearOperator):
         ```
     """
 
+    # The constructor checks its annotations itself (`typechecked`), in its own words
+    # where they say more: jaxtyping's check of a dataclass's constructor, which its
+    # import hook would add, is left out, as it would check them again, first.
+    __no_type_check__: ClassVar[bool] = True
+
     blocks: tuple[jax.Array, ...]
     sizes: tuple[int, ...] = eqx.field(static=True)
     positive_semidefinite: bool = eqx.field(static=True)
 
     @public
-    def __init__(self, blocks: Any, *, positive_semidefinite: Any = False):
+    @typechecked
+    def __init__(
+        self,
+        blocks: Sequence[Float[Array | np.ndarray, "_ _"]],
+        *,
+        positive_semidefinite: bool = False,
+    ):
         check_bool(positive_semidefinite, "positive_semidefinite", owner=_OWNER)
         blocks = tuple(jnp.asarray(block) for block in blocks)
         if not blocks:
@@ -101,7 +114,7 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             if not jnp.issubdtype(block.dtype, jnp.floating):
                 raise TypeError(
                     f"{_OWNER}: the blocks must be real floating-point matrices, but "
-                    f"blocks[{index}] has dtype {block.dtype}."
+                    f"`blocks[{index}]` has dtype {block.dtype}."
                 )
         dtypes = {block.dtype for block in blocks}
         if len(dtypes) > 1:
@@ -128,7 +141,9 @@ class BlockDiagonal(lx.AbstractLinearOperator):
         cuts = np.cumsum(self.sizes)[:-1].tolist()
         return jnp.split(vector.astype(jnp.result_type(vector, self._dtype)), cuts)
 
-    def mv(self, vector: Any) -> jax.Array:
+    @public
+    @typechecked
+    def mv(self, vector: Shaped[Array | np.ndarray, " n"]) -> Inexact[Array, " n"]:
         """The product `A v` with a flat vector `v`.
 
         !!! example
@@ -282,7 +297,11 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             )
         return shifted, [vectors for _, vectors in pairs], refuse_singular
 
-    def solve(self, b: Any, *, damping: Any = 0.0) -> jax.Array:
+    @public
+    @typechecked
+    def solve(
+        self, b: Shaped[Array | np.ndarray, " n"], *, damping: RealScalar = 0.0
+    ) -> Inexact[Array, " n"]:
         """`(A + damping I)^{-1} b` for a flat vector `b`, one block at a time (each by its
         eigendecomposition, so a singular block with a positive damping solves). A
         singular `A + damping I` is refused (see the class).
@@ -306,7 +325,9 @@ class BlockDiagonal(lx.AbstractLinearOperator):
         ]
         return refuse_singular(jnp.concatenate(out))
 
-    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+    @public
+    @typechecked
+    def logdet(self, *, damping: RealScalar = 0.0) -> Float[Array, ""]:
         """`log det(A + damping I)`, from every block's eigenvalues plus `damping`: the sum
         of the logarithms of their magnitudes where the determinant is positive (an even
         count of them negative: `jnp.linalg.slogdet`'s log-determinant, its sign `+1`),

@@ -9,9 +9,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, Float, PyTree
 
-from .._checks import check_bool, described
+from .._checks import RealScalar, check_bool, described, typechecked
 from .._pytree import is_traced, split_variables
 from .._traceback import public
 from ._arguments import check_real
@@ -158,9 +158,14 @@ def _check_matrix(F: Any, *, owner: str) -> jax.Array:
 
 
 @public
+@typechecked
 def covariance(
-    F: Any, *, pseudo_inverse: Any = False, rcond: Any = None, like: Any = None
-) -> tuple[Array, Any]:
+    F: Float[Array | np.ndarray, "n n"],
+    *,
+    pseudo_inverse: bool = False,
+    rcond: RealScalar | None = None,
+    like: PyTree | None = None,
+) -> tuple[Float[Array, "n n"], Float[Array, " n"] | PyTree[Float[Array, "..."]]]:
     """The covariance `F^{-1}` of a dense symmetric positive-definite matrix and the
     standard errors `sqrt(diag(F^{-1}))`.
 

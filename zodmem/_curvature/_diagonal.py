@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Inexact, PRNGKeyArray, PyTree
 
-from .._checks import check_choice, check_int, check_key
+from .._checks import Integer, Memory, check_choice, check_int, check_key, typechecked
 from .._engine._sharding import replicate, sharding_of
+from .._traceback import public
 from ._flat import FlatView, flat_view
 from ._operator import BlockedOperator
 from ._probes import AbstractColumns, ProbeJob, run_probes
@@ -221,6 +224,10 @@ def _options(owner: str, max_memory: Any, batch_size: Any, sharding: Any, progre
     )
 
 
+# The diagonal: flat, or shaped like the operator's input.
+Diagonal = Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]
+
+
 def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
     return view.unflatten(vector) if pytree else vector
 
@@ -228,18 +235,20 @@ def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
 # -- the public functions ------------------------------------------------------------------
 
 
+@public
+@typechecked
 def diagonal(
-    operator: Any,
+    operator: lx.AbstractLinearOperator,
     *,
-    method: str = "exact",
-    num_probes: Any = None,
-    key: Any = None,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    sharding: Any = None,
+    method: Literal["exact", "hutchinson", "diag++"] = "exact",
+    num_probes: Integer | None = None,
+    key: PRNGKeyArray | None = None,
+    max_memory: Memory = None,
+    batch_size: Integer | None = None,
+    sharding: NamedSharding | None = None,
     progress: bool | None = None,
     pytree: bool = False,
-) -> Any:
+) -> Diagonal | tuple[Diagonal, Diagonal]:
     """The diagonal of a square operator: exactly, or estimated from random probes.
 
     - `method="exact"`: `A[i, i] = e_i^T A e_i` for every unit vector `e_i`, in blocks of
@@ -295,35 +304,26 @@ def diagonal(
                                       key=jax.random.key(0))
         ```
     """
-    owner = "zm.diagonal"
-    check_choice(method, "method", _DIAGONAL_METHODS, owner=owner)
-    options = _options(owner, max_memory, batch_size, sharding, progress)
+    options = _options("zm.diagonal", max_memory, batch_size, sharding, progress)
+    view, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=False)
     if method == "exact":
-        view = flat_view(operator, owner)
-        return _shaped(view, run_probes(view, UnitDiagonal(), **options), pytree)
-    view = _stochastic_view(operator, owner, method)
-    if method == "diag++" and not lx.is_symmetric(view.operator):
-        raise ValueError(
-            f"{owner}: method='diag++' needs a symmetric operator (its exact part is "
-            "diag(Q Q^T A) = sum(Q * (A Q), 1) only then); tag a symmetric one with "
-            "lineax.TaggedLinearOperator(op, lineax.symmetric_tag), or use "
-            "method='hutchinson'."
-        )
-    estimate, error = _estimate(view, method, num_probes, key, options, for_trace=False)
-    return _shaped(view, estimate, pytree), _shaped(view, error, pytree)
+        return _shaped(view, found, pytree)
+    return tuple(_shaped(view, part, pytree) for part in found)
 
 
+@public
+@typechecked
 def trace(
-    operator: Any,
+    operator: lx.AbstractLinearOperator,
     *,
-    method: str = "exact",
-    num_probes: Any = None,
-    key: Any = None,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    sharding: Any = None,
+    method: Literal["exact", "hutchinson", "hutch++"] = "exact",
+    num_probes: Integer | None = None,
+    key: PRNGKeyArray | None = None,
+    max_memory: Memory = None,
+    batch_size: Integer | None = None,
+    sharding: NamedSharding | None = None,
     progress: bool | None = None,
-) -> Any:
+) -> Inexact[Array, ""] | tuple[Inexact[Array, ""], Inexact[Array, ""]]:
     """The trace of a square operator: exactly, or estimated from random probes.
 
     - `method="exact"`: the sum of the exact diagonal (`zm.diagonal`): `n` products in
@@ -360,14 +360,31 @@ def trace(
                                    key=jax.random.key(0))
         ```
     """
-    owner = "zm.trace"
-    check_choice(method, "method", _TRACE_METHODS, owner=owner)
-    options = _options(owner, max_memory, batch_size, sharding, progress)
+    options = _options("zm.trace", max_memory, batch_size, sharding, progress)
+    _, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=True)
+    return jnp.sum(found) if method == "exact" else found
+
+
+def _diagonal_or_trace(
+    operator: Any, method: Any, num_probes: Any, key: Any, options: dict, *, for_trace: bool
+) -> tuple[FlatView, Any]:
+    """The flat view of `operator` and, by `method`, its exact diagonal or the estimate of
+    its trace (`for_trace`) or diagonal with the standard error."""
+    owner = options["owner"]
+    methods = _TRACE_METHODS if for_trace else _DIAGONAL_METHODS
+    check_choice(method, "method", methods, owner=owner)
     if method == "exact":
         view = flat_view(operator, owner)
-        return jnp.sum(run_probes(view, UnitDiagonal(), **options))
+        return view, run_probes(view, UnitDiagonal(), **options)
     view = _stochastic_view(operator, owner, method)
-    return _estimate(view, method, num_probes, key, options, for_trace=True)
+    if method == "diag++" and not lx.is_symmetric(view.operator):
+        raise ValueError(
+            f"{owner}: method='diag++' needs a symmetric operator (its exact part is "
+            "diag(Q Q^T A) = sum(Q * (A Q), 1) only then); tag a symmetric one with "
+            "lineax.TaggedLinearOperator(op, lineax.symmetric_tag), or use "
+            "method='hutchinson'."
+        )
+    return view, _estimate(view, method, num_probes, key, options, for_trace=for_trace)
 
 
 def _estimate(

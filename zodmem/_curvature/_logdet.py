@@ -10,13 +10,16 @@ to the error."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_int, check_key, described
+from .._checks import Integer, Memory, RealScalar, check_int, check_key, described, typechecked
 from .._traceback import public
 from ._arguments import check_real, is_traced
 from ._flat import symmetric_view
@@ -220,19 +223,20 @@ def _trace_function(
 
 
 @public
+@typechecked
 def trace_function(
-    operator: Any,
-    function: Any,
+    operator: lx.AbstractLinearOperator,
+    function: Literal["log", "inv", "sqrt"] | Callable[[Array], Array],
     *,
-    num_probes: Any,
-    num_steps: Any = None,
-    key: Any,
-    damping: Any = 0.0,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    sharding: Any = None,
+    num_probes: Integer,
+    num_steps: Integer | None = None,
+    key: PRNGKeyArray,
+    damping: RealScalar = 0.0,
+    max_memory: Memory = None,
+    batch_size: Integer | None = None,
+    sharding: NamedSharding | None = None,
     progress: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """The trace of a function of a symmetric operator, `tr f(A + damping I)`, estimated
     by stochastic Lanczos quadrature (Ubaru, Chen and Saad, 2017) from products with
     vectors only.
@@ -357,18 +361,19 @@ def trace_function(
 
 
 @public
+@typechecked
 def logdet(
-    operator: Any,
+    operator: lx.AbstractLinearOperator,
     *,
-    num_probes: Any,
-    num_steps: Any = None,
-    key: Any,
-    damping: Any = 0.0,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    sharding: Any = None,
+    num_probes: Integer,
+    num_steps: Integer | None = None,
+    key: PRNGKeyArray,
+    damping: RealScalar = 0.0,
+    max_memory: Memory = None,
+    batch_size: Integer | None = None,
+    sharding: NamedSharding | None = None,
     progress: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """The log-determinant of a symmetric positive definite operator, `log det(A +
     damping I)`, estimated by stochastic Lanczos quadrature from products only.
 

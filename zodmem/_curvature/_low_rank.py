@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_int, check_key, described
+from .._checks import Integer, Number, check_int, check_key, described, typechecked
 from .._traceback import public
 from ._arguments import check_dtype
 from ._diagonal import diagonal as diagonal_of
@@ -24,16 +26,17 @@ _DIAGONALS = (None, "exact", "estimate")
 
 
 @public
+@typechecked
 def low_rank(
-    operator: Any,
-    rank: Any,
+    operator: lx.AbstractLinearOperator,
+    rank: Integer,
     *,
-    diagonal: Any = None,
-    key: Any = None,
-    num_probes: Any = None,
-    tol: Any = 1e-6,
-    max_steps: Any = None,
-    progress: Any = False,
+    diagonal: Literal["exact", "estimate"] | Float[Array | np.ndarray, " n"] | None = None,
+    key: PRNGKeyArray | None = None,
+    num_probes: Integer | None = None,
+    tol: Number = 1e-6,
+    max_steps: Integer | None = None,
+    progress: bool = False,
 ) -> LowRankDiagonal:
     """A symmetric operator's top `rank` eigenpairs, and optionally the diagonal of the
     rest, as a `zm.LowRankDiagonal`: `U diag(s) U^T + diag(d)`.

@@ -19,15 +19,17 @@ None of these needs `U`'s columns orthonormal, or `s > 0`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_key, described
+from .._checks import Integer, Number, RealScalar, check_key, described, typechecked
 from .._pytree import is_traced
 from .._traceback import public
 from ._arguments import check_dtype, check_entries, check_real, check_shape
@@ -97,11 +99,23 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         ```
     """
 
+    # The constructor checks its annotations itself (`typechecked`), in its own words
+    # where they say more: jaxtyping's check of a dataclass's constructor, which its
+    # import hook would add, is left out, as it would check them again, first.
+    __no_type_check__: ClassVar[bool] = True
+
     U: jax.Array
     s: jax.Array
     d: jax.Array
 
-    def __init__(self, U: Any, s: Any, d: Any):
+    @public
+    @typechecked
+    def __init__(
+        self,
+        U: Float[Array | np.ndarray, "n r"] | Sequence[Sequence[Number]],
+        s: Float[Array | np.ndarray, " r"] | Sequence[Number],
+        d: Float[Array | np.ndarray, " n"] | Sequence[Number],
+    ):
         self.U = _as_array(U)
         self.s = _as_array(s)
         self.d = _as_array(d)
@@ -174,14 +188,10 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return self.in_structure()
 
     def _read(self, vector: Any, name: str, owner: str, *, columns: bool) -> jax.Array:
-        """`vector` checked: an `(n,)` array of the operator's dtype (or `(n, k)` where
-        `columns`)."""
+        """`vector`, an array (as annotated), checked: `(n,)` and of the operator's dtype
+        (or `(n, k)` where `columns`)."""
         n, dtype = self._size, self.d.dtype
         shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
-        if not eqx.is_array(vector):
-            raise TypeError(
-                f"{owner}: `{name}` must be an array of shape {shapes}, got {described(vector)}."
-            )
         ndims = (1, 2) if columns else (1,)
         if jnp.ndim(vector) not in ndims or jnp.shape(vector)[0] != n:
             raise ValueError(
@@ -192,7 +202,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return jnp.asarray(vector)
 
     @public
-    def mv(self, vector: Any) -> jax.Array:
+    @typechecked
+    def mv(self, vector: Float[Array | np.ndarray, " n"]) -> Float[Array, " n"]:
         """The product `A v = U (s * (U^T v)) + d * v`, in `O(n r)`.
 
         **Arguments:**
@@ -294,7 +305,13 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return _Damped(root, basis, singular * singular)
 
     @public
-    def solve(self, b: Any, *, damping: Any = 0.0) -> jax.Array:
+    @typechecked
+    def solve(
+        self,
+        b: Float[Array | np.ndarray, " n"] | Float[Array | np.ndarray, "n k"],
+        *,
+        damping: RealScalar = 0.0,
+    ) -> Float[Array, " n"] | Float[Array, "n k"]:
         """The solution `y` of `(A + damping I) y = b`, exactly, by Woodbury's identity.
 
         With `D = d + damping` it is `D^{-1/2} (c - Q diag(t / (1 + t)) Q^T c)`,
@@ -337,7 +354,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return (whitened - basis @ inner) / rows
 
     @public
-    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+    @typechecked
+    def logdet(self, *, damping: RealScalar = 0.0) -> Float[Array, ""]:
         """`log det(A + damping I)`, exactly, by the matrix determinant lemma:
         `sum(log(d + damping)) + sum(log1p(t))` with `t` the squared singular values of
         `(d + damping)^{-1/2} U diag(s)^{1/2}`. `O(n r^2)`.
@@ -367,7 +385,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return 2 * jnp.sum(jnp.log(root)) + jnp.sum(jnp.log1p(spectrum))
 
     @public
-    def marginal_variances(self, *, damping: Any = 0.0) -> jax.Array:
+    @typechecked
+    def marginal_variances(self, *, damping: RealScalar = 0.0) -> Float[Array, " n"]:
         """The diagonal of `(A + damping I)^{-1}`, exactly, all `n` entries in `O(n r^2)`:
         for a Laplace posterior, the variances of the parameters (their standard
         deviations are the square roots).
@@ -403,7 +422,14 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return (outside + inside) / (root * root)
 
     @public
-    def sample(self, key: Any, shape: Any = (), *, damping: Any = 0.0) -> jax.Array:
+    @typechecked
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        shape: Sequence[Integer] | Integer = (),
+        *,
+        damping: RealScalar = 0.0,
+    ) -> Float[Array, "*shape n"]:
         """Draws from the Gaussian `N(0, (A + damping I)^{-1})`, exactly: for a Laplace
         posterior, parameters' deviations from the mode (add the mode yourself).
 

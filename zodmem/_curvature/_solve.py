@@ -5,7 +5,7 @@ inverse). A dense matrix's inverse is `zm.covariance`'s (`_covariance.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, Inexact, Int, PyTree
 
-from .._checks import check_int, described
+from .._checks import Integer, Memory, RealScalar, check_int, described, typechecked
 from .._pytree import is_traced
 from .._traceback import public
 from ._arguments import check_dtype, check_real
@@ -217,19 +217,20 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, v
 
 
 @public
+@typechecked
 def solve(
-    operator: Any,
-    b: Any,
+    operator: lx.AbstractLinearOperator,
+    b: Inexact[Array | np.ndarray, " n"] | Inexact[Array | np.ndarray, "n k"] | PyTree,
     *,
-    damping: Any = 0.0,
-    rtol: Any = 1e-6,
-    atol: Any = 1e-6,
-    max_steps: Any = None,
-    solver: Any = None,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    progress: Any = None,
-) -> Any:
+    damping: RealScalar = 0.0,
+    rtol: RealScalar = 1e-6,
+    atol: RealScalar = 1e-6,
+    max_steps: Integer | None = None,
+    solver: lx.AbstractLinearSolver | None = None,
+    max_memory: Memory = None,
+    batch_size: Integer | None = None,
+    progress: bool | None = None,
+) -> Inexact[Array, " n"] | Inexact[Array, "n k"] | PyTree[Inexact[Array, "..."]]:
     """The solution `y` of `(A + damping I) y = b`, from products with `A` only.
 
     `A` is a square linear operator: a curvature's, `transform.operator(x, *args)` of
@@ -316,7 +317,8 @@ def solve(
 
 def _read_indices(indices: Any, n: int, *, owner: str) -> jax.Array:
     """`indices` as a 1-d int array, each checked to lie in `[0, n)` (at run time when
-    traced)."""
+    traced). The annotation admits only such arrays and sequences of ints; these words
+    say which entry or dtype it refused."""
     if eqx.is_array(indices):
         array = indices
     else:
@@ -325,6 +327,7 @@ def _read_indices(indices: Any, n: int, *, owner: str) -> jax.Array:
                 f"{owner}: `indices` must be a sequence of ints or a 1-d int array, got "
                 f"{described(indices)}."
             )
+        # One by one: a bool is an int to the annotation, but no index.
         values = [check_int(i, "indices[...]", owner=owner) for i in indices]
         array = np.asarray(values, dtype=np.int64 if values else np.int32)
     if not jnp.issubdtype(array.dtype, jnp.integer) or jnp.ndim(array) != 1:
@@ -344,19 +347,20 @@ def _read_indices(indices: Any, n: int, *, owner: str) -> jax.Array:
 
 
 @public
+@typechecked
 def marginal_variances(
-    operator: Any,
-    indices: Any,
+    operator: lx.AbstractLinearOperator,
+    indices: Int[Array | np.ndarray, " k"] | Sequence[Integer],
     *,
-    damping: Any = 0.0,
-    rtol: Any = 1e-6,
-    atol: Any = 1e-6,
-    max_steps: Any = None,
-    solver: Any = None,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    progress: Any = None,
-) -> Array:
+    damping: RealScalar = 0.0,
+    rtol: RealScalar = 1e-6,
+    atol: RealScalar = 1e-6,
+    max_steps: Integer | None = None,
+    solver: lx.AbstractLinearSolver | None = None,
+    max_memory: Memory = None,
+    batch_size: Integer | None = None,
+    progress: bool | None = None,
+) -> Inexact[Array, " k"]:
     """A few diagonal entries `[(A + damping I)^{-1}]_ii` of the inverse, by solving with
     the unit vectors `e_i`.
 

@@ -12,9 +12,12 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Float, PRNGKeyArray, Real
 
-from .._checks import check_int, described
+from .._checks import Integer, Memory, Number, check_int, described, typechecked
 from .._engine._layout import canonical_body
 from .._traceback import public
 from ._arguments import check_positive, key_or_default
@@ -159,19 +162,20 @@ def _density(
 
 
 @public
+@typechecked
 def spectral_density(
-    operator: Any,
+    operator: lx.AbstractLinearOperator,
     *,
-    num_probes: Any = 10,
-    num_steps: Any = 40,
-    key: Any = None,
-    grid: Any = None,
-    sigma: Any = None,
-    batch_size: Any = None,
-    max_memory: Any = None,
-    sharding: Any = None,
-    progress: Any = None,
-) -> tuple[jax.Array, jax.Array]:
+    num_probes: Integer = 10,
+    num_steps: Integer = 40,
+    key: PRNGKeyArray | None = None,
+    grid: Integer | Real[Array | np.ndarray, " points"] | None = None,
+    sigma: Number | None = None,
+    batch_size: Integer | None = None,
+    max_memory: Memory = None,
+    sharding: NamedSharding | None = None,
+    progress: bool | None = None,
+) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
     """The eigenvalue density of a symmetric operator, estimated by stochastic Lanczos
     quadrature (Ubaru, Chen and Saad, 2017) from products with vectors only.
 

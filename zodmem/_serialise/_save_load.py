@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
+import equinox as eqx
+
+from .._checks import typechecked
 from .._transforms._base import AbstractTransform
 from ._error import SerialisationError
 from ._file import corrupt, read_file, write_file
@@ -104,7 +106,8 @@ def save(path: str | os.PathLike, transform: AbstractTransform) -> None:
     write_file(os.fspath(path), contents, write_arrays(transform))
 
 
-def load(path: str | os.PathLike, like: Any = None) -> AbstractTransform:
+@typechecked
+def load(path: str | os.PathLike, like: eqx.Module | None = None) -> AbstractTransform:
     """Load a transform stack written by [`zodmem.save`][].
 
     The stack is rebuilt through each transform's constructor, called once with the
