@@ -76,8 +76,14 @@ def _untyped(function):
     return found
 
 
+def _checked_at_the_call(function):
+    """Whether `function` is wrapped in the library's own check of its annotations,
+    `typechecked` (not only in the tests' import hook), which marks its wrapper."""
+    return getattr(function, "_typechecked", False)
+
+
 def test_every_parameter_of_the_typed_names_is_annotated_precisely():
-    untyped, walked = {}, set()
+    untyped, unchecked, walked = {}, [], set()
     for name, value in _public_names():
         if name not in TYPED:
             continue
@@ -91,8 +97,12 @@ def test_every_parameter_of_the_typed_names_is_annotated_precisely():
         for label, function in functions.items():
             if missing := _untyped(function):
                 untyped[label] = missing
+            takes = [p for p in inspect.signature(function).parameters if p != "self"]
+            if takes and not _checked_at_the_call(function):
+                unchecked.append(label)
     assert walked == TYPED, f"not public any more: {TYPED - walked}"
     assert not untyped, f"annotated Any or not at all: {untyped}"
+    assert not unchecked, f"annotations not checked at the call: {unchecked}"
 
 
 # Each case: a call with one argument of a wrong type, and the parameter it names. They run
