@@ -19,7 +19,7 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Float, Inexact, Shaped
 
-from .._checks import RealScalar, check_bool, typechecked
+from .._checks import Number, RealScalar, check_bool, typechecked
 from .._pytree import is_traced
 from .._traceback import public
 from ._arguments import check_real
@@ -97,7 +97,7 @@ class BlockDiagonal(lx.AbstractLinearOperator):
     @typechecked
     def __init__(
         self,
-        blocks: Sequence[Float[Array | np.ndarray, "_ _"]],
+        blocks: Sequence[Float[Array | np.ndarray, "_ _"] | Sequence[Sequence[Number]]],
         *,
         positive_semidefinite: bool = False,
     ):
@@ -143,7 +143,9 @@ class BlockDiagonal(lx.AbstractLinearOperator):
 
     @public
     @typechecked
-    def mv(self, vector: Shaped[Array | np.ndarray, " n"]) -> Inexact[Array, " n"]:
+    def mv(
+        self, vector: Shaped[Array | np.ndarray, " n"] | Sequence[Number]
+    ) -> Inexact[Array, " n"]:
         """The product `A v` with a flat vector `v`.
 
         !!! example
@@ -300,7 +302,10 @@ class BlockDiagonal(lx.AbstractLinearOperator):
     @public
     @typechecked
     def solve(
-        self, b: Shaped[Array | np.ndarray, " n"], *, damping: RealScalar = 0.0
+        self,
+        b: Shaped[Array | np.ndarray, " n"] | Sequence[Number],
+        *,
+        damping: RealScalar = 0.0,
     ) -> Inexact[Array, " n"]:
         """`(A + damping I)^{-1} b` for a flat vector `b`, one block at a time (each by its
         eigendecomposition, so a singular block with a positive damping solves). A
