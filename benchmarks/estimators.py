@@ -378,9 +378,9 @@ def _diagonal_plan(op: Any) -> dict[str, Any]:
     """The blocks `zm.diagonal(op)` is planned into, read from zodmem's probe engine (a
     private interface: should it have moved, the record says why there is no plan)."""
     try:
-        from zodmem._curvature._diagonal import UnitDiagonal
-        from zodmem._curvature._flat import flat_view
-        from zodmem._curvature._probes import Probes
+        from zodmem._estimators._diagonal import UnitDiagonal
+        from zodmem._estimators._probes import Probes
+        from zodmem._operators._flat import flat_view
 
         engine = Probes(
             flat_view(op, "zm.diagonal"),

@@ -17,8 +17,9 @@ LAYERS = [
     "_stream",
     "_serialise",
     "_approximations",
+    "_estimators",
     "_transforms",
-    "_curvature",
+    "_operators",
     "_plan",
     "_engine",
 ]
@@ -102,7 +103,7 @@ def test_the_checks_see_imports_in_functions_and_private_names():
     source = (
         "def f():\n"
         "    import zodmem\n"
-        "    from zodmem._curvature._eigsh import eigsh\n"
+        "    from zodmem._estimators._eigsh import eigsh\n"
         "    from .._engine._blocks import _private_helper, map_blocks\n"
         "    from .._engine import _blocks\n"
     )

@@ -13,7 +13,7 @@ from helpers import close
 
 import zodmem as zm
 from zodmem import _memo
-from zodmem._curvature._vector_blocks import ProductBlocks
+from zodmem._operators._vector_blocks import ProductBlocks
 from zodmem._plan import _budget
 from zodmem._plan._budget import compiled_plan
 

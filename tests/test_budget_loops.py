@@ -9,7 +9,7 @@ import numpy as np
 from helpers import close
 
 import zodmem as zm
-from zodmem._curvature._vector_blocks import ProductBlocks
+from zodmem._operators._vector_blocks import ProductBlocks
 from zodmem._plan._compiled import compile_call
 
 STEPS, SEQUENCES, WIDTH = 48, 32, 24

@@ -10,7 +10,7 @@ from helpers import raveled
 from hypothesis import given, strategies as st
 
 import zodmem as zm
-from zodmem._curvature._eigsh import EigshInfo, eigsh
+from zodmem._estimators._eigsh import EigshInfo, eigsh
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import zodmem as zm
-from zodmem._curvature._random import sign_probes
+from zodmem._estimators._random import sign_probes
 
 pytestmark = pytest.mark.usefixtures("float64")
 

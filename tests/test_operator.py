@@ -268,7 +268,7 @@ def test_microbatcher_jacobian_operator():
 def test_products_follow_their_transforms_options():
     # What an operator reads of its transform: a derivative's own options, and for a
     # Microbatcher its bar with the blocks of products of the derivative it wraps.
-    from zodmem._curvature._vector_blocks import ProductBlocks
+    from zodmem._operators._vector_blocks import ProductBlocks
 
     def with_aux(params, data):
         return loss(params, data), data

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zodmem._curvature._random import key_seed, sign_probes
+from zodmem._estimators._random import key_seed, sign_probes
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import zodmem as zm
-from zodmem._curvature._spectral import lanczos_quadrature, spectral_density
+from zodmem._estimators._spectral import lanczos_quadrature, spectral_density
 
 pytestmark = pytest.mark.usefixtures("float64")
 

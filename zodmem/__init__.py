@@ -9,16 +9,16 @@ from ._approximations._error import (
     approximation_error as approximation_error,
 )
 from ._approximations._kfac import EKFAC as EKFAC, KFAC as KFAC
-from ._approximations._kfac_operator import KroneckerFactored as KroneckerFactored
-from ._curvature._block_diagonal import BlockDiagonal as BlockDiagonal
-from ._curvature._covariance import covariance as covariance
-from ._curvature._diagonal import diagonal as diagonal, trace as trace
-from ._curvature._eigsh import eigsh as eigsh
-from ._curvature._logdet import logdet as logdet, trace_function as trace_function
-from ._curvature._low_rank import low_rank as low_rank
-from ._curvature._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
-from ._curvature._solve import marginal_variances as marginal_variances, solve as solve
-from ._curvature._spectral import spectral_density as spectral_density
+from ._estimators._covariance import covariance as covariance
+from ._estimators._diagonal import diagonal as diagonal, trace as trace
+from ._estimators._eigsh import eigsh as eigsh
+from ._estimators._logdet import logdet as logdet, trace_function as trace_function
+from ._estimators._low_rank import low_rank as low_rank
+from ._estimators._solve import marginal_variances as marginal_variances, solve as solve
+from ._estimators._spectral import spectral_density as spectral_density
+from ._operators._block_diagonal import BlockDiagonal as BlockDiagonal
+from ._operators._kronecker import KroneckerFactored as KroneckerFactored
+from ._operators._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
 from ._plan._plans import MemoryBudgetError as MemoryBudgetError, Plan as Plan
 from ._pytree import (
     hessian_to_pytree as hessian_to_pytree,

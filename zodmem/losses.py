@@ -16,7 +16,7 @@ likelihood, so that `zm.BatchedGGN(fn, loss)` gives the Fisher information matri
     ```
 """
 
-from ._curvature._losses import (
+from ._transforms._losses import (
     AbstractLoss as AbstractLoss,
     GaussianNLL as GaussianNLL,
     PoissonNLL as PoissonNLL,

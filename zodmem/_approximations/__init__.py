@@ -3,11 +3,10 @@
 - `_kfac`: `KFAC` and `EKFAC`, Kronecker factors of a model's layers accumulated over
   the data in planned microbatches; `_kfac_trace` finds the layers in the traced
   program, `_kfac_examples` where the examples are in the data and in each layer's rows,
-  `_kfac_statistics` gathers each layer's inputs and output gradients, `_kfac_operator`
-  is the resulting `KroneckerFactored` operator and `_kfac_products` its compiled
-  operations;
+  `_kfac_statistics` gathers each layer's inputs and output gradients; the resulting
+  `KroneckerFactored` operator lives with the other operators (`zodmem._operators`);
 - `_error`: `approximation_error`, how far an approximation is from the exact operator.
 
 They build on the transforms (a `Microbatcher` of statistics, a `BatchedGGN` for the
-exact blocks of leaves in no layer) and on curvature's losses and operators.
+exact blocks of leaves in no layer), the losses, the operators and the estimators.
 """

@@ -14,7 +14,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import Integer, check_int, check_key, typechecked
-from .._curvature._eigsh import eigsh
+from .._estimators._eigsh import eigsh
 from .._traceback import public
 
 __all__ = ["ApproximationError", "approximation_error"]

@@ -40,13 +40,13 @@ from .._checks import (
     described,
     typechecked,
 )
-from .._curvature._losses import AbstractLoss
+from .._operators._kronecker import KroneckerBlock, KroneckerFactored
 from .._pytree import Variables, split_variables
 from .._traceback import public
+from .._transforms._losses import AbstractLoss
 from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
 from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
-from ._kfac_operator import KroneckerBlock, KroneckerFactored
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
 
 __all__ = ["EKFAC", "KFAC"]

@@ -4,7 +4,7 @@
   planner reads: `work`, `with_block_size`, `strategies`, `item_bytes`, `run`), and
   `Planned`, such work with its plan applied and the program compiled to plan it. The
   transform base (`zodmem._transforms._base`) and the blocks of products and probes of
-  the operators and estimators (`zodmem._curvature._vector_blocks`) derive from it;
+  the operators and estimators (`zodmem._operators._vector_blocks`) derive from it;
 - `_plans`: what a plan is: `Work`, `Plan` and `MemoryBudgetError`;
 - `_budget`: the planner that turns a `max_memory` into a block size, and the
   platform's policy of plans;

@@ -9,7 +9,7 @@ then run, by the program compiled to plan it where it can). It sits here, below 
 transforms, because two layers fill it: the transform base of `zodmem._transforms._base`
 (`AbstractBlocked`, the contract's base, which adds `fn`, the devices and streaming and
 fills `run` from `compute_share`), and the blocks of products and probes of the operators
-and estimators (`zodmem._curvature._vector_blocks`), which are planned like a transform
+and estimators (`zodmem._operators._vector_blocks`), which are planned like a transform
 but are not one a user builds.
 """
 

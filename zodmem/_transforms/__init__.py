@@ -13,9 +13,11 @@
 - microbatches: `_microbatch` (`Microbatcher` and its operator), `_microbatch_run` (the
   reduction of a call's batch, microbatch by microbatch), `_accumulate` (its
   accumulators) and `_microbatch_checks`;
-- scans: `_scan` (`SlicedScan`, `CheckpointedScan`).
+- scans: `_scan` (`SlicedScan`, `CheckpointedScan`);
+- losses: `_losses` (the losses whose Hessians the Gauss-Newton matrix applies in
+  closed form) on their base, `_loss_base`.
 
 Every blocked one (the derivatives, `ChunkedVmap`, `Microbatcher`) fills the contract of
 `_base` and nothing else of the call; the scans derive from `AbstractTransform` alone (no
-budget cuts them). Derivatives return operators from `zodmem._curvature`.
+budget cuts them). Derivatives return operators from `zodmem._operators`.
 """

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._checks import as_index, check_block_options, check_bool, check_callable, check_choice
-from .._curvature._block_diagonal import BlockDiagonal
-from .._curvature._options import OperatorSource, TransformOptions
 from .._engine._block_plans import plan_blocks
 from .._engine._sharding import Kept, Split, check_sharding
+from .._operators._block_diagonal import BlockDiagonal
+from .._operators._options import OperatorSource, TransformOptions
 from .._plan._memory import check_memory
 from .._plan._plans import Work
 from .._pytree import Variables, called_as, split_variables

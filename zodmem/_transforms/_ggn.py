@@ -14,16 +14,16 @@ from beartype import beartype
 from jaxtyping import Array, Float, PyTree, jaxtyped
 
 from .._checks import check_callable, refuses_forward_mode, taking_jvps_of_fn
-from .._curvature._block_diagonal import BlockDiagonal
-from .._curvature._losses import AbstractLoss
-from .._curvature._operator import BlockedOperator, make_operator
 from .._engine._block_plans import OutputSink
 from .._engine._sharding import Split
+from .._operators._block_diagonal import BlockDiagonal
+from .._operators._operator import BlockedOperator, make_operator
 from .._pytree import Variables, split_variables
 from .._traceback import public
 from ._derivative import AbstractDerivative, Prepared
 from ._leaf_blocks import leaf_blocks
 from ._leafwise import curvature_matrix
+from ._losses import AbstractLoss
 
 __all__ = ["BatchedGGN", "ggn_products"]
 

@@ -11,11 +11,11 @@ import lineax as lx
 from beartype import beartype
 from jaxtyping import Array, Float, Inexact, PyTree, jaxtyped
 
-from .._curvature._block_diagonal import BlockDiagonal
-from .._curvature._operator import BlockedOperator, make_operator
 from .._engine._block_plans import OutputSink
 from .._engine._layout import holds
 from .._engine._sharding import Split
+from .._operators._block_diagonal import BlockDiagonal
+from .._operators._operator import BlockedOperator, make_operator
 from .._pytree import Variables
 from .._traceback import public
 from ._derivative import AbstractDerivative, Prepared, product_function

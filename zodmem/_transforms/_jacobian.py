@@ -11,11 +11,11 @@ from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
 from .._checks import taking_jvps_of_fn
-from .._curvature._operator import BlockedOperator, make_operator
 from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label
 from .._engine._sharding import Split, check_divides, share_of
+from .._operators._operator import BlockedOperator, make_operator
 from .._pytree import basis_block
 from .._traceback import public
 from ._derivative import AbstractDerivative, Prepared, product_function

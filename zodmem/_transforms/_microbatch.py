@@ -13,10 +13,10 @@ from beartype import beartype
 from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
 from .._checks import as_index, check_bool, check_callable, check_int
-from .._curvature._block_diagonal import BlockDiagonal
-from .._curvature._operator import BlockedOperator, flat_product, make_operator
-from .._curvature._options import OperatorSource, TransformOptions, options_of
 from .._engine._sharding import Split
+from .._operators._block_diagonal import BlockDiagonal
+from .._operators._operator import BlockedOperator, flat_product, make_operator
+from .._operators._options import OperatorSource, TransformOptions, options_of
 from .._plan._memory import check_size_or_memory
 from .._plan._plans import Work
 from .._pytree import split_variables

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import described
-from ._arguments import is_traced
+from .._operators._arguments import is_traced
 
 __all__ = ["AbstractLoss"]
 

@@ -25,9 +25,9 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 from .._checks import Integer, Number, check_bool, check_choice, check_int, typechecked
 from .._engine._layout import canonical_body
 from .._engine._progress import progress_bar
+from .._operators._arguments import check_positive, is_traced, key_or_default
+from .._operators._flat import FlatView, symmetric_view
 from .._traceback import public
-from ._arguments import check_positive, is_traced, key_or_default
-from ._flat import FlatView, symmetric_view
 from ._lanczos import lanczos_step, normal_direction, normal_start, normalised, projection
 from ._random import key_seed
 from ._ritz import ritz_pairs

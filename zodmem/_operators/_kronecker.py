@@ -27,10 +27,10 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Real, Shaped
 
 from .._checks import Integer, RealScalar, typechecked
-from .._curvature._arguments import check_real
-from .._curvature._tags import register_symmetric
 from .._traceback import public
-from . import _kfac_products as compiled
+from . import _kronecker_products as compiled
+from ._arguments import check_real
+from ._tags import register_symmetric
 
 __all__ = ["KroneckerBlock", "KroneckerEigen", "KroneckerFactored"]
 

@@ -28,11 +28,11 @@ from .._checks import check_int, described
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import map_blocks, reduce_blocks
 from .._engine._sharding import dispatch, replicate
+from .._operators._flat import FlatView
+from .._operators._operator import BlockedOperator
+from .._operators._vector_blocks import AbstractVectorBlocks, vector_options
 from .._plan._memory import check_memory
 from .._plan._plans import Work
-from ._flat import FlatView
-from ._operator import BlockedOperator
-from ._vector_blocks import AbstractVectorBlocks, vector_options
 
 __all__ = ["AbstractColumns", "ProbeJob", "Probes", "run_probes"]
 

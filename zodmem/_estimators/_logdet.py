@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import Integer, Memory, RealScalar, check_int, check_key, described, typechecked
+from .._operators._arguments import check_real, is_traced
+from .._operators._flat import symmetric_view
 from .._traceback import public
-from ._arguments import check_real, is_traced
-from ._flat import symmetric_view
 from ._lanczos import tridiagonal
 from ._spectral import quadrature_rules
 

@@ -13,12 +13,12 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import Integer, Number, check_int, check_key, described, typechecked
+from .._operators._arguments import check_dtype
+from .._operators._flat import symmetric_view
+from .._operators._low_rank_diagonal import LowRankDiagonal
 from .._traceback import public
-from ._arguments import check_dtype
 from ._diagonal import diagonal as diagonal_of
 from ._eigsh import eigenpairs
-from ._flat import symmetric_view
-from ._low_rank_diagonal import LowRankDiagonal
 
 __all__ = ["low_rank"]
 

@@ -19,9 +19,9 @@ from jaxtyping import Array, Float, PRNGKeyArray, Real
 
 from .._checks import Integer, Memory, Number, check_int, described, typechecked
 from .._engine._layout import canonical_body
+from .._operators._arguments import check_positive, key_or_default
+from .._operators._flat import FlatView, symmetric_view
 from .._traceback import public
-from ._arguments import check_positive, key_or_default
-from ._flat import FlatView, symmetric_view
 from ._lanczos import lanczos_step, normalised, tridiagonal
 from ._probes import ProbeJob, run_probes
 from ._random import sign_probes

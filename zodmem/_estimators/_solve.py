@@ -16,11 +16,11 @@ import numpy as np
 from jaxtyping import Array, Inexact, Int, PyTree
 
 from .._checks import Integer, Memory, RealScalar, check_int, described, typechecked
+from .._operators._arguments import check_dtype, check_real
+from .._operators._flat import FlatView, flat_view
+from .._operators._operator import BlockedOperator, check_leaves, variables_of
 from .._pytree import is_traced
 from .._traceback import public
-from ._arguments import check_dtype, check_real
-from ._flat import FlatView, flat_view
-from ._operator import BlockedOperator, check_leaves, variables_of
 from ._probes import AbstractColumns, run_probes
 
 __all__ = ["solve", "marginal_variances"]

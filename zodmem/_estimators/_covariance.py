@@ -12,9 +12,9 @@ import numpy as np
 from jaxtyping import Array, Float, PyTree
 
 from .._checks import RealScalar, check_bool, described, typechecked
+from .._operators._arguments import check_real
 from .._pytree import is_traced, split_variables
 from .._traceback import public
-from ._arguments import check_real
 
 __all__ = ["covariance"]
 

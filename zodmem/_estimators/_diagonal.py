@@ -18,9 +18,9 @@ from jaxtyping import Array, Inexact, PRNGKeyArray, PyTree
 
 from .._checks import Integer, Memory, check_choice, check_int, check_key, typechecked
 from .._engine._sharding import replicate, sharding_of
+from .._operators._flat import FlatView, flat_view
+from .._operators._operator import BlockedOperator
 from .._traceback import public
-from ._flat import FlatView, flat_view
-from ._operator import BlockedOperator
 from ._probes import AbstractColumns, ProbeJob, run_probes
 from ._random import sign_probes
 
