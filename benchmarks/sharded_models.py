@@ -122,15 +122,16 @@ def _lay_out(model: Any, inputs: Any, targets: Any, mesh: Any) -> tuple[Any, Any
 
 def _largest_share(tree: Any) -> float | None:
     """The largest fraction of an n-vector (a pytree of leaves, or their block) that one
-    device holds, over its leaves (`None` for no vectors)."""
-
-    worst = None
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if not hasattr(leaf, "addressable_shards") or leaf.size == 0:
-            continue
-        share = max(shard.data.size for shard in leaf.addressable_shards) / leaf.size
-        worst = share if worst is None else max(worst, share)
-    return worst
+    device holds, all its leaves together (`None` for no vectors)."""
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "sharding")]
+    total = sum(leaf.size for leaf in leaves)
+    if not total:
+        return None
+    held: dict[Any, int] = {}
+    for leaf in leaves:
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.size
+    return max(held.values()) / total
 
 
 def child(call: str, devices: int, size: str, steady_calls: int, gpu: bool) -> dict[str, Any]:
