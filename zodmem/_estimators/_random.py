@@ -18,45 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["hashed_bits", "key_seed", "sign_probes"]
+from .._operators._vectors import GOLDEN, hashed_words, key_seed, mix_words, words
 
-# The golden ratio's fraction of 2**32: consecutive multiples of it are spread evenly.
-_GOLDEN = np.uint32(0x9E3779B9)
-
-
-def _mix(x: jax.Array) -> jax.Array:
-    """A bijection of 32-bit words in which every output bit depends on every input bit
-    (an xorshift-multiply finaliser), in `lax`'s operations: tracing it under `vmap` or
-    in a long program costs little."""
-    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 0x2C1B3C6D)):
-        x = lax.mul(
-            lax.bitwise_xor(x, lax.shift_right_logical(x, np.uint32(shift))), np.uint32(factor)
-        )
-    return lax.bitwise_xor(x, lax.shift_right_logical(x, np.uint32(16)))
-
-
-def _words(value: Any) -> jax.Array:
-    return lax.convert_element_type(jnp.asarray(value), jnp.uint32)
+__all__ = ["hashed_bits", "key_seed", "probe_seeds", "sign_probes"]
 
 
 def hashed_bits(n: int, stream: Any, seed: Any = 0) -> jax.Array:
     """`n` pseudo-random 32-bit words, an integer hash of (index, stream, seed)."""
-    x = lax.mul(lax.iota(jnp.uint32, n), _GOLDEN)
-    x = lax.add(x, lax.mul(_words(stream), np.uint32(0x85EBCA6B)))
-    x = lax.add(x, lax.add(lax.mul(_words(seed), np.uint32(0xC2B2AE35)), np.uint32(0x27D4EB2F)))
-    return _mix(x)
+    return hashed_words((n,), 0, stream, seed)
 
 
-def key_seed(key: jax.Array) -> jax.Array:
-    """One 32-bit word that depends on every word of `key` (a typed `jax.random.key` or
-    a raw `PRNGKey`)."""
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    words = _words(jnp.ravel(key))
-    seed = jnp.asarray(np.uint32(0x165667B1))
-    for k in range(words.shape[0]):
-        seed = _mix(lax.bitwise_xor(seed, words[k]))
-    return seed
+def probe_seeds(key: jax.Array, indices: Any) -> jax.Array:
+    """The 32-bit seed of each probe number in `indices` of `key`: distinct for
+    distinct indices (`VectorSpace.signs(probe_seeds(key, i))` are `sign_probes(key, i)`
+    leaf by leaf)."""
+    return mix_words(lax.bitwise_xor(key_seed(key), mix_words(lax.add(words(indices), GOLDEN))))
 
 
 def sign_probes(key: jax.Array, indices: Any, n: int, dtype: Any) -> jax.Array:
@@ -64,11 +40,11 @@ def sign_probes(key: jax.Array, indices: Any, n: int, dtype: Any) -> jax.Array:
     signs (+1 or -1, each with probability 1/2) in `dtype`, along a last axis of `n`.
     Distinct indices of one key have distinct seeds, and an entry is the top bit of a
     hash of its position and its probe's seed, mixed twice."""
-    indices = _words(indices)
-    seeds = _mix(lax.bitwise_xor(key_seed(key), _mix(lax.add(indices, _GOLDEN))))
+    indices = words(indices)
+    seeds = probe_seeds(key, indices)
     shape = (*indices.shape, n)
     seeds = lax.broadcast_in_dim(seeds, shape, tuple(range(indices.ndim)))
-    positions = lax.mul(lax.broadcasted_iota(jnp.uint32, shape, indices.ndim), _GOLDEN)
-    bits = _mix(lax.add(_mix(lax.bitwise_xor(positions, seeds)), seeds))
+    positions = lax.mul(lax.broadcasted_iota(jnp.uint32, shape, indices.ndim), GOLDEN)
+    bits = mix_words(lax.add(mix_words(lax.bitwise_xor(positions, seeds)), seeds))
     top = lax.shift_right_logical(bits, np.uint32(31))  # 0 or 1
     return lax.convert_element_type(1 - 2 * lax.convert_element_type(top, jnp.int32), dtype)
