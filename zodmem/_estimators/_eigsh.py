@@ -26,9 +26,10 @@ from .._checks import Integer, Number, check_bool, check_choice, check_int, type
 from .._engine._layout import canonical_body
 from .._engine._progress import progress_bar
 from .._operators._arguments import check_positive, is_traced, key_or_default
-from .._operators._flat import FlatView, symmetric_view
+from .._operators._flat import FlatView
+from .._operators._vectors import VectorSpace
 from .._traceback import public
-from ._lanczos import lanczos_step, normal_direction, normal_start, normalised, projection
+from ._lanczos import lanczos_step, normal_start, projection, space_product, symmetric_space
 from ._random import key_seed
 from ._ritz import ritz_pairs
 
@@ -62,13 +63,13 @@ class EigshInfo(NamedTuple):
 class _State(NamedTuple):
     m: Any  # rows of the basis in use
     products: Any  # products made (Lanczos steps), in all runs
-    basis: jax.Array
+    basis: Any  # a block of `max_steps` vectors
     alphas: jax.Array
     betas: jax.Array
     couplings: jax.Array  # `(max_steps, k)`: each row's products with the locked rows
     locked_residuals: jax.Array  # the residual norms of the locked rows (0 before a lock)
     locks: Any
-    vector: jax.Array
+    vector: Any
     fresh: Any  # the next step starts a run from a new random direction
     start: Any  # the first row of the latest run (0: the run from the start vector)
     norm: Any
@@ -80,18 +81,19 @@ class _State(NamedTuple):
     residuals: jax.Array
 
 
-def _initial_state(key: jax.Array, n: int, k: int, max_steps: int, dtype: Any) -> _State:
+def _initial_state(space: VectorSpace, key: jax.Array, k: int, max_steps: int) -> _State:
     """No rows in use yet, and a random start vector drawn from `key`."""
+    dtype = space.dtype
     return _State(
         m=jnp.asarray(0, jnp.int32),
         products=jnp.asarray(0, jnp.int32),
-        basis=jnp.zeros((max_steps, n), dtype),
+        basis=space.zeros(max_steps),
         alphas=jnp.zeros(max_steps, dtype),
         betas=jnp.zeros(max_steps, dtype),
         couplings=jnp.zeros((max_steps, k), dtype),
         locked_residuals=jnp.zeros(k, dtype),
         locks=jnp.asarray(0, jnp.int32),
-        vector=normal_start(key, n, dtype),
+        vector=normal_start(space, key),
         fresh=jnp.asarray(False),
         start=jnp.asarray(0, jnp.int32),
         norm=jnp.zeros((), dtype),
@@ -104,25 +106,26 @@ def _initial_state(key: jax.Array, n: int, k: int, max_steps: int, dtype: Any) -
     )
 
 
-def _step(state: _State, product: Callable, seed: Any, k: int) -> _State:
+def _step(state: _State, space: VectorSpace, product: Callable, seed: Any, k: int) -> _State:
     """Lanczos step `state.m`, from the state's vector or, where a run starts
     (`fresh`), from a random direction in the complement of the rows in use; its
     image's products with the locked rows are kept as the row's couplings."""
     j = state.m
-    n, dtype = state.basis.shape[1], state.basis.dtype
 
     def fresh_direction(state):
         # A normal vector, orthogonal to the rows in use: a run from it is Lanczos on
         # the operator restricted to their complement.
-        drawn = normal_direction(seed, state.products, n, dtype)
-        drawn = drawn - projection(state.basis, state.m - 1, drawn)
-        return normalised(drawn - projection(state.basis, state.m - 1, drawn))
+        drawn = space.normal(seed, state.products)
+        drawn = space.axpy(-1, projection(space, state.basis, state.m - 1, drawn), drawn)
+        drawn = space.axpy(-1, projection(space, state.basis, state.m - 1, drawn), drawn)
+        return space.normalised(drawn)
 
     vector = jax.lax.cond(state.fresh, fresh_direction, lambda state: state.vector, state)
     basis, alpha, beta, vector, broke, norm, image = lanczos_step(
-        product, state.basis, j, vector, False, state.norm
+        space, product, state.basis, j, vector, False, state.norm
     )
-    coupling = jnp.where(state.locks > 0, basis[:k] @ image, 0)
+    locked = space.map(lambda b: b[:k], basis)
+    coupling = jnp.where(state.locks > 0, space.block_dot(locked, image), 0)
     return state._replace(
         m=j + 1,
         products=state.products + 1,
@@ -138,15 +141,15 @@ def _step(state: _State, product: Callable, seed: Any, k: int) -> _State:
     )
 
 
-def _lock(state: _State, k: int) -> _State:
+def _lock(state: _State, space: VectorSpace, k: int) -> _State:
     """The `k` pairs as the first rows, with their values and residuals; the next run
     starts afresh in their complement (the rows after are left, unread)."""
     max_steps, dtype = state.alphas.shape[0], state.alphas.dtype
-    ritz_vectors = state.basis.T @ state.vectors
+    ritz_vectors = space.combine(state.basis, state.vectors)
     zeros = jnp.zeros_like(state.alphas)
     return state._replace(
         m=jnp.asarray(k, jnp.int32),
-        basis=state.basis.at[:k].set(ritz_vectors.T),
+        basis=space.map(lambda b, y: b.at[:k].set(y), state.basis, ritz_vectors),
         alphas=zeros.at[:k].set(state.values),
         betas=zeros,
         couplings=jnp.zeros_like(state.couplings),
@@ -158,11 +161,11 @@ def _lock(state: _State, k: int) -> _State:
     )
 
 
-def _checked(state: _State, k: int, tol: jax.Array) -> _State:
+def _checked(state: _State, space: VectorSpace, k: int, tol: jax.Array) -> _State:
     """The state after a convergence check: its `k` Ritz pairs, whether they met `tol`
     and passed the check for missed copies, and where that check found a missed copy
     (or none was made yet), the best `k` pairs locked again."""
-    n, dtype = state.basis.shape[1], state.basis.dtype
+    n, dtype = space.size, space.dtype
     floor = jnp.finfo(dtype).eps ** (2 / 3)
     # A run of p steps from a random start whose largest Ritz value falls short of the
     # k-th found one by a fraction f of the spectrum's width below it hides a larger
@@ -199,11 +202,13 @@ def _checked(state: _State, k: int, tol: jax.Array) -> _State:
     state = state._replace(
         converged=converged, values=values, vectors=vectors, residuals=residuals, low=low
     )
-    return jax.lax.cond(relock, functools.partial(_lock, k=k), lambda state: state, state)
+    lock = functools.partial(_lock, space=space, k=k)
+    return jax.lax.cond(relock, lock, lambda state: state, state)
 
 
 def _eigsh(
     view: FlatView,
+    space: VectorSpace,
     key: jax.Array,
     tol: jax.Array,
     sign: jax.Array,
@@ -214,11 +219,11 @@ def _eigsh(
     """The Lanczos iteration of `eigsh`, compiled once per operator type and shapes:
     the `k` largest eigenpairs of `sign * A` (so `sign = -1` gives the smallest of `A`,
     with the same program)."""
-    product = view.linear()  # built once: a kept linearisation serves every step
+    product = space_product(view, space)  # built once: a kept linearisation serves every step
     seed = key_seed(key)
 
     def step(state):
-        return _step(state, lambda vector: sign * product(vector), seed, k)
+        return _step(state, space, lambda vector: space.scale(sign, product(vector)), seed, k)
 
     def steps_and_check(state):
         # The steps up to the next check run in a loop of their own: the check is then
@@ -228,7 +233,7 @@ def _eigsh(
         stop = jnp.minimum(jnp.maximum(state.m + _CHECK_EVERY, 3 * k), max_steps)
         going = lambda state: (state.m < stop) & state.finite  # noqa: E731
         state = jax.lax.while_loop(going, canonical_body(step), state)
-        state = _checked(state, k, tol)
+        state = _checked(state, space, k, tol)
         # The bar counts products; a run that ends fills it.
         count = jnp.where(unfinished(state), jnp.minimum(state.products, max_steps - 1), max_steps)
         bar.done(count, state.residuals)
@@ -237,15 +242,16 @@ def _eigsh(
     def unfinished(state):
         return ~state.converged & (state.m < max_steps) & state.finite
 
-    init = _initial_state(key, view.size, k, max_steps, view.dtype)
+    init = _initial_state(space, key, k, max_steps)
     bar = progress_bar("zm.eigsh steps" if progress else None, max_steps, unit="step")
     bar.start()
     state = jax.lax.while_loop(unfinished, canonical_body(steps_and_check), init)
-    eigenvectors = state.basis.T @ state.vectors
+    # A block of `k` vectors, laid out like the basis.
+    eigenvectors = space.constrain(space.combine(state.basis, state.vectors), block=True)
     # Ascending for A: the largest of -A, negated, come in descending order.
     smallest = sign < 0
     values = jnp.where(smallest, -state.values[::-1], state.values)
-    eigenvectors = jnp.where(smallest, eigenvectors[:, ::-1], eigenvectors)
+    eigenvectors = space.map(lambda y: jnp.where(smallest, y[::-1], y), eigenvectors)
     residuals = jnp.where(smallest, state.residuals[::-1], state.residuals)
     info = EigshInfo(state.products, state.converged & state.finite, residuals)
     return values, eigenvectors, info, state.finite
@@ -408,7 +414,7 @@ def eigenpairs(
     """`eigsh` for a caller `owner` (`"zm.eigsh"`, `"zm.low_rank"`) that its messages name.
     The caller's annotations check the arguments' types; these take anything, so that
     the checks below word a refusal where they say more."""
-    view = symmetric_view(operator, owner)
+    space, view = symmetric_space(operator, owner)
     n = view.size
     if n < 2:
         raise ValueError(f"{owner}: `operator` has size {n}; eigsh needs a size of at least 2.")
@@ -434,7 +440,7 @@ def eigenpairs(
     check_bool(return_info, "return_info", owner=owner)
 
     sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
-    inputs = (view, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
+    inputs = (view, space, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
     values, vectors, info, finite = _eigsh_jit(*inputs)
     values = _finite(values, finite, owner)
     if not return_info:
@@ -446,8 +452,12 @@ def eigenpairs(
             f"n = {n}) or `tol`, or pass `return_info=True` for the partial result and "
             "its residual norms.",
         )
-    if pytree:
-        vectors = view.unflatten(vectors.T)
+    if space.sharded:
+        pass  # already a pytree like the variables, each leaf laid out like its variable
+    elif pytree:
+        vectors = view.unflatten(vectors)
+    else:
+        vectors = vectors.T
     return (values, vectors, info) if return_info else (values, vectors)
 
 

@@ -2,8 +2,10 @@
 `_eigsh.py`) and the stochastic Lanczos quadrature of the spectral density and of traces
 of matrix functions (`_spectral.py`, `_logdet.py`).
 
-Both keep the whole Krylov basis, one preallocated `(steps, n)` buffer, and orthogonalise
-every new vector against all of it (two passes of classical Gram-Schmidt), so the
+Both keep the whole Krylov basis, one preallocated block of `steps` vectors (a
+`(steps, n)` buffer for a model on one device; leaf by leaf, `(steps, *leaf.shape)` and
+sharded as the leaf, for variables sharded over devices), and orthogonalise every new
+vector against all of it (two passes of classical Gram-Schmidt), so the
 tridiagonal matrix stays faithful in floating point: no spurious copies of converged
 eigenvalues, at the price of `steps * n` numbers of memory and `4 * steps * n` flops a
 step beside the product.
@@ -11,21 +13,22 @@ step beside the product.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lineax as lx
 
-from ._random import hashed_bits, key_seed
+from .._operators._flat import FlatView, symmetric_view
+from .._operators._vectors import VectorSpace, key_seed, vector_space
 
 __all__ = [
     "lanczos_step",
-    "normal_direction",
     "normal_start",
-    "normalised",
     "projection",
+    "space_product",
+    "symmetric_space",
     "tridiagonal",
 ]
 
@@ -39,66 +42,70 @@ _CHUNK = 16
 _TWICE = 2**-0.5
 
 
-def _orthogonalise(basis: jax.Array, vector: jax.Array) -> jax.Array:
-    """`vector` less its components along the rows of `basis` (rows not yet used are
-    zero): classical Gram-Schmidt twice, which leaves it orthogonal to working precision."""
-    vector = vector - basis.T @ (basis @ vector)
-    return vector - basis.T @ (basis @ vector)
-
-
-def projection(basis: jax.Array, j: Any, vector: jax.Array) -> jax.Array:
-    """`basis.T @ (basis @ vector)` over rows `0..j` only (the rows after are zero), in
-    chunks of `_CHUNK` rows: a step reads the part of the basis it has filled, not all
-    of it, and each pass costs as much as a product here."""
-    rows, n = basis.shape
+def projection(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
+    """`sum_i <basis_i, vector> basis_i` over rows `0..j` only (the rows after are
+    zero), in chunks of `_CHUNK` rows: a step reads the part of the basis it has filled,
+    not all of it, and each pass costs as much as a product here. The basis is a block
+    of vectors of `space` (leaves `(rows, *leaf.shape)`)."""
+    rows = jax.tree_util.tree_leaves(basis)[0].shape[0]
     size = min(_CHUNK, rows)
 
     def chunk(c, total):
         start = jnp.minimum(c * size, rows - size)  # the last chunk may overlap the one before
-        block = jax.lax.dynamic_slice_in_dim(basis, start, size, axis=0)
+        block = space.map(lambda b: jax.lax.dynamic_slice_in_dim(b, start, size, axis=0), basis)
         index = start + jnp.arange(size)
-        coefficients = jnp.where((index >= c * size) & (index <= j), block @ vector, 0)
-        return total + block.T @ coefficients
+        coefficients = jnp.where(
+            (index >= c * size) & (index <= j), space.block_dot(block, vector), 0
+        )
+        return space.axpy(1, space.combine(block, coefficients), total)
 
-    return jax.lax.fori_loop(0, j // size + 1, chunk, jnp.zeros_like(vector))
-
-
-def normalised(vector: jax.Array) -> jax.Array:
-    norm = jnp.linalg.norm(vector)
-    return vector / jnp.where(norm > 0, norm, 1)
+    return jax.lax.fori_loop(0, j // size + 1, chunk, space.map(jnp.zeros_like, vector))
 
 
-def _direction(j: Any, n: int, dtype: Any) -> jax.Array:
-    """A pseudo-random vector of `n` entries in [-1, 1), different for each `j`: the
-    new direction after a breakdown (a branch that seldom runs)."""
-    return hashed_bits(n, j).astype(dtype) * 2.0**-31 - 1
+def _orthogonalised(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
+    """`vector` less its components along rows `0..j` of `basis`: classical Gram-Schmidt
+    twice, which leaves it orthogonal to working precision."""
+    vector = space.axpy(-1, projection(space, basis, j, vector), vector)
+    return space.axpy(-1, projection(space, basis, j, vector), vector)
 
 
-def normal_start(key: jax.Array, n: int, dtype: Any) -> jax.Array:
+def symmetric_space(operator: Any, owner: str) -> tuple[VectorSpace, FlatView]:
+    """`(space, view)` of a real symmetric operator (refused in words naming `owner`
+    otherwise): its vectors leaf by leaf where its variables are sharded over devices,
+    else through one flat leaf, and its flat view."""
+    view = symmetric_view(operator, owner)
+    space = vector_space(operator, owner)
+    return (space if space.sharded else space.flat()), view
+
+
+def space_product(view: FlatView, space: VectorSpace) -> Callable:
+    """The operator's product as a function of vectors of `space`, built once (outside
+    any loop: a kept linearisation serves every product): through flat vectors on one
+    device, else leaf by leaf with `operator.mv`, its result pinned to the layout."""
+    if not space.sharded:
+        return view.linear()
+    operator = lx.linearise(view.operator)
+    return lambda vector: space.as_vector(operator.mv(space.as_input(vector)))
+
+
+def normal_start(space: VectorSpace, key: jax.Array) -> Any:
     """A unit vector of standard normal entries, drawn from the words of `key`."""
-    return normal_direction(key_seed(key), 0, n, dtype)
-
-
-def normal_direction(seed: Any, draw: Any, n: int, dtype: Any) -> jax.Array:
-    """Unit vector number `draw` of standard normal entries (Box-Muller over hashed
-    words) for the 32-bit `seed`: uniform on the sphere, as a random start must be."""
-    # In (0, 1], so that the logarithm is finite.
-    u1 = (hashed_bits(n, 2 * draw, seed).astype(dtype) + 1) * 2.0**-32
-    u2 = hashed_bits(n, 2 * draw + 1, seed).astype(dtype) * 2.0**-32
-    return normalised(jnp.sqrt(-2 * jnp.log(u1)) * jnp.cos(2 * math.pi * u2))
+    return space.normal(key_seed(key), 0)
 
 
 def lanczos_step(
+    space: VectorSpace,
     product: Callable,
-    basis: jax.Array,
+    basis: Any,
     j: Any,
-    vector: jax.Array,
+    vector: Any,
     fresh: Any,
     norm: Any,
 ) -> tuple:
-    """Lanczos step `j` from the unit `vector`, orthogonal to rows `0..j-1` of `basis`;
-    with `fresh` true, from a new pseudo-random direction (`_direction(j)`) orthogonal
-    to them instead, the way to go on once the Krylov space is exhausted.
+    """Lanczos step `j` from the unit `vector`, orthogonal to rows `0..j-1` of `basis`
+    (vectors of `space`, stored leaf by leaf); with `fresh` true, from a new
+    pseudo-random direction (`space.uniform(j)`) orthogonal to them instead, the way to
+    go on once the Krylov space is exhausted.
 
     Returns `(basis, alpha, beta, next_vector, broke, norm, image)`: the step's unit
     vector stored as row `j`, the diagonal entry `alpha`, the coupling `beta` to
@@ -108,29 +115,33 @@ def lanczos_step(
     """
 
     def draw(vector):
-        drawn = _direction(j, vector.shape[0], basis.dtype)
-        return normalised(_orthogonalise(basis, drawn))
+        return space.normalised(_orthogonalised(space, basis, j - 1, space.uniform(j)))
 
     vector = jax.lax.cond(fresh, draw, lambda vector: vector, vector)
-    basis = jax.lax.dynamic_update_index_in_dim(basis, vector, j, axis=0)
-    image = product(vector).astype(basis.dtype)
-    norm = jnp.maximum(norm, jnp.linalg.norm(image))
+    basis = space.set_row(basis, j, vector)
+    image = space.map(lambda x: x.astype(space.dtype), product(vector))
+    norm = jnp.maximum(norm, space.norm(image))
     # The three-term recurrence first (its two projections read two rows, not the
     # basis), then one pass of classical Gram-Schmidt against the whole basis, and a
     # second only where that pass removed much (Daniel, Gragg, Kaufman and Stewart's
     # test): each pass reads all of the basis, which costs as much as a product here.
-    alpha = jnp.vdot(vector, image)
-    previous = basis[jnp.maximum(j - 1, 0)]
-    coupling = jnp.where(j > 0, jnp.vdot(previous, image), 0)
-    residual = image - alpha * vector - coupling * previous
-    before = jnp.linalg.norm(residual)
-    residual = residual - projection(basis, j, residual)
-    again = jnp.linalg.norm(residual) < _TWICE * before
-    residual = jax.lax.cond(again, lambda r: r - projection(basis, j, r), lambda r: r, residual)
-    beta = jnp.linalg.norm(residual)
-    broke = beta <= _BREAKDOWN * jnp.finfo(basis.dtype).eps * norm
+    alpha = space.dot(vector, image)
+    previous = space.row(basis, jnp.maximum(j - 1, 0))
+    coupling = jnp.where(j > 0, space.dot(previous, image), 0)
+    residual = space.axpy(-coupling, previous, space.axpy(-alpha, vector, image))
+    before = space.norm(residual)
+    residual = space.axpy(-1, projection(space, basis, j, residual), residual)
+    again = space.norm(residual) < _TWICE * before
+
+    def second_pass(r):
+        return space.axpy(-1, projection(space, basis, j, r), r)
+
+    residual = jax.lax.cond(again, second_pass, lambda r: r, residual)
+    beta = space.norm(residual)
+    broke = beta <= _BREAKDOWN * jnp.finfo(space.dtype).eps * norm
     beta = jnp.where(broke, 0, beta)
-    return basis, alpha, beta, residual / jnp.where(broke, 1, beta), broke, norm, image
+    next_vector = space.scale(1 / jnp.where(broke, 1, beta), residual)
+    return basis, alpha, beta, next_vector, broke, norm, image
 
 
 def tridiagonal(alphas: jax.Array, betas: jax.Array) -> jax.Array:

@@ -21,9 +21,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import Integer, Memory, RealScalar, check_int, check_key, described, typechecked
 from .._operators._arguments import check_real, is_traced
-from .._operators._flat import symmetric_view
 from .._traceback import public
-from ._lanczos import tridiagonal
+from ._lanczos import symmetric_space, tridiagonal
 from ._spectral import quadrature_rules
 
 __all__ = ["logdet", "trace_function"]
@@ -198,7 +197,7 @@ def _trace_function(
     sharding: Any,
     progress: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    view = symmetric_view(operator, owner)
+    space, view = symmetric_space(operator, owner)
     apply = _check_function(function, owner)
     num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=2, allowed="an int >= 2")
     if num_steps is None:
@@ -213,7 +212,7 @@ def _trace_function(
     damping = check_real(damping, "damping", owner=owner, minimum=None)
     options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
     options.update(owner=owner, progress=progress, tridiagonals=True)
-    alphas, betas = quadrature_rules(view, key, num_probes, num_steps, **options)
+    alphas, betas = quadrature_rules(view, space, key, num_probes, num_steps, **options)
     shift = damping if is_traced(damping) else jnp.asarray(damping, view.dtype)
     named = isinstance(function, str)
     mean, error, lowest, bound = _estimate(alphas, betas, shift, apply, named, view.size, owner)

@@ -20,11 +20,13 @@ from jaxtyping import Array, Float, PRNGKeyArray, Real
 from .._checks import Integer, Memory, Number, check_int, described, typechecked
 from .._engine._layout import canonical_body
 from .._operators._arguments import check_positive, key_or_default
-from .._operators._flat import FlatView, symmetric_view
+from .._operators._flat import FlatView
+from .._operators._vectors import VectorSpace, flat_space
+from .._plan._memory import budget_bytes, check_memory, format_bytes_up
 from .._traceback import public
-from ._lanczos import lanczos_step, normalised, tridiagonal
+from ._lanczos import lanczos_step, space_product, symmetric_space, tridiagonal
 from ._probes import ProbeJob, run_probes
-from ._random import sign_probes
+from ._random import probe_seeds, sign_probes
 
 __all__ = ["lanczos_quadrature", "spectral_density"]
 
@@ -34,7 +36,7 @@ _GRID_POINTS = 512
 
 
 def lanczos_quadrature(
-    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: Any
+    product: Callable, probe: Any, num_steps: Any, space: VectorSpace | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """The Gauss quadrature rule of a symmetric operator's spectral measure seen from
     one probe vector: `num_steps` Lanczos steps (with full reorthogonalisation) from
@@ -47,7 +49,8 @@ def lanczos_quadrature(
     **Arguments:**
 
     - `product`: `v -> A v` for flat vectors of `A`'s size and dtype.
-    - `probe`: a flat vector (any nonzero norm), of the dtype of the products.
+    - `probe`: a flat vector (any nonzero norm), of the dtype of the products, or a
+      vector of `space` (leaf by leaf, laid out like the variables).
     - `num_steps`: the number of steps and of nodes, `1 <= num_steps <= n`.
 
     **Returns:**
@@ -57,38 +60,41 @@ def lanczos_quadrature(
     to 1). After a breakdown (the Krylov space of `probe` is invariant), the steps go on
     in a new direction and its nodes get weight 0.
     """
-    alphas, betas = lanczos_tridiagonal(product, probe, num_steps)
+    alphas, betas = lanczos_tridiagonal(product, probe, num_steps, space)
     nodes, vectors = jnp.linalg.eigh(tridiagonal(alphas, betas[:-1]))
     return nodes, vectors[0] ** 2
 
 
 def lanczos_tridiagonal(
-    product: Callable[[jax.Array], jax.Array], probe: jax.Array, num_steps: Any
+    product: Callable, probe: Any, num_steps: Any, space: VectorSpace | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """The Lanczos tridiagonal matrix of `num_steps` steps from `probe / |probe|`, as
     its diagonal `alphas` and its couplings `betas`, each `(num_steps,)`: `betas[-1]`
     couples the last step to the next Lanczos vector (the residual of the Ritz pairs,
-    and the entry a Gauss-Radau rule extends the matrix by)."""
-    n = probe.shape[-1]
+    and the entry a Gauss-Radau rule extends the matrix by). The probe is a vector of
+    `space` (by default, a flat vector)."""
+    if space is None:
+        space = flat_space(probe.shape[-1], probe.dtype)
+    n = space.size
     num_steps = check_int(num_steps, "num_steps", owner="lanczos_quadrature", minimum=1)
     if num_steps > n:
         raise ValueError(
             f"lanczos_quadrature: `num_steps` must be at most the probe's size {n}, got "
             f"num_steps={num_steps}."
         )
-    dtype = probe.dtype
+    dtype = space.dtype
 
     def body(j, carry):
         basis, alphas, betas, vector, fresh, norm = carry
-        step = lanczos_step(product, basis, j, vector, fresh, norm)
+        step = lanczos_step(space, product, basis, j, vector, fresh, norm)
         basis, alpha, beta, vector, fresh, norm, _ = step
         return basis, alphas.at[j].set(alpha), betas.at[j].set(beta), vector, fresh, norm
 
     init = (
-        jnp.zeros((num_steps, n), dtype),
+        space.zeros(num_steps),
         jnp.zeros(num_steps, dtype),
         jnp.zeros(num_steps, dtype),
-        normalised(probe),
+        space.normalised(probe),
         jnp.asarray(False),
         jnp.zeros((), dtype),
     )
@@ -121,6 +127,7 @@ class Quadrature(ProbeJob):
 @eqx.filter_jit
 def quadrature_rules(
     view: FlatView,
+    space: VectorSpace,
     key: Any,
     num_probes: int,
     num_steps: int,
@@ -131,9 +138,85 @@ def quadrature_rules(
 ) -> tuple[jax.Array, jax.Array]:
     """The Gauss rules `(nodes, weights)` of `num_probes` sign probes of `key`, each
     `(num_probes, num_steps)`, in blocks that `options` plan (`run_probes`'s); with
-    `tridiagonals`, their Lanczos matrices `(alphas, betas)` instead, of the same shapes."""
+    `tridiagonals`, their Lanczos matrices `(alphas, betas)` instead, of the same shapes.
+    For variables sharded over devices, each probe and its basis are laid out like them
+    (`sharded_rules`)."""
+    if space.sharded:
+        return sharded_rules(
+            view, space, key, num_probes, num_steps, owner, tridiagonals, **options
+        )
     job = Quadrature(key, num_probes, num_steps, tridiagonals)
     return run_probes(view, job, owner=owner, **options)
+
+
+def sharded_rules(
+    view: FlatView,
+    space: VectorSpace,
+    key: Any,
+    num_probes: int,
+    num_steps: int,
+    owner: str,
+    tridiagonals: bool = False,
+    *,
+    max_memory: Any = None,
+    batch_size: Any = None,
+    sharding: Any = None,
+    progress: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`quadrature_rules` for variables sharded over devices: the probes run one block of
+    `batch_size` at a time (by default as many as `max_memory` holds bases of, per device,
+    else one), each probe `sign_probes(key, i)` drawn leaf by leaf in the variables'
+    layout, its basis `(num_steps, *leaf.shape)` a leaf, sharded as the leaf."""
+    if sharding is not None:
+        raise ValueError(
+            f"{owner}: `sharding` spreads probes over devices, but the operator's variables "
+            "are sharded over them already; leave `sharding` None."
+        )
+    size = probe_block(space, num_steps, num_probes, owner, max_memory, batch_size)
+    product = space_product(view, space)
+    run = lanczos_tridiagonal if tridiagonals else lanczos_quadrature
+
+    def one(seed):
+        probe = space.map(lambda leaf: leaf[0], space.signs(seed[None]))
+        return run(product, probe, num_steps, space)
+
+    seeds = probe_seeds(key, jnp.arange(num_probes, dtype=jnp.int32))
+    return jax.lax.map(one, seeds, batch_size=size)
+
+
+def probe_block(
+    space: VectorSpace,
+    num_steps: int,
+    num_probes: int,
+    owner: str,
+    max_memory: Any,
+    batch_size: Any,
+) -> int:
+    """Probes a block for sharded variables: `batch_size`, or as many whose Lanczos bases
+    (`num_steps` vectors each, counted per device) `max_memory` holds, else 1; refused in
+    words, naming the budget that fits, where not even one basis fits."""
+    check_memory(max_memory, owner=owner)
+    check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
+    if max_memory is not None and batch_size is not None:
+        raise ValueError(
+            f"{owner}: give at most one of `batch_size` (probes per block) and `max_memory` "
+            f"(a budget the blocks are planned to fit), got batch_size={batch_size!r} and "
+            f"max_memory={max_memory!r}."
+        )
+    if batch_size is not None:
+        return min(int(batch_size), num_probes)
+    budget = budget_bytes(max_memory)
+    if budget is None:
+        return 1
+    # A probe's basis and its few working vectors (the probe, the residual, an image).
+    per_probe = space.bytes_per_device(num_steps + 4)
+    if per_probe > budget:
+        raise ValueError(
+            f"{owner}: one probe's Lanczos basis of {num_steps} vectors takes "
+            f"{format_bytes_up(per_probe)} per device, over max_memory={max_memory!r}; "
+            f"give max_memory={per_probe} or more (bytes per device), or fewer `num_steps`."
+        )
+    return max(1, min(num_probes, budget // per_probe))
 
 
 def _density(
@@ -234,7 +317,7 @@ def spectral_density(
         ```
     """
     owner = "zm.spectral_density"
-    view = symmetric_view(operator, owner)
+    space, view = symmetric_space(operator, owner)
     num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=1)
     num_steps = min(check_int(num_steps, "num_steps", owner=owner, minimum=1), view.size)
     key = key_or_default(key, owner)
@@ -259,6 +342,6 @@ def spectral_density(
         sigma = jnp.asarray(sigma, view.dtype)
     options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
     nodes, weights = quadrature_rules(
-        view, key, num_probes, num_steps, owner=owner, progress=progress, **options
+        view, space, key, num_probes, num_steps, owner=owner, progress=progress, **options
     )
     return _density(nodes, weights, grid, sigma)

@@ -32,6 +32,7 @@ __all__ = [
     "GOLDEN",
     "hashed_words",
     "flat_indices",
+    "flat_space",
     "VectorSpace",
     "key_seed",
     "leaf_sharding",
@@ -98,8 +99,11 @@ def hashed_words(shape: tuple, offset: int, stream: Any, seed: Any) -> jax.Array
 def leaf_sharding(leaf: Any) -> Any:
     """The `NamedSharding` of an array over more than one device, else `None`: of a
     concrete array, its own; of a traced one, what its type says (on Explicit axes)."""
-    sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
-    if sharding is None:
+    try:
+        sharding = leaf.sharding if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) else None
+    except (AttributeError, TypeError, ValueError):  # a tracer's, on Auto axes
+        sharding = None
+    if sharding is None and not isinstance(leaf, jax.ShapeDtypeStruct):
         try:
             sharding = jax.typeof(leaf).sharding
         except (AttributeError, TypeError):
@@ -216,6 +220,8 @@ class VectorSpace(eqx.Module):
         return sum(jnp.vdot(a, b) for a, b in zip(self.leaves(u), self.leaves(v), strict=True))
 
     def norm(self, v: Any) -> jax.Array:
+        if len(self.shapes) == 1:
+            return jnp.linalg.norm(self.leaves(v)[0])
         return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in self.leaves(v)))
 
     def block_dot(self, basis: Any, v: Any) -> jax.Array:
@@ -325,6 +331,12 @@ class VectorSpace(eqx.Module):
         return steps * total * itemsize
 
 
+def flat_space(size: int, dtype: Any) -> VectorSpace:
+    """The space of flat `(size,)` vectors of `dtype` on one device."""
+    treedef = jax.tree_util.tree_structure(0)
+    return VectorSpace(size, jnp.dtype(dtype), ((size,),), (jnp.dtype(dtype),), (None,), treedef)
+
+
 def _variable_shardings(operator: Any, count: int, like: Any) -> tuple:
     """Each input leaf's sharding over several devices: of the arrays the operator was
     built at (a zodmem operator's variables), else of `like` (a vector given)."""
@@ -335,7 +347,8 @@ def _variable_shardings(operator: Any, count: int, like: Any) -> tuple:
     if (leaves is None or len(leaves) != count) and like is not None:
         leaves = jax.tree_util.tree_leaves(like)
     if leaves is None or len(leaves) != count:
-        return (None,) * count
+        # A lineax operator's structure may say its layout.
+        leaves = jax.tree_util.tree_leaves(operator.in_structure())
     return tuple(leaf_sharding(leaf) for leaf in leaves)
 
 
