@@ -181,6 +181,10 @@ def sharded_rules(
         return run(product, probe, num_steps, space)
 
     seeds = probe_seeds(key, jnp.arange(num_probes, dtype=jnp.int32))
+    if space.explicit:
+        # A Lanczos step's branches, mapped over a block, become selects that the types
+        # of Explicit axes refuse: there the probes of a block run one after another.
+        size = None
     return jax.lax.map(one, seeds, batch_size=size)
 
 

@@ -216,8 +216,26 @@ class VectorSpace(eqx.Module):
 
     # -- algebra ------------------------------------------------------------------------
 
+    @property
+    def explicit(self) -> bool:
+        """Whether a leaf is sharded over Explicit mesh axes (its layout in its type)."""
+        return any(s is not None and _explicit(s) for s in self.shardings)
+
+    @property
+    def _reduced(self) -> Any:
+        """The layout of a reduction over sharded leaves: on Explicit axes, replicated
+        (the type must say it), else whatever XLA gives it."""
+        return jax.sharding.PartitionSpec() if self.explicit else None
+
     def dot(self, u: Any, v: Any) -> jax.Array:
-        return sum(jnp.vdot(a, b) for a, b in zip(self.leaves(u), self.leaves(v), strict=True))
+        if not self.sharded:
+            return sum(jnp.vdot(a, b) for a, b in zip(self.leaves(u), self.leaves(v), strict=True))
+
+        def leaf_dot(a, b):
+            axes = tuple(range(a.ndim))
+            return jnp.tensordot(a, b, axes=(axes, axes), out_sharding=self._reduced)
+
+        return sum(leaf_dot(a, b) for a, b in zip(self.leaves(u), self.leaves(v), strict=True))
 
     def norm(self, v: Any) -> jax.Array:
         if len(self.shapes) == 1:
@@ -229,7 +247,8 @@ class VectorSpace(eqx.Module):
 
         def leaf_dot(b, x):
             axes = tuple(range(x.ndim))
-            return jnp.tensordot(b, x, axes=(tuple(a + 1 for a in axes), axes))
+            leading = tuple(a + 1 for a in axes)
+            return jnp.tensordot(b, x, axes=(leading, axes), out_sharding=self._reduced)
 
         return sum(leaf_dot(b, x) for b, x in zip(self.leaves(basis), self.leaves(v), strict=True))
 
@@ -238,7 +257,7 @@ class VectorSpace(eqx.Module):
 
         def leaf_gram(b, c):
             axes = tuple(range(1, b.ndim))
-            return jnp.tensordot(b, c, axes=(axes, axes))
+            return jnp.tensordot(b, c, axes=(axes, axes), out_sharding=self._reduced)
 
         return sum(
             leaf_gram(b, c) for b, c in zip(self.leaves(basis), self.leaves(others), strict=True)

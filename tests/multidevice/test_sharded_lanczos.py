@@ -1,0 +1,224 @@
+"""The Lanczos estimators on models whose variables are sharded over the devices: the
+basis, the probes and the eigenvectors stored leaf by leaf, each laid out like its
+variable, never gathered; the values those of the same model on one device.
+
+Layouts: FSDP (each leaf's first axis that the device count divides, sharded), data
+parallel (weights replicated, the batch sharded) and tensor parallel (a weight's last
+axis sharded), on Auto and Explicit meshes. Run in a process of its own with
+`--xla_force_host_platform_device_count=4` (or 8): the device count is read here.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import zodmem as zm
+
+D = len(jax.devices())
+
+
+def mlp(width=32):
+    return eqx.nn.MLP(8, 2, width, 2, key=jax.random.key(0))
+
+
+class CNN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
+        self.head = eqx.nn.Linear(8 * 4 * 4, 2, key=k2)
+
+    def __call__(self, x):
+        z = jnp.tanh(self.conv(x.reshape(1, 4, 4)))
+        return self.head(z.ravel())
+
+
+class Dense(eqx.Module):
+    """A layer whose products are well typed on Explicit axes with its weight sharded
+    over its outputs and the batch replicated."""
+
+    weight: jax.Array
+    bias: jax.Array
+
+    def __init__(self, key):
+        self.weight = jax.random.normal(key, (4 * D, 8)) / 3
+        self.bias = jnp.linspace(-1.0, 1.0, 4 * D)
+
+    def __call__(self, x):
+        z = jnp.tanh(self.weight @ x + self.bias)
+        return jnp.stack([jnp.sum(z**2), jnp.sum(z * self.bias)])
+
+
+def data(features):
+    x = jax.random.normal(jax.random.key(1), (16, features))
+    y = jax.random.normal(jax.random.key(2), (16, 2))
+    return x, y
+
+
+def loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def spec_of(leaf, layout):
+    """The layout's PartitionSpec for one variable."""
+    spec = [None] * leaf.ndim
+    axes = range(leaf.ndim) if layout == "fsdp" else reversed(range(leaf.ndim))
+    if layout in ("fsdp", "tensor") and leaf.ndim >= (1 if layout == "fsdp" else 2):
+        for axis in axes:
+            if leaf.shape[axis] % D == 0:
+                spec[axis] = "d"
+                break
+    return P(*spec)
+
+
+def laid_out(mesh, model, x, y, layout):
+    """The model and data on `mesh` in `layout`."""
+
+    def put(leaf):
+        if not eqx.is_inexact_array(leaf):
+            return leaf
+        return jax.device_put(leaf, NamedSharding(mesh, spec_of(leaf, layout)))
+
+    batch = NamedSharding(mesh, P("d"))
+    return jax.tree.map(put, model), jax.device_put(x, batch), jax.device_put(y, batch)
+
+
+def hessian_operator(model, x, y):
+    """The loss's Hessian as a lineax operator of the model's variables (the layout of
+    each in its structure), products by forward-over-reverse."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def product(v):
+        gradient = jax.grad(lambda p: loss(eqx.combine(p, static), x, y))
+        return jax.jvp(gradient, (params,), (v,))[1]
+
+    def struct(leaf):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+
+    structure = jax.tree.map(struct, params)
+    return lx.FunctionLinearOperator(product, structure, lx.symmetric_tag)
+
+
+def operators(model_fn, features, layout, kind):
+    """(one-device operator, sharded operator, sharded variables, mesh): a zodmem
+    Hessian on Auto axes, the lineax one on Explicit axes (its batch replicated)."""
+    model, (x, y) = model_fn(), data(features)
+    mesh = jax.make_mesh((D,), ("d",), axis_types=(kind,))
+    sharded, xs, ys = laid_out(mesh, model, x, y, layout)
+    if kind == AxisType.Explicit:
+        xs, ys = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, y))
+    if kind == AxisType.Auto:
+        single = zm.BatchedHessian(loss).operator(model, x, y)
+        return single, zm.BatchedHessian(loss).operator(sharded, xs, ys), sharded, mesh
+    with jax.sharding.set_mesh(mesh):
+        op = hessian_operator(sharded, xs, ys)
+    return hessian_operator(model, x, y), op, sharded, mesh
+
+
+def check_laid_out(vectors, variables, block=True):
+    """Each leaf of `vectors` (a block of them with `block`) laid out like its variable,
+    and no device holding more than 2/D of a sharded leaf's entries."""
+    leaves = [v for v in jax.tree.leaves(variables) if eqx.is_inexact_array(v)]
+    for vector, variable in zip(jax.tree.leaves(vectors), leaves, strict=True):
+        spec = variable.sharding.spec
+        expected = P(None, *spec) if block else spec
+        assert vector.sharding.is_equivalent_to(
+            NamedSharding(variable.sharding.mesh, expected), vector.ndim
+        )
+        if any(axis is not None for axis in spec):
+            for shard in vector.addressable_shards:
+                assert shard.data.size <= 2 * vector.size / D
+
+
+AUTO = [
+    pytest.param(model_fn, features, layout, AxisType.Auto, id=f"{name}-{layout}-auto")
+    for name, model_fn, features in [
+        ("mlp", mlp, 8),
+        ("cnn", lambda: CNN(jax.random.key(0)), 16),
+    ]
+    for layout in ("fsdp", "data", "tensor")
+]
+# On Explicit axes the model's own operations must be well typed: a layer whose weight is
+# sharded over its outputs (FSDP) or replicated (data parallel), the batch replicated.
+EXPLICIT = [
+    pytest.param(
+        lambda: Dense(jax.random.key(0)),
+        8,
+        layout,
+        AxisType.Explicit,
+        id=f"dense-{layout}-explicit",
+    )
+    for layout in ("fsdp", "data")
+]
+
+
+@pytest.mark.parametrize("model_fn, features, layout, kind", AUTO + EXPLICIT)
+def test_eigsh(model_fn, features, layout, kind):
+    single, op, variables, mesh = operators(model_fn, features, layout, kind)
+    expected, expected_vectors = zm.eigsh(single, 3, pytree=True)
+    with jax.sharding.set_mesh(mesh):
+        values, vectors = zm.eigsh(op, 3)
+    np.testing.assert_allclose(values, expected, rtol=1e-4)
+    check_laid_out(vectors, variables)
+    # The top eigenvector, up to its sign.
+    top = sum(
+        jnp.vdot(a[-1], b[-1])
+        for a, b in zip(*map(jax.tree.leaves, (vectors, expected_vectors)), strict=True)
+    )
+    assert abs(float(top)) > 0.999
+
+
+@pytest.mark.parametrize(
+    "model_fn, layout, kind",
+    [
+        (mlp, "fsdp", AxisType.Auto),
+        (mlp, "tensor", AxisType.Auto),
+        (lambda: Dense(jax.random.key(0)), "fsdp", AxisType.Explicit),
+    ],
+    ids=["mlp-fsdp-auto", "mlp-tensor-auto", "dense-fsdp-explicit"],
+)
+def test_spectral_density_and_logdet(model_fn, layout, kind):
+    single, op, _, mesh = operators(model_fn, 8, layout, kind)
+    key = jax.random.key(3)
+    grid, density = zm.spectral_density(single, num_probes=3, num_steps=8, key=key)
+    expected = zm.logdet(single, num_probes=3, key=key, damping=50.0)
+    with jax.sharding.set_mesh(mesh):
+        sharded_grid, sharded_density = zm.spectral_density(op, num_probes=3, num_steps=8, key=key)
+        estimate = zm.logdet(op, num_probes=3, key=key, damping=50.0, batch_size=2)
+    np.testing.assert_allclose(sharded_grid, grid, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(sharded_density, density, rtol=1e-3, atol=1e-4 * density.max())
+    np.testing.assert_allclose(estimate[0], expected[0], rtol=1e-4)
+
+
+def test_budget_per_device_refused():
+    _, op, _, _ = operators(mlp, 8, "fsdp", AxisType.Auto)
+    with pytest.raises(ValueError, match="bytes per device"):
+        zm.spectral_density(op, num_probes=2, num_steps=8, max_memory=1000)
+
+
+def test_eigsh_compiled_bytes_per_device():
+    """The bytes one device needs for eigsh's program, by XLA's count: at D devices, the
+    basis and the eigenvectors divided over them."""
+    model = eqx.nn.MLP(32, 8, 256, 2, key=jax.random.key(0))
+    x, y = jax.random.normal(jax.random.key(1), (D, 32)), jnp.zeros((D, 8))
+
+    def per_device(devices):
+        mesh = jax.make_mesh(
+            (devices,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
+        )
+        sharded, xs, ys = laid_out(mesh, model, x, y, "fsdp" if devices > 1 else "data")
+        op = zm.BatchedHessian(loss).operator(sharded, xs, ys)
+        run = jax.jit(lambda: zm.eigsh(op, 5, max_steps=40, return_info=True))
+        memory = run.lower().compile().memory_analysis()
+        return memory.temp_size_in_bytes + memory.output_size_in_bytes
+
+    one, many = per_device(1), per_device(D)
+    n = sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    assert one >= 40 * n * 4  # the basis, at least
+    assert many <= 0.3 * one, (one, many)
