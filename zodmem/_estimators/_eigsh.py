@@ -335,7 +335,10 @@ def eigsh(
     - `key`: a `jax.random` key, whose words seed the pseudo-random normal start
       vector (default `jax.random.key(0)`).
     - `pytree`: return the eigenvectors shaped like the operator's input (for a zodmem
-      operator, like `x`'s variables) instead of as flat columns.
+      operator, like `x`'s variables) instead of as flat columns. Where the variables
+      are sharded over several devices, they always come back so, each leaf laid out
+      like its variable (never gathered): the basis there is stored leaf by leaf,
+      `(max_steps, *leaf.shape)` and sharded as the leaf.
     - `return_info`: also return an `EigshInfo`, and never raise for non-convergence.
     - `progress`: a progress bar of the Lanczos steps on stderr, out of `max_steps` (filled
       when the iteration ends).

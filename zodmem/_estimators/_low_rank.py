@@ -14,11 +14,11 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import Integer, Number, check_int, check_key, described, typechecked
 from .._operators._arguments import check_dtype
-from .._operators._flat import symmetric_view
 from .._operators._low_rank_diagonal import LowRankDiagonal
 from .._traceback import public
 from ._diagonal import diagonal as diagonal_of
 from ._eigsh import eigenpairs
+from ._lanczos import symmetric_space
 
 __all__ = ["low_rank"]
 
@@ -104,8 +104,17 @@ def low_rank(
         ```
     """
     owner = "zm.low_rank"
-    view = symmetric_view(operator, owner)
+    space, view = symmetric_space(operator, owner)
     n, dtype = view.size, view.dtype
+    if space.sharded:
+        # A LowRankDiagonal holds flat columns: gathering them would put the whole basis
+        # on every device.
+        raise ValueError(
+            f"{owner}: the operator's variables are sharded over several devices, and a "
+            "LowRankDiagonal holds flat (n, r) columns, which would gather them onto every "
+            "device; for the top eigenpairs laid out like the variables, use "
+            "zm.eigsh(operator, rank), whose eigenvectors keep each variable's sharding."
+        )
     rank = check_int(rank, "rank", owner=owner, minimum=0)
     if rank >= n:
         raise ValueError(

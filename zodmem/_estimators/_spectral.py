@@ -292,9 +292,13 @@ def spectral_density(
     - `batch_size`, `max_memory`: at most one: the probes per block (vmapped together),
       given, or as many as fit the budget, planned as any transform's blocks. By default
       the options of the operator's transform, or for any other operator all probes in
-      one block.
+      one block. Where the operator's variables are sharded over several devices, each
+      probe and its basis are laid out like them (see the estimators' page): a block
+      is one probe by default, and `max_memory` counts each basis per device, refused
+      before it runs, with the bytes that fit, where not even one fits.
     - `sharding`: a `NamedSharding` whose first entry names the mesh axes that split the
-      probes over devices; by default the operator's transform's.
+      probes over devices; by default the operator's transform's (none where the
+      operator's variables are sharded over the devices already).
     - `progress`: a progress bar of the blocks of probes done; by default the
       transform's.
 
