@@ -39,6 +39,29 @@ class CNN(eqx.Module):
         return self.head(z.ravel())
 
 
+class Block(eqx.Module):
+    """A transformer block: attention and an MLP, each with a residual and a norm."""
+
+    attention: eqx.nn.MultiheadAttention
+    norm: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.attention = eqx.nn.MultiheadAttention(2, 8, key=k1)
+        self.norm = eqx.nn.LayerNorm(8)
+        self.mlp = eqx.nn.MLP(8, 8, 16, 1, key=k2)
+        self.head = eqx.nn.Linear(8, 2, key=k3)
+
+    def __call__(self, x):
+        tokens = x.reshape(2, 8)
+        tokens = tokens + self.attention(tokens, tokens, tokens)
+        tokens = jax.vmap(self.norm)(tokens)
+        tokens = tokens + jax.vmap(self.mlp)(tokens)
+        return self.head(jnp.mean(tokens, axis=0))
+
+
 class Dense(eqx.Module):
     """A layer whose products are well typed on Explicit axes with its weight sharded
     over its outputs and the batch replicated."""
@@ -141,6 +164,7 @@ AUTO = [
     for name, model_fn, features in [
         ("mlp", mlp, 8),
         ("cnn", lambda: CNN(jax.random.key(0)), 16),
+        ("transformer", lambda: Block(jax.random.key(0)), 16),
     ]
     for layout in ("fsdp", "data", "tensor")
 ]
