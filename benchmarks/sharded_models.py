@@ -146,47 +146,51 @@ def child(call: str, devices: int, size: str, steady_calls: int, gpu: bool) -> d
     mesh = jax.make_mesh((devices,), ("d",), axis_types=(AxisType.Auto,))
     model, inputs, targets, outputs, loss = _model(size, gpu)
     model, inputs, targets = _lay_out(model, inputs, targets, mesh)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = eqx.filter(model, eqx.is_inexact_array)
     n = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
 
-    def operator(params, inputs, targets):
-        return zm.BatchedGGN(outputs, loss).operator(eqx.combine(params, static), inputs, targets)
-
     key = jax.random.key(0)
+    started = time.perf_counter()
+    # The estimators read the variables' layout from the operator's arrays, so the operator
+    # is built at the laid-out model and the compiled call closes over it.
+    op = zm.BatchedGGN(outputs, loss).operator(model, inputs, targets)
     if call == "products":
         block = jax.tree_util.tree_map(
-            lambda leaf: jnp.broadcast_to(jnp.ones_like(leaf), (8, *leaf.shape)), params
+            lambda leaf: jax.device_put(
+                jnp.broadcast_to(jnp.ones_like(leaf), (8, *leaf.shape)),
+                jax.sharding.NamedSharding(
+                    mesh, jax.sharding.PartitionSpec(None, *leaf.sharding.spec)
+                ),
+            ),
+            params,
         )
 
-        def run(params, inputs, targets):
-            return operator(params, inputs, targets).mm(block)
+        def run():
+            return op.mm(block)
 
     elif call == "eigsh":
 
-        def run(params, inputs, targets):
-            op = operator(params, inputs, targets)
+        def run():
             return zm.eigsh(op, 5, max_steps=40, key=key, pytree=True)
 
     elif call == "trace":
 
-        def run(params, inputs, targets):
-            op = operator(params, inputs, targets)
+        def run():
             return zm.trace(op, method="hutchinson", num_probes=100, key=key)
 
     else:
 
-        def run(params, inputs, targets):
-            return zm.KFAC(outputs, loss)(eqx.combine(params, static), inputs, targets)
+        def run():
+            return zm.KFAC(outputs, loss)(model, inputs, targets)
 
-    started = time.perf_counter()
-    compiled = jax.jit(run).lower(params, inputs, targets).compile()
+    compiled = jax.jit(run).lower().compile()
     analysis = compiled.memory_analysis()
-    result = jax.block_until_ready(compiled(params, inputs, targets))
+    result = jax.block_until_ready(compiled())
     first = time.perf_counter() - started
     steady = []
     for _ in range(steady_calls):
         started = time.perf_counter()
-        jax.block_until_ready(compiled(params, inputs, targets))
+        jax.block_until_ready(compiled())
         steady.append(time.perf_counter() - started)
     # The n-vectors the call returns: the products, the eigenvectors.
     vectors = {"products": result, "eigsh": result[1] if call == "eigsh" else None}.get(call)
