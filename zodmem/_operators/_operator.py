@@ -30,6 +30,7 @@ from .._memo import memo_of, signature_of
 from ._arguments import check_dtype
 from ._options import TransformOptions, options_of, unblocked, with_strategy
 from ._vector_blocks import ProductBlocks
+from ._vectors import VectorSpace, leaf_sharding
 
 __all__ = [
     "BlockedOperator",
@@ -186,14 +187,37 @@ class BlockedOperator(lx.AbstractLinearOperator):
         vector, is_flat = self._read(vector, "vector")
         # One product is the same whatever the blocks: one compiled product serves them all.
         single = dataclasses.replace(self, transform=unblocked(self.transform))
-        return (_product_jit if self._options.jit else _product)(single, vector, is_flat)
+        layout = None if is_flat else self._output_layout()
+        return (_product_jit if self._options.jit else _product)(single, vector, is_flat, layout)
 
-    def mm(self, matrix: Any) -> jax.Array:
+    def _output_layout(self) -> VectorSpace | None:
+        """The output space with the variables' shardings, where the products lie in the
+        variables' space and some variable is sharded over several devices; else `None`."""
+        if not (self.square or self.transposed):
+            return None
+        leaves, treedef = jax.tree_util.tree_flatten(self._variable_structure())
+        variables = [
+            leaf for leaf in jax.tree_util.tree_leaves(self.x) if eqx.is_inexact_array(leaf)
+        ]
+        shardings = tuple(leaf_sharding(leaf) for leaf in variables)
+        if len(shardings) != len(leaves) or all(s is None for s in shardings):
+            return None
+        shapes = tuple(tuple(leaf.shape) for leaf in leaves)
+        dtypes = tuple(leaf.dtype for leaf in leaves)
+        size = sum(math.prod(shape) for shape in shapes)
+        dtype = jnp.result_type(*leaves)
+        return VectorSpace(size, dtype, shapes, dtypes, shardings, treedef)
+
+    def mm(self, matrix: Any) -> Any:
         """The products with the `k` columns of `matrix`, an `(n, k)` array (`n` the
         input size), as an `(m, k)` array, in blocks of columns planned from the
-        transform's options."""
+        transform's options; or with a block of `k` vectors as a pytree shaped like
+        `in_structure()`, leaves `(k, *leaf.shape)`, returned as such, each leaf laid out
+        like its variable where the variables are sharded over devices."""
         # Worked out on the first call and kept for the operator's life: the input's
         # shape, and per matrix shape and placement, the planned program.
+        if not eqx.is_array(matrix) and jax.tree_util.tree_leaves(matrix):
+            return self._tree_mm(matrix)
         memo = memo_of(self)
         if "in" not in memo:
             memo["in"] = _flat_structure(self.in_structure())
@@ -215,6 +239,36 @@ class BlockedOperator(lx.AbstractLinearOperator):
                 memo[signature] = bound
                 return bound((matrix,), {})
         return blocks(matrix)
+
+    def _tree_mm(self, matrix: Any) -> Any:
+        """`mm` of a block of `k` vectors as a pytree shaped like `in_structure()` with
+        leaves `(k, *leaf.shape)`, returned so, each leaf pinned to its variable's layout."""
+        leaves, treedef = jax.tree_util.tree_flatten(self.in_structure())
+        if not self.transposed:
+            matrix = variables_of(matrix, self.x, treedef)
+        given = jax.tree_util.tree_leaves(matrix)
+        if jax.tree_util.tree_structure(matrix) != treedef or any(
+            not eqx.is_array(g) or jnp.shape(g)[1:] != w.shape
+            for g, w in zip(given, leaves, strict=True)
+        ):
+            raise ValueError(
+                f"{self._owner}: `matrix` must be an (n, k) array or a pytree shaped like "
+                f"{self.in_structure()} with a leading block axis on every leaf."
+            )
+        k, dtype = jnp.shape(given[0])[0], _flat_structure(self.in_structure()).dtype
+        columns = jnp.concatenate([g.reshape(k, -1).astype(dtype) for g in given], axis=1)
+        products = self.mm(columns.T).T
+        out, out_def = jax.tree_util.tree_flatten(self.out_structure())
+        pieces, start = [], 0
+        for leaf in out:
+            size = math.prod(leaf.shape)
+            pieces.append(products[:, start : start + size].reshape(k, *leaf.shape))
+            start += size
+        block = jax.tree_util.tree_unflatten(
+            out_def, [p.astype(o.dtype) for p, o in zip(pieces, out, strict=True)]
+        )
+        layout = self._output_layout()
+        return block if layout is None else layout.constrain(block, block=True)
 
     def as_matrix(self) -> jax.Array:
         """The dense matrix, made by the transform's own blocked call."""
@@ -274,11 +328,15 @@ def _flat_structure(structure: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((size,), jnp.result_type(*leaves))
 
 
-def _product(operator: BlockedOperator, vector: Any, is_flat: bool) -> Any:
-    """One product with `vector`, in the form it was given (`is_flat` or a pytree)."""
+def _product(
+    operator: BlockedOperator, vector: Any, is_flat: bool, layout: VectorSpace | None = None
+) -> Any:
+    """One product with `vector`, in the form it was given (`is_flat` or a pytree), each
+    leaf pinned to its variable's sharding where `layout` gives them."""
     if is_flat:
         return operator._map()(vector)
-    return operator._write(operator._map()(operator._ravel(vector)))
+    product = operator._write(operator._map()(operator._ravel(vector)))
+    return product if layout is None else layout.constrain(product)
 
 
 _product_jit = eqx.filter_jit(_product)
