@@ -78,8 +78,18 @@ def _layer_rows(layer: trace.Layer, value: Any, gradients: Any) -> tuple:
     gradients `(columns, rows..., out)`."""
     inputs = trace.input_rows(layer, value, gradients.dtype)
     if layer.bias is not None:
-        inputs = jnp.concatenate([inputs, jnp.ones(inputs.shape[:-1] + (1,), inputs.dtype)], -1)
+        # A padded one keeps the rows' layout (a batch sharded over Explicit axes).
+        inputs = jnp.pad(inputs, [(0, 0)] * (inputs.ndim - 1) + [(0, 1)], constant_values=1)
     return inputs, trace.output_rows(layer, gradients)
+
+
+def _second_moment(rows: jax.Array) -> jax.Array:
+    """`sum(r r^T)` over the rows; replicated, as the type must say, where the rows are
+    sharded over Explicit mesh axes (a batch split over devices)."""
+    mesh = jax.typeof(rows).sharding.mesh
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    layout = jax.sharding.PartitionSpec() if explicit and not mesh.empty else None
+    return jnp.einsum("...i,...j->ij", rows, rows, out_sharding=layout)
 
 
 class Statistics(eqx.Module):
@@ -129,9 +139,9 @@ class Statistics(eqx.Module):
         if self.bases is not None:
             return {"eigenvalues": self._corrections(rows, scale)}
         return {
-            "inputs": [jnp.einsum("...i,...j->ij", a, a) for a, _ in rows],
+            "inputs": [_second_moment(a) for a, _ in rows],
             "rows": [jnp.asarray(math.prod(a.shape[:-1]), dtype) for a, _ in rows],
-            "gradients": [scale * jnp.einsum("...i,...j->ij", g, g) for _, g in rows],
+            "gradients": [scale * _second_moment(g) for _, g in rows],
             "dense": self._dense(leaves, args),
         }
 

@@ -152,9 +152,10 @@ def diagonal_sqrt(diagonal: Any) -> Any:
             parts.append(units * root)
     total, columns, start = sum(len(part) for part in parts), [], 0
     for part in parts:
-        before = jnp.zeros((start,) + part.shape[1:], part.dtype)
-        after = jnp.zeros((total - start - len(part),) + part.shape[1:], part.dtype)
-        columns.append(jnp.concatenate([before, part, after]))
+        # Padded, not concatenated with fresh zeros: the part keeps its layout (a batch
+        # sharded over Explicit axes), which zeros of their own would not share.
+        widths = [(start, total - start - len(part))] + [(0, 0)] * (part.ndim - 1)
+        columns.append(jnp.pad(part, widths))
         start += len(part)
     return jax.tree_util.tree_unflatten(treedef, columns)
 
