@@ -220,12 +220,6 @@ def test_spectral_density_and_logdet(model_fn, layout, kind):
     np.testing.assert_allclose(estimate[0], expected[0], rtol=1e-4)
 
 
-def test_low_rank_refuses_sharded_variables():
-    _, op, _, _ = operators(mlp, 8, "fsdp", AxisType.Auto)
-    with pytest.raises(ValueError, match="sharded over several devices"):
-        zm.low_rank(op, 2)
-
-
 def test_budget_per_device_refused():
     _, op, _, _ = operators(mlp, 8, "fsdp", AxisType.Auto)
     with pytest.raises(ValueError, match="bytes per device"):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._checks import Integer, Number, check_int, check_key, described, typechecked
 from .._operators._arguments import check_dtype
 from .._operators._low_rank_diagonal import LowRankDiagonal
+from .._operators._low_rank_leaves import is_leafwise
 from .._traceback import public
 from ._diagonal import diagonal as diagonal_of
 from ._eigsh import eigenpairs
@@ -61,7 +62,11 @@ def low_rank(
     - `operator`: a symmetric real operator: `transform.operator(x, *args)` of
       `zm.BatchedGGN` or `zm.BatchedHessian` (or a `zm.Microbatcher` of one), or any
       lineax operator that `lx.is_symmetric` accepts. A pytree of variables is raveled:
-      the result works on flat vectors, in the variables' raveled order.
+      the result works on flat vectors, in the variables' raveled order. Where the
+      variables are sharded over several devices, the result is held leaf by leaf
+      instead (see `zm.LowRankDiagonal`): `U` a leaf `(rank, *variable.shape)` per
+      variable and `d` the variables' structure, each laid out like its variable, and
+      its vectors too; `diagonal=` is refused there for now.
     - `rank`: how many eigenpairs, `0 <= rank < n`; `0` keeps the diagonal alone.
     - `diagonal`: the diagonal part `d`:
         - `None` (the default): none, `d = 0`;
@@ -106,14 +111,13 @@ def low_rank(
     owner = "zm.low_rank"
     space, view = symmetric_space(operator, owner)
     n, dtype = view.size, view.dtype
-    if space.sharded:
-        # A LowRankDiagonal holds flat columns: gathering them would put the whole basis
-        # on every device.
+    if space.sharded and diagonal is not None:
+        # zm.diagonal's products are not yet laid out like the variables.
         raise ValueError(
-            f"{owner}: the operator's variables are sharded over several devices, and a "
-            "LowRankDiagonal holds flat (n, r) columns, which would gather them onto every "
-            "device; for the top eigenpairs laid out like the variables, use "
-            "zm.eigsh(operator, rank), whose eigenvectors keep each variable's sharding."
+            f"{owner}: the operator's variables are sharded over several devices, and "
+            "`diagonal=` is not yet available for them (zm.diagonal would gather its "
+            "products onto every device); give diagonal=None for the low-rank part alone, "
+            "held leaf by leaf like the variables."
         )
     rank = check_int(rank, "rank", owner=owner, minimum=0)
     if rank >= n:
@@ -121,20 +125,7 @@ def low_rank(
             f"{owner}: `rank` must be an int with 0 <= rank < n = {n} (the operator's size), "
             f"got rank={rank}; for the whole matrix, use jnp.linalg.eigh(operator.as_matrix())."
         )
-    given, method = None, diagonal if isinstance(diagonal, str) else None
-    if eqx.is_array(diagonal) or isinstance(diagonal, np.ndarray):
-        given = jnp.asarray(diagonal)
-        if given.shape != (n,):
-            raise ValueError(
-                f"{owner}: `diagonal` given as an array must be the operator's diagonal, of "
-                f"shape ({n},), got shape {given.shape}."
-            )
-        check_dtype(given, "diagonal", dtype, owner=owner)
-    elif not (diagonal is None or isinstance(diagonal, str) and diagonal in _DIAGONALS):
-        raise ValueError(
-            f"{owner}: `diagonal` must be None, 'exact', 'estimate' or an ({n},) array of the "
-            f"operator's diagonal; got {described(diagonal)}."
-        )
+    given, method = _diagonal_argument(diagonal, n, dtype, owner)
     key = check_key(key, owner=owner, optional=True)
     if method == "estimate":
         if key is None:
@@ -151,12 +142,20 @@ def low_rank(
         key, probe_key = jax.random.split(key)
 
     if rank == 0:
-        vectors, values = jnp.zeros((n, 0), dtype), jnp.zeros((0,), dtype)
+        vectors = space.zeros(0) if space.sharded else jnp.zeros((n, 0), dtype)
+        values = jnp.zeros((0,), dtype)
     else:
         values, vectors = eigenpairs(
             operator, rank, owner=owner, tol=tol, max_steps=max_steps, key=key, progress=progress
         )
         values = jnp.maximum(values, 0)
+    if space.sharded:
+        # Held leaf by leaf, each leaf laid out like its variable; one array replicated
+        # over the devices is held flat, as on one device.
+        zeros = space.zeros()
+        if not is_leafwise(zeros):
+            vectors = space.to_flat(vectors).T
+        return LowRankDiagonal(vectors, values, zeros)
     lowrank = LowRankDiagonal(vectors, values, jnp.zeros((n,), dtype))
 
     if method is None and given is None:
@@ -170,3 +169,23 @@ def low_rank(
         whole = diagonal_of(operator) if given is None else given
         remainder = whole - lowrank.diagonal()
     return LowRankDiagonal(vectors, values, jnp.maximum(remainder, 0))
+
+
+def _diagonal_argument(diagonal: Any, n: int, dtype: Any, owner: str) -> tuple:
+    """`(given, method)` of low_rank's `diagonal=`: an `(n,)` array checked, or the name
+    of a method; refused in words otherwise."""
+    given, method = None, diagonal if isinstance(diagonal, str) else None
+    if eqx.is_array(diagonal) or isinstance(diagonal, np.ndarray):
+        given = jnp.asarray(diagonal)
+        if given.shape != (n,):
+            raise ValueError(
+                f"{owner}: `diagonal` given as an array must be the operator's diagonal, of "
+                f"shape ({n},), got shape {given.shape}."
+            )
+        check_dtype(given, "diagonal", dtype, owner=owner)
+    elif not (diagonal is None or isinstance(diagonal, str) and diagonal in _DIAGONALS):
+        raise ValueError(
+            f"{owner}: `diagonal` must be None, 'exact', 'estimate' or an ({n},) array of the "
+            f"operator's diagonal; got {described(diagonal)}."
+        )
+    return given, method

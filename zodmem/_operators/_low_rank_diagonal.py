@@ -20,18 +20,18 @@ None of these needs `U`'s columns orthonormal, or `s > 0`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._checks import Integer, Number, RealScalar, check_key, described, typechecked
-from .._pytree import is_traced
 from .._traceback import public
+from . import _low_rank_leaves as leaves
 from ._arguments import check_dtype, check_entries, check_real, check_shape
 from ._tags import register_symmetric
 
@@ -39,25 +39,8 @@ __all__ = ["LowRankDiagonal"]
 
 _OWNER = "zm.LowRankDiagonal"
 
-
-class _Damped(NamedTuple):
-    """`A + damping I = R (I + Q diag(t) Q^T) R` with `R = diag(root)` and `Q`'s columns
-    orthonormal."""
-
-    root: jax.Array  # sqrt(d + damping), (n,)
-    basis: jax.Array  # Q, (n, m)
-    spectrum: jax.Array  # t, (m,)
-
-
-def _as_array(value: Any) -> Any:
-    """`value` as a JAX array (NumPy arrays and nested lists welcome); anything else as it
-    is, for the checks to refuse by name."""
-    if isinstance(value, (jax.Array, np.ndarray, list, tuple)):
-        try:
-            return jnp.asarray(value)
-        except (TypeError, ValueError):
-            return value
-    return value
+# A vector of an operator held leaf by leaf: in the variables' structure.
+Vector = PyTree[Float[Array, "..."]]
 
 
 class LowRankDiagonal(lx.AbstractLinearOperator):
@@ -75,13 +58,20 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
     Its vectors are flat, `(n,)` arrays of its dtype: built from a curvature of a model's
     pytree of parameters, `A` is in the raveled order of the variables (as `zm.eigsh`'s
     vectors are), and `jax.flatten_util.ravel_pytree` of the variables gives the way back.
+    Where the variables are sharded over devices, it is held leaf by leaf instead
+    (`leafwise`): `d` and its vectors in the variables' structure, each leaf laid out like
+    its variable, and `U` a leaf `(r, *variable.shape)` per variable, sharded as it is;
+    nothing is gathered onto one device but `(r, r)` matrices.
 
     **Arguments:**
 
     - `U`: an `(n, r)` array, the low-rank part's directions; orthonormal columns as
       `zm.eigsh` gives them, though nothing here needs them so. `r = 0` is allowed.
+      Leaf by leaf: a pytree of `d`'s structure, leaves `(r, *leaf.shape)` (the
+      eigenvectors `zm.eigsh` returns for sharded variables).
     - `s`: an `(r,)` array `>= 0`, the low-rank part's eigenvalues (for orthonormal `U`).
-    - `d`: an `(n,)` array `>= 0`, the diagonal part.
+    - `d`: an `(n,)` array `>= 0`, the diagonal part; or a pytree of arrays `>= 0` (the
+      variables'), or an array sharded over devices: then `A` is held leaf by leaf.
 
     All three real, of one floating dtype. Values are checked where they are concrete
     (not inside `jax.jit`): `s` and `d` must be finite and `>= 0`.
@@ -104,24 +94,28 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
     # import hook would add, is left out, as it would check them again, first.
     __no_type_check__: ClassVar[bool] = True
 
-    U: jax.Array
+    U: PyTree[jax.Array]
     s: jax.Array
-    d: jax.Array
+    d: PyTree[jax.Array]
+    leafwise: bool = eqx.field(static=True)
 
     @public
     @typechecked
     def __init__(
         self,
-        U: Float[Array | np.ndarray, "n r"] | Sequence[Sequence[Number]],
+        U: Float[Array | np.ndarray, "n r"]
+        | Sequence[Sequence[Number]]
+        | PyTree[Float[Array, "..."]],
         s: Float[Array | np.ndarray, " r"] | Sequence[Number],
-        d: Float[Array | np.ndarray, " n"] | Sequence[Number],
+        d: Float[Array | np.ndarray, " n"] | Sequence[Number] | PyTree[Float[Array, "..."]],
     ):
-        self.U = _as_array(U)
-        self.s = _as_array(s)
-        self.d = _as_array(d)
+        self.U = leaves.as_array(U)
+        self.s = leaves.as_array(s)
+        self.d = leaves.as_array(d)
+        self.leafwise = leaves.is_leafwise(self.d)
 
     def __check_init__(self):
-        for name in ("U", "s", "d"):
+        for name in ("s",) if self.leafwise else ("U", "s", "d"):
             value = getattr(self, name)
             if not isinstance(value, jax.Array):
                 raise TypeError(f"{_OWNER}: `{name}` must be an array, got {described(value)}.")
@@ -130,6 +124,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
                     f"{_OWNER}: `{name}` must be a real floating array (float32 or float64), "
                     f"got dtype {value.dtype}."
                 )
+        if self.leafwise:
+            return leaves.check_leaves(self.U, self.s, self.d, _OWNER)
         if self.U.ndim != 2:
             raise ValueError(
                 f"{_OWNER}: `U` must be a 2-d array of shape (n, r), one direction a column, "
@@ -155,10 +151,15 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
 
     @property
     def _size(self) -> int:
-        return self.d.shape[0]
+        return self._space.size if self.leafwise else self.d.shape[0]
 
-    def in_structure(self) -> jax.ShapeDtypeStruct:
-        """The shape and dtype of the vectors `A` takes: flat, `(n,)`.
+    @property
+    def _space(self) -> leaves.VectorSpace:
+        return leaves.leaves_space(self.d)
+
+    def in_structure(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The shape and dtype of the vectors `A` takes: flat, `(n,)` (held leaf by leaf,
+        `d`'s structure, shapes and shardings).
 
         !!! example
 
@@ -170,9 +171,11 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             assert A.in_structure().shape == (4,)
             ```
         """
+        if self.leafwise:
+            return leaves.structure(self.d)
         return jax.ShapeDtypeStruct(self.d.shape, self.d.dtype)
 
-    def out_structure(self) -> jax.ShapeDtypeStruct:
+    def out_structure(self) -> PyTree[jax.ShapeDtypeStruct]:
         """The shape and dtype of the vectors `A` returns: those it takes.
 
         !!! example
@@ -187,9 +190,11 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         """
         return self.in_structure()
 
-    def _read(self, vector: Any, name: str, owner: str, *, columns: bool) -> jax.Array:
+    def _read(self, vector: Any, name: str, owner: str, *, columns: bool) -> Any:
         """`vector`, an array (as annotated), checked: `(n,)` and of the operator's dtype
-        (or `(n, k)` where `columns`)."""
+        (or `(n, k)` where `columns`); held leaf by leaf, a vector like the variables."""
+        if self.leafwise:
+            return leaves.read(self._space, vector, name, owner)
         n, dtype = self._size, self.d.dtype
         shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
         ndims = (1, 2) if columns else (1,)
@@ -203,7 +208,7 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
 
     @public
     @typechecked
-    def mv(self, vector: Float[Array | np.ndarray, " n"]) -> Float[Array, " n"]:
+    def mv(self, vector: Float[Array | np.ndarray, " n"] | Vector) -> Float[Array, " n"] | Vector:
         """The product `A v = U (s * (U^T v)) + d * v`, in `O(n r)`.
 
         **Arguments:**
@@ -225,6 +230,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             ```
         """
         vector = self._read(vector, "vector", f"{_OWNER}.mv", columns=False)
+        if self.leafwise:
+            return leaves.mv(self._space, self.U, self.s, self.d, vector)
         return self.U @ (self.s * (self.U.T @ vector)) + self.d * vector
 
     @public
@@ -241,6 +248,9 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(A.as_matrix(), jnp.diag(jnp.array([3.0, 1.0, 1.0])))
             ```
         """
+        if self.leafwise:  # gathered: for small models and tests
+            U, d = leaves.gathered(self._space, self.U).T, leaves.gathered(self._space, self.d)
+            return (U * self.s) @ U.T + jnp.diag(d)
         return (self.U * self.s) @ self.U.T + jnp.diag(self.d)
 
     def transpose(self) -> LowRankDiagonal:
@@ -258,7 +268,7 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         """
         return self
 
-    def diagonal(self) -> jax.Array:
+    def diagonal(self) -> PyTree[jax.Array]:
         """The diagonal of `A`, `d + sum(U**2 * s, axis=1)`, in `O(n r)`.
 
         !!! example
@@ -271,47 +281,32 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(A.diagonal(), jnp.array([3.0, 1.0, 1.0]))
             ```
         """
+        if self.leafwise:
+            return leaves.diagonal(self._space, self.U, self.s, self.d)
         return self.d + jnp.sum(self.U * self.U * self.s, axis=1)
 
     # -- the damped operator: inverse, determinant, samples --------------------------------
 
-    def _damped(self, damping: Any, owner: str) -> _Damped:
+    def _damped(self, damping: Any, owner: str) -> leaves.Damped | leaves.Whitened:
         """`A + damping I` as `R (I + Q diag(t) Q^T) R`; `d + damping > 0` checked (when
         traced, as the compiled call runs)."""
         damping = check_real(damping, "damping", owner=owner, minimum=None)
-        shifted = self.d + jnp.asarray(damping, self.d.dtype)
-        if is_traced(shifted):
-            shifted = eqx.error_if(
-                shifted,
-                jnp.any(shifted <= 0),
-                f"{owner}: d + damping must be > 0 in every entry for the Woodbury form "
-                f"(A + damping I is then positive definite); give damping > 0, such as a "
-                f"prior's precision, or a positive `d`.",
-            )
-        else:
-            entries = np.asarray(shifted)
-            if np.any(entries <= 0):
-                index = int(np.flatnonzero(entries <= 0)[0])
-                raise ValueError(
-                    f"{owner}: d + damping must be > 0 in every entry for the Woodbury form "
-                    f"(A + damping I is then positive definite), but d[{index}] + damping = "
-                    f"{entries[index].item()!r} (d[{index}] = {np.asarray(self.d)[index].item()!r}"
-                    f", damping={damping!r}); give damping > 0, such as a prior's precision, "
-                    f"or a positive `d`."
-                )
+        shifted = leaves.check_shift(self.d, damping, owner)
+        if self.leafwise:
+            return leaves.whitened(self._space, self.U, self.s, shifted)
         root = jnp.sqrt(shifted)
         scaled = self.U * jnp.sqrt(self.s) / root[:, None]
         basis, singular, _ = jnp.linalg.svd(scaled, full_matrices=False)
-        return _Damped(root, basis, singular * singular)
+        return leaves.Damped(root, basis, singular * singular)
 
     @public
     @typechecked
     def solve(
         self,
-        b: Float[Array | np.ndarray, " n"] | Float[Array | np.ndarray, "n k"],
+        b: Float[Array | np.ndarray, " n"] | Float[Array | np.ndarray, "n k"] | Vector,
         *,
         damping: RealScalar = 0.0,
-    ) -> Float[Array, " n"] | Float[Array, "n k"]:
+    ) -> Float[Array, " n"] | Float[Array, "n k"] | Vector:
         """The solution `y` of `(A + damping I) y = b`, exactly, by Woodbury's identity.
 
         With `D = d + damping` it is `D^{-1/2} (c - Q diag(t / (1 + t)) Q^T c)`,
@@ -345,6 +340,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         """
         owner = f"{_OWNER}.solve"
         b = self._read(b, "b", owner, columns=True)
+        if self.leafwise:
+            return leaves.solve(self._space, self._damped(damping, owner), b)
         root, basis, spectrum = self._damped(damping, owner)
         rows = root if b.ndim == 1 else root[:, None]
         whitened = b / rows
@@ -381,12 +378,14 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(A.logdet(damping=1.0), jnp.log(3.0))
             ```
         """
+        if self.leafwise:
+            return leaves.logdet(self._space, self._damped(damping, f"{_OWNER}.logdet"))
         root, _, spectrum = self._damped(damping, f"{_OWNER}.logdet")
         return 2 * jnp.sum(jnp.log(root)) + jnp.sum(jnp.log1p(spectrum))
 
     @public
     @typechecked
-    def marginal_variances(self, *, damping: RealScalar = 0.0) -> Float[Array, " n"]:
+    def marginal_variances(self, *, damping: RealScalar = 0.0) -> Float[Array, " n"] | Vector:
         """The diagonal of `(A + damping I)^{-1}`, exactly, all `n` entries in `O(n r^2)`:
         for a Laplace posterior, the variances of the parameters (their standard
         deviations are the square roots).
@@ -414,7 +413,10 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(variances, jnp.array([1 / 3, 1.0, 1.0]))
             ```
         """
-        root, basis, spectrum = self._damped(damping, f"{_OWNER}.marginal_variances")
+        damped = self._damped(damping, f"{_OWNER}.marginal_variances")
+        if self.leafwise:
+            return leaves.marginal_variances(self._space, damped)
+        root, basis, spectrum = damped
         squares = basis * basis
         # Clipped: rounding can leave a row of Q with a norm a little above 1.
         outside = jnp.maximum(1 - jnp.sum(squares, axis=1), 0)
@@ -429,7 +431,7 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         shape: Sequence[Integer] | Integer = (),
         *,
         damping: RealScalar = 0.0,
-    ) -> Float[Array, "*shape n"]:
+    ) -> Float[Array, "*shape n"] | Vector:
         """Draws from the Gaussian `N(0, (A + damping I)^{-1})`, exactly: for a Laplace
         posterior, parameters' deviations from the mode (add the mode yourself).
 
@@ -465,6 +467,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         owner = f"{_OWNER}.sample"
         key = check_key(key, owner=owner)
         shape = check_shape(shape, owner)
+        if self.leafwise:
+            return leaves.sample(self._space, self._damped(damping, owner), key, shape)
         root, basis, spectrum = self._damped(damping, owner)
         normals = jax.random.normal(key, (*shape, self._size), self.d.dtype)
         grown = jnp.sqrt(1 + spectrum)
@@ -475,12 +479,17 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
 
 # With no low-rank part, the operator is its diagonal.
 register_symmetric(
-    LowRankDiagonal, positive_semidefinite=True, diagonal=lambda operator: operator.U.shape[1] == 0
+    LowRankDiagonal, positive_semidefinite=True, diagonal=lambda operator: operator.s.shape[0] == 0
 )
 
 
 @lx.tridiagonal.register(LowRankDiagonal)
 def _(operator):
     U, s = operator.U, operator.s
+    if operator.leafwise:
+        raise NotImplementedError(
+            f"{_OWNER}: a tridiagonal part of an operator held leaf by leaf has no order of "
+            "its entries across the variables; use it on one device."
+        )
     beside = jnp.sum(U[:-1] * U[1:] * s, axis=1)  # entries (i, i + 1), in O(n r)
     return operator.diagonal(), beside, beside
