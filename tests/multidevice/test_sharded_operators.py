@@ -115,6 +115,9 @@ def check_close(actual, expected):
 TRANSFORMS = {
     "hessian": lambda: zm.BatchedHessian(loss),
     "ggn": lambda: zm.BatchedGGN(outputs, squared_error),
+    "microbatched": lambda: zm.Microbatcher(
+        zm.BatchedHessian(loss), microbatch_size=D, argnums=(1, 2), accumulator="mean"
+    ),
 }
 CASES = [
     pytest.param(model_fn, features, layout, AxisType.Auto, id=f"{name}-{layout}-auto")
@@ -163,7 +166,13 @@ def placed(vectors, variables, block=False):
 
 @pytest.mark.parametrize("name", TRANSFORMS)
 @pytest.mark.parametrize("model_fn, features, layout, kind", CASES)
-def test_products_laid_out(name, model_fn, features, layout, kind):
+def test_products_laid_out(name, model_fn, features, layout, kind, request):
+    if name == "microbatched" and kind == AxisType.Explicit:
+        # The microbatches' shard_map closes over the flat vector sharded on Explicit axes.
+        reason = "Microbatcher's products on Explicit axes"
+        request.applymarker(
+            pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=reason)
+        )
     (model, x, y), (sharded, xs, ys), mesh = setting(model_fn, features, layout, kind)
     params = eqx.filter(model, eqx.is_inexact_array)
     variables = eqx.filter(sharded, eqx.is_inexact_array)
