@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).resolve().parent / "hessian_worker.py"
+CURVATURE_WORKER = WORKER.parent / "curvature_worker.py"
 REPO_ROOT = WORKER.parent.parent.parent
 NUM_PROCESSES = 2
 # For both processes together: starting JAX and compiling take most of it (about 15 s on
@@ -51,6 +52,18 @@ def worker_env() -> dict[str, str]:
 
 
 def test_sharded_hessian_over_two_processes(tmp_path):
+    run_workers(WORKER, tmp_path)
+
+
+def test_curvature_of_a_model_laid_out_over_two_processes(tmp_path):
+    """eigsh and trace of a model whose weights are split over the eight devices of two
+    processes, against the whole model in one process."""
+    run_workers(CURVATURE_WORKER, tmp_path)
+
+
+def run_workers(worker: Path, tmp_path: Path) -> None:
+    """Launch `worker` in each process, wait for both within the bound, and read what
+    each said."""
     reason = gloo_unavailable()
     if reason is not None:
         pytest.skip(reason)
@@ -63,7 +76,7 @@ def test_sharded_hessian_over_two_processes(tmp_path):
         with log.open("w") as out:
             processes.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKER), str(port), str(process_id)],
+                    [sys.executable, str(worker), str(port), str(process_id)],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=worker_env(),
