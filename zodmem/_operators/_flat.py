@@ -18,10 +18,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import lineax as lx
 
-from .._checks import described
 from ._operator import BlockedOperator
+from ._vectors import check_symmetric, square_input
 
 __all__ = ["FlatView", "flat_view", "symmetric_view"]
 
@@ -74,45 +73,12 @@ class FlatView(eqx.Module):
 def flat_view(operator: Any, owner: str) -> FlatView:
     """`operator` as a `FlatView`; `owner` (say `"zm.eigsh"`) names the caller in the
     error raised for anything that is not a square linear operator."""
-    if not isinstance(operator, lx.AbstractLinearOperator):
-        raise TypeError(
-            f"{owner}: `operator` must be a linear operator, such as "
-            f"`zm.BatchedHessian(f).operator(x)` or a `lineax` operator, got "
-            f"{described(operator)}."
-        )
-    structure = operator.in_structure()
-    leaves = jax.tree_util.tree_leaves(structure)
-    out_leaves = jax.tree_util.tree_leaves(operator.out_structure())
-    size = sum(math.prod(leaf.shape) for leaf in leaves)
-    out_size = sum(math.prod(leaf.shape) for leaf in out_leaves)
-    if size != out_size:
-        raise ValueError(
-            f"{owner}: `operator` must be square, but it maps vectors of size {size} to "
-            f"vectors of size {out_size} (a Jacobian's operator is not square; use a "
-            f"Hessian's or a Gauss-Newton matrix's)."
-        )
-    dtype = jnp.result_type(*leaves, *out_leaves)
+    structure, size, dtype = square_input(operator, owner)
     return FlatView(operator, size, dtype, structure)
 
 
 def symmetric_view(operator: Any, owner: str) -> FlatView:
     """`flat_view(operator, owner)`, refused unless the operator is real and symmetric."""
     view = flat_view(operator, owner)
-    if jnp.issubdtype(view.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"{owner}: `operator` has the complex dtype {view.dtype}; only real symmetric "
-            "operators are supported (float32 or float64)."
-        )
-    if not jnp.issubdtype(view.dtype, jnp.floating):
-        raise TypeError(
-            f"{owner}: `operator` has dtype {view.dtype}; only real floating operators "
-            "(float32 or float64) are supported."
-        )
-    if not lx.is_symmetric(operator):
-        raise ValueError(
-            f"{owner}: `operator` must be symmetric, but {type(operator).__name__} does not "
-            "say it is. If it is, tag it: `lx.TaggedLinearOperator(operator, "
-            "lx.symmetric_tag)` (or build it with `lx.symmetric_tag`, as in "
-            "`lx.MatrixLinearOperator(A, lx.symmetric_tag)`)."
-        )
+    check_symmetric(operator, view.dtype, owner)
     return view

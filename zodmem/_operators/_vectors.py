@@ -30,13 +30,15 @@ from .._checks import described
 
 __all__ = [
     "GOLDEN",
-    "hashed_words",
+    "VectorSpace",
+    "check_symmetric",
     "flat_indices",
     "flat_space",
-    "VectorSpace",
+    "hashed_words",
     "key_seed",
     "leaf_sharding",
     "mix_words",
+    "square_input",
     "vector_space",
     "words",
 ]
@@ -377,6 +379,19 @@ def vector_space(
     """The input space of `operator`, a square linear operator (refused in words
     naming the caller `owner` otherwise; with `symmetric`, a real symmetric one), with
     its variables' shardings (or those of `like`, a vector laid out like them)."""
+    structure, size, dtype = square_input(operator, owner)
+    leaves, treedef = jax.tree_util.tree_flatten(structure)
+    if symmetric:
+        check_symmetric(operator, dtype, owner)
+    shapes = tuple(tuple(leaf.shape) for leaf in leaves)
+    dtypes = tuple(leaf.dtype for leaf in leaves)
+    shardings = _variable_shardings(operator, len(leaves), like)
+    return VectorSpace(size, dtype, shapes, dtypes, shardings, treedef)
+
+
+def square_input(operator: Any, owner: str) -> tuple[Any, int, Any]:
+    """`(in_structure, size, dtype)` of `operator`, refused in words naming the caller
+    `owner` unless it is a square linear operator."""
     if not isinstance(operator, lx.AbstractLinearOperator):
         raise TypeError(
             f"{owner}: `operator` must be a linear operator, such as "
@@ -384,7 +399,7 @@ def vector_space(
             f"{described(operator)}."
         )
     structure = operator.in_structure()
-    leaves, treedef = jax.tree_util.tree_flatten(structure)
+    leaves = jax.tree_util.tree_leaves(structure)
     out_leaves = jax.tree_util.tree_leaves(operator.out_structure())
     size = sum(math.prod(leaf.shape) for leaf in leaves)
     out_size = sum(math.prod(leaf.shape) for leaf in out_leaves)
@@ -394,16 +409,11 @@ def vector_space(
             f"vectors of size {out_size} (a Jacobian's operator is not square; use a "
             f"Hessian's or a Gauss-Newton matrix's)."
         )
-    dtype = jnp.result_type(*leaves, *out_leaves)
-    if symmetric:
-        _check_symmetric(operator, dtype, owner)
-    shapes = tuple(tuple(leaf.shape) for leaf in leaves)
-    dtypes = tuple(leaf.dtype for leaf in leaves)
-    shardings = _variable_shardings(operator, len(leaves), like)
-    return VectorSpace(size, dtype, shapes, dtypes, shardings, treedef)
+    return structure, size, jnp.result_type(*leaves, *out_leaves)
 
 
-def _check_symmetric(operator: Any, dtype: Any, owner: str) -> None:
+def check_symmetric(operator: Any, dtype: Any, owner: str) -> None:
+    """Refuse, naming the caller `owner`, an operator that is not real and symmetric."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(
             f"{owner}: `operator` has the complex dtype {dtype}; only real symmetric "
