@@ -22,8 +22,9 @@ that the result is the one of the whole batch at once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -41,8 +42,10 @@ from .._checks import (
     typechecked,
 )
 from .._operators._kronecker import KroneckerBlock, KroneckerFactored
+from .._plan._plans import Plan
 from .._pytree import Variables, split_variables
 from .._traceback import public
+from .._transforms._base import AbstractTransform
 from .._transforms._losses import AbstractLoss
 from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
@@ -73,8 +76,11 @@ def _blocks(found: trace.Program, variables: Variables, sums: dict) -> tuple:
     return tuple(entry[0] for entry in entries), [entry[1] for entry in entries]
 
 
-class _KroneckerCurvature(eqx.Module):
-    """What `KFAC` and `EKFAC` share: their options, checks and call."""
+class _KroneckerCurvature(AbstractTransform):
+    """What `KFAC` and `EKFAC` share: their options, checks, plan and call. They are
+    transforms like the others: `zm.save`/`zm.load` write and read them, `plan()` says
+    how their passes over the data will be cut into microbatches, `progress` draws a bar
+    over those microbatches."""
 
     # The constructor checks its annotations itself (`typechecked`), in its own words
     # where they say more: jaxtyping's check of a dataclass's constructor, which its
@@ -160,7 +166,37 @@ class _KroneckerCurvature(eqx.Module):
         # One compiled program: the statistics are many small operations.
         return eqx.filter_jit(type(self)._factored)(self, x, args, kwargs)
 
-    def _factored(self, x: Any, args: tuple, kwargs: dict) -> KroneckerFactored:
+    @public
+    @typechecked
+    def plan(self, x: PyTree, *args: Any, **kwargs: Any) -> Plan:
+        """How the pass over the data that gathers the factors will be cut into
+        microbatches, and the memory each takes, without running it: the `zm.Plan` of
+        `zm.Microbatcher` over the data arguments, planned from `max_memory` (the
+        microbatches the call will use) or cut by `microbatch_size`; with neither, one
+        block of the whole batch. EKFAC's second pass, over the same data in the
+        factors' eigenbases, is planned the same way when it runs.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp, equinox as eqx
+            import zodmem as zm
+
+            model = eqx.nn.MLP(4, 3, 16, 2, key=jax.random.key(0))
+            inputs, labels = jnp.ones((64, 4)), jnp.arange(64) % 3
+            predict = lambda m, inputs, labels: jax.vmap(m)(inputs)
+            kfac = zm.KFAC(predict, zm.losses.SoftmaxCrossEntropy(), microbatch_size=16)
+            assert kfac.plan(model, inputs, labels).num_blocks == 4
+            ```
+        """
+        first = self._first_pass(x, args, kwargs)
+        batched = self._batched(first.statistics, first.accumulator, first.keys, args)
+        plan = batched.plan(first.leaves, first.keys, *args)
+        return dataclasses.replace(plan, owner=self._owner.removeprefix("zm."))
+
+    def _first_pass(self, x: Any, args: tuple, kwargs: dict) -> _Pass:
+        """What the pass that gathers the factors needs: the layers found in the
+        traced program, the statistics to reduce over the data, and their inputs."""
         owner = self._owner
         check_not_empty(args, owner)
         _, variables = split_variables(x, owner=owner)
@@ -180,18 +216,22 @@ class _KroneckerCurvature(eqx.Module):
         statistics = Statistics(self.fn, self.loss, variables, settings, kwargs)
         each = "mean" if mean else "sum"
         accumulator = {"inputs": "sum", "rows": "sum", "gradients": each, "dense": each}
-        sums = self._reduce(statistics, accumulator, leaves, keys, args)
-        blocks, factors = _blocks(found, variables, sums)
+        return _Pass(variables, found, statistics, accumulator, each, leaves, keys)
+
+    def _factored(self, x: Any, args: tuple, kwargs: dict) -> KroneckerFactored:
+        first = self._first_pass(x, args, kwargs)
+        sums = self._reduce(first.statistics, first.accumulator, first.leaves, first.keys, args)
+        blocks, factors = _blocks(first.found, first.variables, sums)
         operator = KroneckerFactored(
             blocks,
             [a for a, _ in factors],
             [b for _, b in factors],
-            shapes=variables.shapes,
-            dtype=variables.dtype,
+            shapes=first.variables.shapes,
+            dtype=first.variables.dtype,
         )
-        if not self._corrected or not found.layers:
+        if not self._corrected or not first.found.layers:
             return operator
-        return self._correct(operator, statistics, each, leaves, keys, args)
+        return self._correct(operator, first.statistics, first.each, first.leaves, first.keys, args)
 
     def _correct(self, operator, statistics, each, leaves, keys, args) -> KroneckerFactored:
         """EKFAC: the per-example gradients' moments in the factors' eigenbases."""
@@ -211,22 +251,56 @@ class _KroneckerCurvature(eqx.Module):
         """`statistics` over the whole batch, in microbatches where asked."""
         if self.microbatch_size is None and self.max_memory is None:
             return statistics(leaves, keys, *args)
-        if not args:
+        batched = self._batched(statistics, accumulator, keys, args)
+        return batched(leaves, keys, *args)
+
+    def _batched(self, statistics, accumulator, keys, args) -> Microbatcher:
+        """`statistics` as a `zm.Microbatcher` over the data arguments: in microbatches
+        of `microbatch_size` or planned from `max_memory`; with neither, one microbatch
+        of the whole batch (the arguments of another length passed whole, as the call
+        passes them)."""
+        if self.microbatch_size is None and self.max_memory is None:
+            lengths = [_length(arg) for arg in args]
+            size = next((n for n in lengths if n is not None), 1)
+            data = tuple(2 + i for i, n in enumerate(lengths) if n == size)
+            size = max(size, 1)
+        elif not args:
             raise ValueError(
                 f"{self._owner}: `microbatch_size` and `max_memory` cut the data arguments "
                 "(those after `x`) into microbatches, but the call has none."
             )
-        check_examples(args, self._owner)
-        argnums = tuple(range(2, 2 + len(args))) + ((1,) if keys is not None else ())
-        batched = Microbatcher(
+        else:
+            check_examples(args, self._owner)
+            size, data = self.microbatch_size, tuple(range(2, 2 + len(args)))
+        argnums = data + ((1,) if keys is not None else ())
+        return Microbatcher(
             statistics,
-            microbatch_size=self.microbatch_size,
+            microbatch_size=size,
             max_memory=self.max_memory,
             argnums=argnums,
             accumulator=accumulator,
             progress=self.progress,
         )
-        return batched(leaves, keys, *args)
+
+
+def _length(arg: Any) -> int | None:
+    """The leading axis's length of a data argument's first array, if it has one."""
+    for leaf in jax.tree_util.tree_leaves(arg):
+        if eqx.is_array(leaf) and leaf.ndim > 0:
+            return leaf.shape[0]
+    return None
+
+
+class _Pass(NamedTuple):
+    """The first pass over the data, ready to run or to plan."""
+
+    variables: Variables
+    found: trace.Program
+    statistics: Statistics
+    accumulator: dict
+    each: str
+    leaves: list
+    keys: Any
 
 
 def _check_others(found: trace.Program, variables: Variables, owner: str) -> None:

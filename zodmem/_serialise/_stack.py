@@ -44,6 +44,16 @@ def describe(value: Any, location: str) -> dict:
     """The header's node for `value`, held at `location` (`transform.fn`, ...)."""
     if isinstance(value, AbstractTransform):
         return _describe_transform(value, location)
+    if _is_key(value):
+        # A typed key is written as its raw data, and read back with its generator's name.
+        return {
+            "kind": "array",
+            "array": "jax",
+            "shape": list(np.shape(value)),
+            "dtype": str(value.dtype),
+            "scalar": False,
+            "key": str(jax.random.key_impl(value)),
+        }
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         return {
             "kind": "array",
@@ -126,8 +136,28 @@ def leaf_table(tree: Any) -> list[dict]:
 def write_arrays(transform: AbstractTransform) -> bytes:
     """Every array leaf of the stack, as `eqx.tree_serialise_leaves` writes them."""
     buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(buffer, transform)
+    eqx.tree_serialise_leaves(buffer, transform, filter_spec=_write_leaf)
     return buffer.getvalue()
+
+
+def _is_key(value: Any) -> bool:
+    """Whether `value` is an array of typed `jax.random` keys."""
+    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+def _write_leaf(file: Any, leaf: Any) -> Any:
+    """Equinox's writer of a leaf, a typed key written as its raw data."""
+    if _is_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    return eqx.default_serialise_filter_spec(file, leaf)
+
+
+def _read_leaf(file: Any, leaf: Any) -> Any:
+    """Equinox's reader of a leaf, a typed key read as raw data and wrapped again."""
+    if _is_key(leaf):
+        data = eqx.default_deserialise_filter_spec(file, jax.random.key_data(leaf))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+    return eqx.default_deserialise_filter_spec(file, leaf)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +240,7 @@ def read_arrays(skeleton: _Unbuilt, payload: bytes, table: list) -> _Unbuilt:
     the file's table of leaves."""
     buffer = io.BytesIO(payload)
     try:
-        filled = eqx.tree_deserialise_leaves(buffer, skeleton)
+        filled = eqx.tree_deserialise_leaves(buffer, skeleton, filter_spec=_read_leaf)
     except Exception as error:
         # Equinox refuses an array of another shape, dtype or type; the table says where.
         _check_leaves(table, leaf_table(skeleton))
@@ -259,8 +289,12 @@ def _describe_like(like: Any) -> str:
 
 def _placeholder_array(node: dict) -> Any:
     """An array of the saved shape and dtype; the file's values replace it."""
-    dtype = jnp.dtype(node["dtype"])
     shape = tuple(int(size) for size in node["shape"])
+    if "key" in node:
+        zeros = jax.random.key_data(jax.random.key(0, impl=node["key"]))
+        data = jnp.zeros(shape + zeros.shape, zeros.dtype)
+        return jax.random.wrap_key_data(data, impl=node["key"])
+    dtype = jnp.dtype(node["dtype"])
     if node["scalar"]:
         return dtype.type(0)
     return jnp.zeros(shape, dtype) if node["array"] == "jax" else np.zeros(shape, dtype)
