@@ -1,8 +1,9 @@
-"""The public signatures of the estimators, the structured operators, KFAC and `load`:
-every parameter annotated with a type more precise than `Any`, and a wrong type refused
-at the call, by the library itself (not only by the tests' import hook), in a
-`TypeError` that names the parameter."""
+"""The public signatures of the estimators, the structured operators, KFAC and `load`, and
+the constructors of the transforms and the losses: every parameter annotated with a type
+more precise than `Any`, and a wrong type refused at the call, by the library itself (not
+only by the tests' import hook), in a `TypeError` that names the parameter."""
 
+import collections.abc
 import inspect
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import typing
 
+import equinox as eqx
 import pytest
 
 import zodmem as zm
@@ -105,6 +107,56 @@ def test_every_parameter_of_the_typed_names_is_annotated_precisely():
     assert not unchecked, f"annotations not checked at the call: {unchecked}"
 
 
+# The transforms and the built-in losses: constructors that Equinox writes from their
+# fields, each parameter typed by its field (or its field's converter) and checked at the
+# call by `typechecked_constructor`.
+CONSTRUCTED = {
+    "BatchedJacobian",
+    "BatchedHessian",
+    "BatchedGGN",
+    "ChunkedVmap",
+    "Microbatcher",
+    "SlicedScan",
+    "CheckpointedScan",
+    "SquaredError",
+    "GaussianNLL",
+    "PoissonNLL",
+    "SoftmaxCrossEntropy",
+}
+
+
+def test_the_constructors_of_the_transforms_and_losses_are_typed():
+    untyped, unchecked, walked = {}, [], set()
+    for name, value in _public_names():
+        if name not in CONSTRUCTED:
+            continue
+        walked.add(name)
+        if missing := _untyped(value.__init__):
+            untyped[name] = missing
+        if not _checked_at_the_call(value.__init__):
+            unchecked.append(name)
+    assert walked == CONSTRUCTED, f"not public any more: {CONSTRUCTED - walked}"
+    assert not untyped, f"constructor parameters annotated Any or not at all: {untyped}"
+    assert not unchecked, f"constructors not checked at the call: {unchecked}"
+
+
+def test_a_field_typed_any_is_an_untyped_constructor_parameter():
+    """The check above sees a field, or a converter's parameter, annotated `Any`."""
+    from zodmem._checks import as_index, typechecked_constructor
+
+    @typechecked_constructor
+    class Loose(eqx.Module):
+        fn: collections.abc.Callable[..., typing.Any]
+        size: int = eqx.field(default=1, static=True)
+        anything: typing.Any = None
+        converted: int | None = eqx.field(default=None, converter=as_index)
+
+    assert _untyped(Loose.__init__) == ["anything", "converted"]
+    assert _checked_at_the_call(Loose.__init__)
+    with pytest.raises(TypeError, match="parameter 'size'"):
+        Loose(len, size="one")
+
+
 # Each case: a call with one argument of a wrong type, and the parameter it names. They run
 # in a process of their own, which imports zodmem without the tests' import hook.
 _CASES = textwrap.dedent(
@@ -143,6 +195,21 @@ _CASES = textwrap.dedent(
             lambda: zm.KFAC(jnp.sin, zm.losses.SquaredError(), progress=1), "progress"
         ),
         "load path": (lambda: zm.load(3), "path"),
+        "BatchedHessian progress": (lambda: zm.BatchedHessian(jnp.sum, progress=1), "progress"),
+        "BatchedGGN nbatches": (
+            lambda: zm.BatchedGGN(jnp.sin, zm.losses.SquaredError(), nbatches=2.0), "nbatches"
+        ),
+        "ChunkedVmap in_axes": (
+            lambda: zm.ChunkedVmap(jnp.sin, chunk_size=2, in_axes="x"), "in_axes"
+        ),
+        "Microbatcher argnames": (
+            lambda: zm.Microbatcher(jnp.sin, microbatch_size=2, argnames=3), "argnames"
+        ),
+        "SlicedScan step": (lambda: zm.SlicedScan(lambda c, x: (c, x), step=1.5), "step"),
+        "CheckpointedScan unroll": (
+            lambda: zm.CheckpointedScan(lambda c, x: (c, x), unroll="2"), "unroll"
+        ),
+        "SquaredError targets": (lambda: zm.losses.SquaredError(targets=2.5), "targets"),
     }
     results = {}
     for label, (call, name) in cases.items():
@@ -186,6 +253,13 @@ def refusals():
         "BlockDiagonal.mv vector",
         "KFAC progress",
         "load path",
+        "BatchedHessian progress",
+        "BatchedGGN nbatches",
+        "ChunkedVmap in_axes",
+        "Microbatcher argnames",
+        "SlicedScan step",
+        "CheckpointedScan unroll",
+        "SquaredError targets",
     ],
 )
 def test_a_wrong_type_is_a_type_error_that_names_the_parameter(refusals, label):

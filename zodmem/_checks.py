@@ -16,12 +16,13 @@ what a type cannot say (a range, a choice among strings) and for words that say 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, no_type_check
 
 import equinox as eqx
 import jax
@@ -29,14 +30,19 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Real, TypeCheckError, jaxtyped
 
+from ._traceback import public
+
 __all__ = [
     "Integer",
     "Memory",
     "Number",
     "RealScalar",
     "typechecked",
+    "typechecked_constructor",
     "as_index",
     "as_int_or_bool",
+    "int_option",
+    "memory_option",
     "check_bool",
     "check_callable",
     "check_choice",
@@ -61,6 +67,7 @@ Memory: TypeAlias = int | np.integer | str | None
 """A memory budget: bytes, a size with a unit (`"750MB"`), `"auto"`, or none."""
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
+_Class = TypeVar("_Class", bound=type)
 _PARAMETER = re.compile(r"typechecking parameter '(\w+)'")
 
 
@@ -103,11 +110,9 @@ def _explained(body: Callable, args: tuple, kwargs: dict, name: str | None) -> E
     parameter `name`; `None` where they make none."""
     try:
         if body.__name__ == "__init__":
-            # A constructor computes nothing: run, with the checks that follow it.
+            # A constructor computes nothing: run, with what Equinox runs after it.
             body(*args, **kwargs)
-            check = getattr(type(args[0]), "__check_init__", None)
-            if check is not None:
-                check(args[0])
+            _converted_and_checked(args[0])
         else:
             eqx.filter_eval_shape(body, *args, **kwargs)
     except Exception as error:
@@ -117,6 +122,50 @@ def _explained(body: Callable, args: tuple, kwargs: dict, name: str | None) -> E
         if isinstance(error, (TypeError, ValueError)) and named:
             return error
     return None
+
+
+def _converted_and_checked(module: eqx.Module) -> None:
+    """What Equinox does to a module once its constructor has run: each field through its
+    converter, then every class's `__check_init__`, the module's own class first."""
+    for field in dataclasses.fields(module):
+        converter = field.metadata.get("converter")
+        if converter is not None:
+            object.__setattr__(module, field.name, converter(getattr(module, field.name)))
+    for cls in type(module).__mro__:
+        check = cls.__dict__.get("__check_init__")
+        if check is not None:
+            check(module)
+
+
+def typechecked_constructor(cls: _Class) -> _Class:
+    """`cls`, an Equinox module whose constructor the dataclass writes from its fields,
+    with that constructor checked as `typechecked` checks a function.
+
+    A parameter's type is its field's annotation, or, for a field with a converter, the
+    annotation of the converter's parameter (as Equinox reads it): what the caller may
+    give, before it is converted. The annotations are resolved here, each in its own
+    module, so that beartype reads types rather than strings. The class is marked
+    `__no_type_check__`, so that jaxtyping's import hook does not check the constructor a
+    second time, first, in its own words.
+    """
+    init = cls.__init__
+    for field in dataclasses.fields(cls):
+        if field.name in init.__annotations__:
+            init.__annotations__[field.name] = _given_type(cls, field)
+    cls.__init__ = public(typechecked(init))
+    cls.__no_type_check__ = True
+    return cls
+
+
+def _given_type(cls: type, field: dataclasses.Field) -> Any:
+    """The type of what the caller gives for `field` of `cls`: its converter's parameter's
+    annotation, or the field's own (from the class that declares it)."""
+    converter = field.metadata.get("converter")
+    if converter is not None:
+        parameter = next(iter(inspect.signature(converter).parameters))
+        return inspect.get_annotations(converter, eval_str=True)[parameter]
+    owner = next(kind for kind in cls.__mro__ if field.name in inspect.get_annotations(kind))
+    return inspect.get_annotations(owner, eval_str=True)[field.name]
 
 
 def as_index(value: Any) -> Any:
@@ -134,7 +183,25 @@ def as_index(value: Any) -> Any:
         return value
 
 
-def as_int_or_bool(value: Any) -> Any:
+# The converters of options below carry the option's type as their parameter's
+# annotation, which Equinox gives the constructor's parameter (`typechecked_constructor`
+# checks it there); they themselves pass on anything, for the checks to refuse in words.
+
+
+@no_type_check
+def int_option(value: Integer | None) -> Any:
+    """The converter of an integer option that may be `None`: as `as_index` reads it."""
+    return as_index(value)
+
+
+@no_type_check
+def memory_option(value: Memory) -> Any:
+    """The converter of `max_memory`: bytes as a Python int, the rest as given."""
+    return as_index(value)
+
+
+@no_type_check
+def as_int_or_bool(value: Integer | bool | np.bool_) -> Any:
     """`value` as a Python bool when it is a bool (a NumPy bool included), else as
     `as_index` reads it: the converter of options that, like `lax.scan`'s `unroll`,
     take an int or a bool."""

@@ -1,6 +1,8 @@
 """Losses for `zm.BatchedGGN` whose curvature on the outputs has a closed form: each is
 a negative log-likelihood, and its product is the Fisher information of that
-likelihood, so that `zm.BatchedGGN(fn, loss)` gives the Fisher information matrix.
+likelihood, so that `zm.BatchedGGN(fn, loss)` gives the Fisher information matrix (each
+loss's own page has an example of that). A loss is also a function of the outputs and
+the call's data arguments, its targets among them:
 
 !!! example
 
@@ -8,11 +10,9 @@ likelihood, so that `zm.BatchedGGN(fn, loss)` gives the Fisher information matri
     import jax.numpy as jnp
     import zodmem as zm
 
-    def predict(w, inputs, targets):
-        return inputs @ w
-
-    inputs, targets = jnp.ones((5, 3)), jnp.zeros(5)
-    F = zm.BatchedGGN(predict, zm.losses.SquaredError())(jnp.ones(3), inputs, targets)
+    loss = zm.losses.SoftmaxCrossEntropy(reduction="mean")
+    logits, labels = jnp.zeros((4, 3)), jnp.asarray([0, 2, 1, 1])
+    assert jnp.allclose(loss(logits, labels), jnp.log(3.0))  # the mean over 4 examples
     ```
 """
 

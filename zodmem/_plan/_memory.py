@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._checks import described
+from .._checks import check_int, described
 
 __all__ = [
     "AUTO_MARGIN",
@@ -100,11 +100,13 @@ def check_memory(value: Any, name: str = "max_memory", *, owner: str) -> None:
         raise type(error)(f"{owner}: `{name}` must be {_ALLOWED}; {error}.") from None
 
 
-def check_size_or_memory(
-    size: Any, size_name: str, max_memory: Any, *, owner: str, meaning: str, blocks: str
-) -> None:
-    """A map's block size option (`size_name`, which means `meaning`) or a budget its
-    `blocks` are planned to fit: exactly one of the two, the budget checked."""
+def check_size_or_memory(transform: Any, size_name: str, meaning: str, blocks: str) -> None:
+    """A map's block size option (its field `size_name`, a positive int that means
+    `meaning`) or its budget `max_memory`, which its `blocks` are planned to fit: exactly
+    one of the two, each checked."""
+    owner = type(transform).__name__
+    size, max_memory = getattr(transform, size_name), transform.max_memory
+    check_int(size, size_name, owner=owner, minimum=1, optional=True)
     check_memory(max_memory, owner=owner)
     if (size is None) == (max_memory is None):
         raise ValueError(

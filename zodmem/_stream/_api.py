@@ -33,7 +33,7 @@ __all__ = ["to_host", "to_file"]
 
 
 @public
-def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
+def to_host(transform: AbstractBlocked, *args: Any, **kwargs: Any) -> Any:
     """The result of `transform(*args, **kwargs)`, assembled in host memory as NumPy
     arrays, block by block.
 
@@ -104,7 +104,7 @@ def to_host(transform: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @public
-def to_file(path: str | os.PathLike, transform: Any, *args: Any, **kwargs: Any) -> Any:
+def to_file(path: str | os.PathLike, transform: AbstractBlocked, *args: Any, **kwargs: Any) -> Any:
     """The result of `transform(*args, **kwargs)` written to a `.npy` file block by block,
     returned as a read-only `numpy.memmap`; a killed job resumes where it stopped.
 

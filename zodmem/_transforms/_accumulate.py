@@ -147,8 +147,9 @@ def resolve(leaf: Any) -> AccumulationType | Accumulator:
         except ValueError:
             pass
     raise ValueError(
-        f"{_OWNER}: unknown accumulator {leaf!r}. An accumulator is one of {_KNOWN}, an "
-        "AccumulationType member or an Accumulator (or a pytree of these)."
+        f"{_OWNER}: `accumulator` holds the unknown accumulator {leaf!r}. An accumulator "
+        f"is one of {_KNOWN}, an AccumulationType member or an Accumulator (or a pytree of "
+        "these)."
     )
 
 

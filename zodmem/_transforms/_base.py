@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 from jax.sharding import PartitionSpec
 
+from .._engine._block_plans import OutputSink
 from .._engine._sharding import Share, Split, dispatch, replicate, split_of, to_mesh
 from .._plan._planned import AbstractPlanned
 
@@ -167,7 +168,7 @@ class AbstractBlocked(AbstractPlanned, AbstractTransform):
         compiled = getattr(self, "jit", True)  # a transform without the option compiles
         return (_in_shares_jit if compiled else in_shares)(self, args, kwargs, split)
 
-    def streamed(self, sink: Any, *args: Any, **kwargs: Any) -> Any:
+    def streamed(self, sink: OutputSink, *args: Any, **kwargs: Any) -> Any:
         """The call in the blocks the count or size option gives, handing each block of
         the result to `sink` (an `OutputSink`): what `zm.to_host` and `zm.to_file` run.
         Returns the result with `None` at the leaves handed over."""

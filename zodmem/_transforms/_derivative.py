@@ -22,8 +22,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
-from .._checks import as_index, check_block_options, check_bool, check_callable, check_choice
+from .._checks import (
+    check_block_options,
+    check_bool,
+    check_callable,
+    check_choice,
+    int_option,
+    memory_option,
+)
 from .._engine._block_plans import plan_blocks
 from .._engine._sharding import Kept, Split, check_sharding
 from .._operators._block_diagonal import BlockDiagonal
@@ -98,10 +106,12 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
     """
 
     fn: Callable[..., Any]
-    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    batch_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    nbatches: int | None = eqx.field(default=None, static=True, kw_only=True, converter=int_option)
+    batch_size: int | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=int_option
+    )
     max_memory: int | str | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
+        default=None, static=True, kw_only=True, converter=memory_option
     )
     strategy: Literal["auto", "linearize", "recompute"] = eqx.field(
         default="auto", static=True, kw_only=True
@@ -182,15 +192,8 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
         # (a scan, an ODE solver's while) keeps the whole loop on the linear side, which
         # then costs more than the product evaluated afresh.
         strategy = "recompute" if self.strategy == "auto" else self.strategy
-        return dataclasses.replace(
-            self,
-            nbatches=None,
-            batch_size=None,
-            max_memory=None,
-            progress=False,
-            sharding=None,
-            strategy=strategy,
-        )
+        one_block = self.with_block_size(None, strategy)
+        return dataclasses.replace(one_block, progress=False, sharding=None)
 
     def _with_strategy(self, strategy: Any) -> AbstractDerivative:
         return dataclasses.replace(self, strategy=strategy)
@@ -234,12 +237,12 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
             return (self.strategy,)
         return ("linearize", "recompute") if self.max_memory is not None else ("linearize",)
 
-    def with_block_size(self, size: int, strategy: Any) -> AbstractDerivative:
+    def with_block_size(self, size: int | None, strategy: str | None) -> AbstractDerivative:
         return dataclasses.replace(
             self, nbatches=None, batch_size=size, max_memory=None, strategy=strategy
         )
 
-    def work(self, x: Any, *args: Any, **kwargs: Any) -> Work:
+    def work(self, x: PyTree, *args: Any, **kwargs: Any) -> Work:
         split = self.split(x, *args, **kwargs)
 
         def count(x, args, kwargs):

@@ -9,28 +9,32 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import lineax as lx
-from beartype import beartype
-from jaxtyping import Array, Float, PyTree, jaxtyped
+from jaxtyping import PyTree
 
-from .._checks import check_callable, refuses_forward_mode, taking_jvps_of_fn
+from .._checks import (
+    check_callable,
+    refuses_forward_mode,
+    taking_jvps_of_fn,
+    typechecked_constructor,
+)
 from .._engine._block_plans import OutputSink
 from .._engine._sharding import Split
 from .._operators._block_diagonal import BlockDiagonal
-from .._operators._operator import BlockedOperator, make_operator
+from .._operators._operator import BlockedOperator
 from .._pytree import Variables, split_variables
 from .._traceback import public
-from ._derivative import AbstractDerivative, Prepared
-from ._leaf_blocks import leaf_blocks
+from ._derivative import Prepared
 from ._leafwise import curvature_matrix
 from ._losses import AbstractLoss
+from ._square import AbstractSquare
 
 __all__ = ["BatchedGGN", "ggn_products"]
 
 _OWNER = "BatchedGGN"
 
 
-class BatchedGGN(AbstractDerivative):
+@typechecked_constructor
+class BatchedGGN(AbstractSquare):
     """The generalised Gauss-Newton matrix `G = J^T H J` of a loss of a model's outputs,
     with respect to the model's first argument, in blocks.
 
@@ -90,14 +94,10 @@ class BatchedGGN(AbstractDerivative):
     - `holomorphic`: taken for the shared configuration of derivatives, and refused:
       complex variables are not supported.
     - `blocks`: `"full"` (the default) for the whole `(n, n)` matrix; `"leaf"` for its
-      diagonal blocks alone, one `(n_i, n_i)` block per variable leaf of `x` (the
-      cross-terms between leaves dropped): each is the Gauss-Newton matrix of `fn` in that leaf
-      alone, the others held fixed, computed and planned by a call of its own, so
-      the memory is that of the largest block, not of `n x n`. The call then returns
-      a tuple of the blocks in leaf order (in the dtype the whole matrix has), and
-      `.operator(...)` a `zm.BlockDiagonal` of them, with exact solves and
-      log-determinants. `plan()`, `zm.to_host` and `zm.to_file` take the whole matrix
-      only.
+      diagonal blocks alone, as for `zm.BatchedHessian`: one `(n_i, n_i)` block per
+      variable leaf of `x`, the Gauss-Newton matrix of `fn` in that leaf alone, each
+      planned and made by a call of its own; the call returns them as a tuple in leaf
+      order, and `.operator(...)` as a `zm.BlockDiagonal`.
 
     **Returns:**
 
@@ -147,20 +147,6 @@ class BatchedGGN(AbstractDerivative):
                 "built for real variables and real outputs. Split complex variables into "
                 "their real and imaginary parts."
             )
-
-    @jaxtyped(typechecker=beartype)
-    @public
-    def __call__(
-        self, x: PyTree, *args: Any, **kwargs: Any
-    ) -> (
-        Float[Array, "n n"]
-        | tuple[Float[Array, "n n"], Any]
-        | tuple[Float[Array, "_ _"], ...]
-        | tuple[tuple[Float[Array, "_ _"], ...], Any]
-    ):
-        if self.blocks == "leaf":
-            return leaf_blocks(self, (x, *args), kwargs)
-        return super().__call__(x, *args, **kwargs)
 
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
@@ -238,10 +224,7 @@ class BatchedGGN(AbstractDerivative):
             lx.linear_solve(damped, jnp.ones(3), lx.CG(rtol=1e-8, atol=1e-8)).value
             ```
         """
-        if self.blocks == "leaf":
-            return self._leaf_operator((x, *args), kwargs, positive_semidefinite=True)
-        tags = (lx.symmetric_tag, lx.positive_semidefinite_tag)
-        return make_operator(self, ggn_products, x, args, kwargs, square=True, tags=tags)
+        return self._square_operator(ggn_products, x, args, kwargs, positive_semidefinite=True)
 
 
 def _check_variables(variables: Variables) -> None:

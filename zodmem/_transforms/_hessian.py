@@ -7,25 +7,25 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import lineax as lx
-from beartype import beartype
-from jaxtyping import Array, Float, Inexact, PyTree, jaxtyped
+from jaxtyping import PyTree
 
+from .._checks import typechecked_constructor
 from .._engine._block_plans import OutputSink
 from .._engine._layout import holds
 from .._engine._sharding import Split
 from .._operators._block_diagonal import BlockDiagonal
-from .._operators._operator import BlockedOperator, make_operator
+from .._operators._operator import BlockedOperator
 from .._pytree import Variables
 from .._traceback import public
-from ._derivative import AbstractDerivative, Prepared, product_function
-from ._leaf_blocks import leaf_blocks
+from ._derivative import Prepared, product_function
 from ._leafwise import curvature_matrix
+from ._square import AbstractSquare
 
 __all__ = ["BatchedHessian"]
 
 
-class BatchedHessian(AbstractDerivative):
+@typechecked_constructor
+class BatchedHessian(AbstractSquare):
     """The Hessian of a scalar function with respect to its first argument, in blocks.
 
     Use it where `jax.hessian` runs out of memory: the gradient of `fn` is
@@ -133,20 +133,6 @@ class BatchedHessian(AbstractDerivative):
     _result: ClassVar[str] = "Hessian"
     _square: ClassVar[str | None] = "Hessian"
 
-    @jaxtyped(typechecker=beartype)
-    @public
-    def __call__(
-        self, x: PyTree, *args: Any, **kwargs: Any
-    ) -> (
-        Inexact[Array, "n n"]
-        | tuple[Inexact[Array, "n n"], Any]
-        | tuple[Float[Array, "_ _"], ...]
-        | tuple[tuple[Float[Array, "_ _"], ...], Any]
-    ):
-        if self.blocks == "leaf":
-            return leaf_blocks(self, (x, *args), kwargs)
-        return super().__call__(x, *args, **kwargs)
-
     def compute_share(
         self, sink: OutputSink | None, share: Any, split: Any, x: Any, *args: Any, **kwargs: Any
     ) -> Any:
@@ -228,11 +214,7 @@ class BatchedHessian(AbstractDerivative):
             A Hessian is not known to be positive definite, so `lx.CG` needs the tag
             given, as above, where you know it is (a convex loss, a minimum).
         """
-        if self.blocks == "leaf":
-            return self._leaf_operator((x, *args), kwargs)
-        return make_operator(
-            self, _hessian_products, x, args, kwargs, square=True, tags=lx.symmetric_tag
-        )
+        return self._square_operator(_hessian_products, x, args, kwargs)
 
 
 def _check_scalar(transform: BatchedHessian, shapes: Any) -> None:

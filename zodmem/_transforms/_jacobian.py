@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Inexact, PyTree, jaxtyped
 
-from .._checks import taking_jvps_of_fn
+from .._checks import taking_jvps_of_fn, typechecked_constructor
 from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label
@@ -23,6 +23,7 @@ from ._derivative import AbstractDerivative, Prepared, product_function
 __all__ = ["BatchedJacobian"]
 
 
+@typechecked_constructor
 class BatchedJacobian(AbstractDerivative):
     """The Jacobian of `fn` with respect to its first argument, computed in blocks.
 

@@ -12,8 +12,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import PRNGKeyArray, PyTree
 
-from .._checks import described
+from .._checks import check_choice, described
 from .._operators._arguments import is_traced
 
 __all__ = ["AbstractLoss"]
@@ -47,16 +48,16 @@ class AbstractLoss(eqx.Module):
     """
 
     @abc.abstractmethod
-    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         """The loss, a real scalar, of `outputs` and the call's data arguments."""
 
     @abc.abstractmethod
-    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_product(self, outputs: PyTree, tangents: PyTree, *args: Any, **kwargs: Any) -> Any:
         """The Hessian (or Fisher information) of the loss on the outputs, at `outputs`,
         applied to `tangents` (shaped like `outputs`); returned shaped and typed like
         `tangents`."""
 
-    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_sqrt(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         """Columns `s_1, ..., s_K` of a square root of the loss's Hessian on the outputs,
         for each loss term at once: a pytree like `outputs` whose leaves have a leading
         axis of `K`, with `sum_k s_k s_k^T` the Hessian on each term's outputs.
@@ -98,7 +99,7 @@ class AbstractLoss(eqx.Module):
         root = vectors * jnp.sqrt(jnp.maximum(values, 0))[..., None, :]
         return jnp.moveaxis(root, -1, 0)
 
-    def sample(self, outputs: Any, key: Any) -> Any:
+    def sample(self, outputs: PyTree, key: PRNGKeyArray) -> Any:
         """Targets drawn from the likelihood whose negative logarithm the loss is, at
         `outputs`, shaped as the loss takes its targets: for `zm.KFAC(...,
         fisher="mc")`. The built-in losses define one; this default refuses.
@@ -160,15 +161,21 @@ def diagonal_sqrt(diagonal: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, columns)
 
 
-def check_targets(targets: Any, owner: str) -> None:
-    if targets is None or isinstance(targets, str):
-        return
-    if isinstance(targets, bool) or not isinstance(targets, int):
+def check_loss_options(loss: AbstractLoss, *, optional_targets: bool = False) -> None:
+    """Refuse a built-in loss's `targets` (`None` only where `optional_targets`) and
+    `reduction` that it cannot read, in words that name the loss."""
+    owner, targets = type(loss).__name__, loss.targets
+    if targets is None and not optional_targets:
+        raise TypeError(f"{owner}: `targets` must be an int or a str, got None.")
+    if not (targets is None or isinstance(targets, str)) and (
+        isinstance(targets, bool) or not isinstance(targets, int)
+    ):
         raise TypeError(
             f"{owner}: `targets` must be an int (the position of the targets among the "
             "call's data arguments, -1 for the last), a str (the name of a keyword "
             f"argument) or None, got {described(targets)}."
         )
+    check_choice(loss.reduction, "reduction", REDUCTIONS, owner=owner)
 
 
 def targets_of(targets: Any, args: tuple, kwargs: dict, owner: str) -> Any:

@@ -10,19 +10,19 @@ each is divided by the number of examples, the length of the outputs' leading ax
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import gammaln
+from jaxtyping import ArrayLike, PRNGKeyArray, PyTree, Real
 
-from .._checks import check_choice, described
+from .._checks import described, typechecked_constructor
 from ._loss_base import (
-    REDUCTIONS,
     AbstractLoss,
+    check_loss_options,
     check_shapes,
-    check_targets,
     checked_labels,
     diagonal_sqrt,
     one_array,
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 
+@typechecked_constructor
 class SquaredError(AbstractLoss):
     """Half the weighted squared error, summed over every entry of the outputs, or that
     sum averaged over the examples.
@@ -98,14 +99,13 @@ class SquaredError(AbstractLoss):
         ```
     """
 
-    weights: Any = None
-    covariance: Any = None
+    weights: Real[ArrayLike, "..."] | None = None
+    covariance: Real[ArrayLike, "..."] | None = None
     targets: int | str | None = eqx.field(default=-1, static=True)
-    reduction: str = eqx.field(default="sum", static=True)
+    reduction: Literal["sum", "mean"] = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
-        check_targets(self.targets, "SquaredError")
-        check_choice(self.reduction, "reduction", REDUCTIONS, owner="SquaredError")
+        check_loss_options(self, optional_targets=True)
         if self.weights is not None and self.covariance is not None:
             raise ValueError(
                 "SquaredError: give at most one of `weights` and `covariance`: weights "
@@ -143,24 +143,24 @@ class SquaredError(AbstractLoss):
             return vector
         return self.weights * vector
 
-    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         r = self._residuals(outputs, args, kwargs)
         total = 0.5 * jnp.sum(r * self._precision(r))
         return reduced(total, r, self.reduction, "SquaredError")
 
-    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_product(self, outputs: PyTree, tangents: PyTree, *args: Any, **kwargs: Any) -> Any:
         self._residuals(outputs, args, kwargs)
         product = reduced(self._precision(tangents), outputs, self.reduction, "SquaredError")
         return product.astype(tangents.dtype)
 
-    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_sqrt(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         if self.covariance is not None:
             return super().hessian_sqrt(outputs, *args, **kwargs)
         ones = jnp.ones_like(one_array(outputs, "SquaredError", "the predictions"))
         diagonal = self.hessian_product(outputs, ones, *args, **kwargs)
         return diagonal_sqrt(jnp.broadcast_to(diagonal, outputs.shape))
 
-    def sample(self, outputs: Any, key: Any) -> Any:
+    def sample(self, outputs: PyTree, key: PRNGKeyArray) -> Any:
         """Targets `outputs + noise`, the noise Gaussian with precisions `weights` (none
         where a weight is zero) or covariance `covariance`."""
         if self.targets is None:
@@ -179,6 +179,7 @@ class SquaredError(AbstractLoss):
         return outputs + (noise * scale).astype(outputs.dtype)
 
 
+@typechecked_constructor
 class GaussianNLL(AbstractLoss):
     """The negative log-likelihood of targets under Gaussians whose means and log-variances
     are the outputs: `0.5 * sum(log_var + (targets - mean)**2 * exp(-log_var) + log(2π))`
@@ -215,13 +216,10 @@ class GaussianNLL(AbstractLoss):
     """
 
     targets: int | str = eqx.field(default=-1, static=True)
-    reduction: str = eqx.field(default="sum", static=True)
+    reduction: Literal["sum", "mean"] = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
-        if self.targets is None:
-            raise TypeError("GaussianNLL: `targets` must be an int or a str, got None.")
-        check_targets(self.targets, "GaussianNLL")
-        check_choice(self.reduction, "reduction", REDUCTIONS, owner="GaussianNLL")
+        check_loss_options(self)
 
     def _pair(self, outputs: Any) -> tuple[Any, Any]:
         if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2):
@@ -237,7 +235,7 @@ class GaussianNLL(AbstractLoss):
             )
         return mean, log_variance
 
-    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
         targets = targets_of(self.targets, args, kwargs, "GaussianNLL")
         check_shapes(mean, targets, "GaussianNLL", "means")
@@ -245,7 +243,7 @@ class GaussianNLL(AbstractLoss):
         total = 0.5 * jnp.sum(log_variance + squared + math.log(2 * math.pi))
         return reduced(total, mean, self.reduction, "GaussianNLL")
 
-    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_product(self, outputs: PyTree, tangents: PyTree, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
         d_mean, d_log_variance = tangents
         on_mean = jnp.exp(-log_variance) * d_mean
@@ -256,18 +254,19 @@ class GaussianNLL(AbstractLoss):
             (on_mean.astype(d_mean.dtype), on_log_variance.astype(d_log_variance.dtype))
         )
 
-    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_sqrt(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         mean, log_variance = self._pair(outputs)
         ones = type(outputs)((jnp.ones_like(mean), jnp.ones_like(log_variance)))
         return diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
 
-    def sample(self, outputs: Any, key: Any) -> Any:
+    def sample(self, outputs: PyTree, key: PRNGKeyArray) -> Any:
         """Targets `mean + exp(log_variance / 2) * noise`, the noise standard normal."""
         mean, log_variance = self._pair(outputs)
         noise = jax.random.normal(key, jnp.shape(mean), jnp.result_type(mean))
         return mean + jnp.exp(log_variance / 2) * noise
 
 
+@typechecked_constructor
 class PoissonNLL(AbstractLoss):
     """The negative log-likelihood of counts under Poisson distributions whose log-rates
     (or rates) are the outputs: `sum(rate - targets * log(rate) + gammaln(targets + 1))`
@@ -305,19 +304,16 @@ class PoissonNLL(AbstractLoss):
 
     targets: int | str = eqx.field(default=-1, static=True)
     log_rate: bool = eqx.field(default=True, static=True)
-    reduction: str = eqx.field(default="sum", static=True)
+    reduction: Literal["sum", "mean"] = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
-        if self.targets is None:
-            raise TypeError("PoissonNLL: `targets` must be an int or a str, got None.")
-        check_targets(self.targets, "PoissonNLL")
+        check_loss_options(self)
         if not isinstance(self.log_rate, bool):
             raise TypeError(
                 f"PoissonNLL: `log_rate` must be True or False, got {described(self.log_rate)}."
             )
-        check_choice(self.reduction, "reduction", REDUCTIONS, owner="PoissonNLL")
 
-    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         outputs = one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
         counts = targets_of(self.targets, args, kwargs, "PoissonNLL")
         check_shapes(outputs, counts, "PoissonNLL", "rates")
@@ -328,23 +324,24 @@ class PoissonNLL(AbstractLoss):
         total = jnp.sum(rate - counts * log_rate + gammaln(counts + 1.0))
         return reduced(total, outputs, self.reduction, "PoissonNLL")
 
-    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_product(self, outputs: PyTree, tangents: PyTree, *args: Any, **kwargs: Any) -> Any:
         outputs = one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
         fisher = jnp.exp(outputs) if self.log_rate else 1 / outputs
         product = reduced(fisher * tangents, outputs, self.reduction, "PoissonNLL")
         return product.astype(tangents.dtype)
 
-    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_sqrt(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         ones = jnp.ones_like(one_array(outputs, "PoissonNLL", "log-rates or rates"))
         return diagonal_sqrt(self.hessian_product(outputs, ones, *args, **kwargs))
 
-    def sample(self, outputs: Any, key: Any) -> Any:
+    def sample(self, outputs: PyTree, key: PRNGKeyArray) -> Any:
         """Counts drawn from the Poisson distributions, in the outputs' dtype."""
         outputs = one_array(outputs, "PoissonNLL", "log-rates" if self.log_rate else "rates")
         rate = jnp.exp(outputs) if self.log_rate else outputs
         return jax.random.poisson(key, rate, outputs.shape).astype(outputs.dtype)
 
 
+@typechecked_constructor
 class SoftmaxCrossEntropy(AbstractLoss):
     """The cross-entropy of labels under the softmax of logits, summed over examples:
     `-sum(labels * log_softmax(logits))` over every entry, the classes on the last axis;
@@ -390,17 +387,17 @@ class SoftmaxCrossEntropy(AbstractLoss):
 
         inputs, labels = jnp.ones((4, 2)), jnp.asarray([0, 2, 1, 1])
         F = zm.BatchedGGN(logits, zm.losses.SoftmaxCrossEntropy())(jnp.zeros(6), inputs, labels)
+        # The mean cross-entropy over the 4 examples: the Fisher matrix of their mean.
+        mean = zm.losses.SoftmaxCrossEntropy(reduction="mean")
+        assert jnp.allclose(zm.BatchedGGN(logits, mean)(jnp.zeros(6), inputs, labels), F / 4)
         ```
     """
 
     targets: int | str = eqx.field(default=-1, static=True)
-    reduction: str = eqx.field(default="sum", static=True)
+    reduction: Literal["sum", "mean"] = eqx.field(default="sum", static=True)
 
     def __check_init__(self):
-        if self.targets is None:
-            raise TypeError("SoftmaxCrossEntropy: `targets` must be an int or a str, got None.")
-        check_targets(self.targets, "SoftmaxCrossEntropy")
-        check_choice(self.reduction, "reduction", REDUCTIONS, owner="SoftmaxCrossEntropy")
+        check_loss_options(self)
 
     def _logits(self, outputs: Any) -> Any:
         outputs = one_array(outputs, "SoftmaxCrossEntropy", "the logits, classes last")
@@ -411,7 +408,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
             )
         return outputs
 
-    def __call__(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         logits = self._logits(outputs)
         labels = targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
         log_p = jax.nn.log_softmax(logits, axis=-1)
@@ -430,7 +427,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
             total = -jnp.sum(labels * log_p)
         return reduced(total, logits, self.reduction, "SoftmaxCrossEntropy", classes=True)
 
-    def hessian_product(self, outputs: Any, tangents: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_product(self, outputs: PyTree, tangents: PyTree, *args: Any, **kwargs: Any) -> Any:
         logits = self._logits(outputs)
         p = jax.nn.softmax(logits, axis=-1)
         product = p * tangents - p * jnp.sum(p * tangents, axis=-1, keepdims=True)
@@ -438,7 +435,7 @@ class SoftmaxCrossEntropy(AbstractLoss):
         labels = targets_of(self.targets, args, kwargs, "SoftmaxCrossEntropy")
         return checked_labels(labels, logits, self.targets, product.astype(tangents.dtype))
 
-    def hessian_sqrt(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def hessian_sqrt(self, outputs: PyTree, *args: Any, **kwargs: Any) -> Any:
         # Column c is sqrt(p_c) (e_c - p): their outer products sum to diag(p) - p p^T.
         logits = self._logits(outputs)
         p = jax.nn.softmax(logits, axis=-1)
@@ -449,6 +446,6 @@ class SoftmaxCrossEntropy(AbstractLoss):
         )
         return jnp.moveaxis(columns, -2, 0) * jnp.sqrt(scale)
 
-    def sample(self, outputs: Any, key: Any) -> Any:
+    def sample(self, outputs: PyTree, key: PRNGKeyArray) -> Any:
         """Class indices drawn from the softmax of the logits (integer labels)."""
         return jax.random.categorical(key, self._logits(outputs), axis=-1)

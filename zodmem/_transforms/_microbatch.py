@@ -12,7 +12,13 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
 
-from .._checks import as_index, check_bool, check_callable, check_int
+from .._checks import (
+    check_bool,
+    check_callable,
+    int_option,
+    memory_option,
+    typechecked_constructor,
+)
 from .._engine._sharding import Split
 from .._operators._block_diagonal import BlockDiagonal
 from .._operators._operator import BlockedOperator, flat_product, make_operator
@@ -53,6 +59,7 @@ __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
 _OWNER = "Microbatcher"
 
 
+@typechecked_constructor
 class Microbatcher(AbstractBlocked, OperatorSource):
     """`fn` evaluated on microbatches of its batch arguments, one after another.
 
@@ -158,10 +165,10 @@ class Microbatcher(AbstractBlocked, OperatorSource):
 
     fn: Callable[..., Any]
     microbatch_size: int | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
+        default=None, static=True, kw_only=True, converter=int_option
     )
     max_memory: int | str | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
+        default=None, static=True, kw_only=True, converter=memory_option
     )
     argnums: int | Sequence[int] = eqx.field(
         default=0, static=True, kw_only=True, converter=as_indices
@@ -172,7 +179,9 @@ class Microbatcher(AbstractBlocked, OperatorSource):
     in_axes: int | Sequence[int] = eqx.field(
         default=0, static=True, kw_only=True, converter=as_indices
     )
-    accumulator: Any = eqx.field(default="sum", static=True, kw_only=True)
+    accumulator: PyTree[str | AccumulationType | Accumulator] = eqx.field(
+        default="sum", static=True, kw_only=True
+    )
     num_real_microbatches: Int[ArrayLike, ""] | None = eqx.field(
         default=None, kw_only=True, converter=as_count
     )
@@ -184,15 +193,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
     @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
-        check_int(self.microbatch_size, "microbatch_size", owner=_OWNER, minimum=1, optional=True)
-        check_size_or_memory(
-            self.microbatch_size,
-            "microbatch_size",
-            self.max_memory,
-            owner=_OWNER,
-            meaning="the examples per microbatch",
-            blocks="microbatches",
-        )
+        check_size_or_memory(self, "microbatch_size", "the examples per microbatch", "microbatches")
         check_argnums(self.argnums)
         check_argnames(self.argnames)
         if not self.batch_argnums and not self.batch_argnames:
@@ -255,7 +256,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
         split = batch_split_of(batch, planned=True)
         return Work(total, "examples", "result", size).per_device(split)
 
-    def with_block_size(self, size: int, strategy: Any) -> Microbatcher:
+    def with_block_size(self, size: int, strategy: str | None) -> Microbatcher:
         return dataclasses.replace(self, microbatch_size=size, max_memory=None)
 
     @public

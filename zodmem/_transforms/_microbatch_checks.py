@@ -5,31 +5,39 @@ the one batch size of the batch arguments."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import ArrayLike, Int
 
-from .._checks import as_index, check_int, common_size
+from .._checks import Integer, as_index, check_int, common_size
 
 _OWNER = "Microbatcher"
 
 
-def as_tuple(value: Any) -> Any:
+# The converters carry the option's type, which Equinox gives the constructor's parameter;
+# they pass on what they are given, for the checks below to refuse in words.
+
+
+@no_type_check
+def as_tuple(value: str | Sequence[str]) -> Any:
     """Turn a list (or other non-string sequence) into a tuple; leave the rest as is."""
     if isinstance(value, Sequence) and not isinstance(value, (str, tuple)):
         return tuple(value)
     return value
 
 
-def as_indices(value: Any) -> Any:
+@no_type_check
+def as_indices(value: Integer | Sequence[Integer]) -> Any:
     """An integer, or each entry of a sequence of them, as Python ints (in a tuple)."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         return tuple(as_index(item) for item in value)
     return as_index(value)
 
 
-def as_count(value: Any) -> Any:
+@no_type_check
+def as_count(value: Integer | Int[ArrayLike, ""] | None) -> Any:
     """An integer as a Python int; a JAX array (maybe traced) stays an array."""
     return value if isinstance(value, jax.Array) else as_index(value)
 

@@ -15,7 +15,15 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import PyTree, jaxtyped
 
-from .._checks import as_index, as_int_or_bool, check_bool, check_callable, check_int, common_size
+from .._checks import (
+    as_int_or_bool,
+    check_bool,
+    check_callable,
+    check_int,
+    common_size,
+    int_option,
+    typechecked_constructor,
+)
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import scan_blocks, write_once
 from .._engine._progress import closing_bars, label, progress_bar
@@ -91,7 +99,7 @@ class AbstractScan(AbstractTransform):
     `progress`."""
 
     fn: Callable[..., Any]
-    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    length: int | None = eqx.field(default=None, static=True, kw_only=True, converter=int_option)
     reverse: bool = eqx.field(default=False, static=True, kw_only=True)
     unroll: int | bool = eqx.field(default=1, static=True, kw_only=True, converter=as_int_or_bool)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
@@ -133,6 +141,7 @@ def _scan(transform: AbstractScan, init: Any, xs: Any) -> tuple[Any, Any]:
 _scan_jit = eqx.filter_jit(_scan)
 
 
+@typechecked_constructor
 class SlicedScan(AbstractScan):
     """`lax.scan` that keeps only the outputs of the steps in a slice.
 
@@ -203,9 +212,9 @@ class SlicedScan(AbstractScan):
         `zm.CheckpointedScan` when every output is wanted.
     """
 
-    start: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    stop: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    step: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    start: int | None = eqx.field(default=None, static=True, kw_only=True, converter=int_option)
+    stop: int | None = eqx.field(default=None, static=True, kw_only=True, converter=int_option)
+    step: int | None = eqx.field(default=None, static=True, kw_only=True, converter=int_option)
 
     @public
     def __check_init__(self):
@@ -339,6 +348,7 @@ def _scan_skipping(
     return skip(carry, length - first - span), ys
 
 
+@typechecked_constructor
 class CheckpointedScan(AbstractScan):
     """`lax.scan` whose gradient stores one carry per chunk of steps.
 
@@ -402,7 +412,9 @@ class CheckpointedScan(AbstractScan):
         state is smallest for chunk sizes near the default.
     """
 
-    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
+    chunk_size: int | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=int_option
+    )
 
     @public
     def __check_init__(self):

@@ -13,7 +13,13 @@ from beartype import beartype
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree, jaxtyped
 
-from .._checks import as_index, check_bool, check_callable, check_int
+from .._checks import (
+    check_bool,
+    check_callable,
+    int_option,
+    memory_option,
+    typechecked_constructor,
+)
 from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label, progress_bar
@@ -24,6 +30,7 @@ from .._plan._search import largest_made_from
 from .._traceback import public
 from ._base import AbstractBlocked
 from ._vmap_axes import (
+    AxisSpec,
     axis_spec,
     check_axis_spec,
     element_leaves,
@@ -37,6 +44,7 @@ __all__ = ["ChunkedVmap"]
 _OWNER = "ChunkedVmap"
 
 
+@typechecked_constructor
 class ChunkedVmap(AbstractBlocked):
     """Vectorise `fn` like `eqx.filter_vmap`, but at most `chunk_size` elements at a time.
 
@@ -120,14 +128,16 @@ class ChunkedVmap(AbstractBlocked):
     """
 
     fn: Callable[..., Any]
-    chunk_size: int | None = eqx.field(default=None, static=True, kw_only=True, converter=as_index)
-    max_memory: int | str | None = eqx.field(
-        default=None, static=True, kw_only=True, converter=as_index
+    chunk_size: int | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=int_option
     )
-    in_axes: Any = eqx.field(
+    max_memory: int | str | None = eqx.field(
+        default=None, static=True, kw_only=True, converter=memory_option
+    )
+    in_axes: AxisSpec = eqx.field(
         default=eqx.if_array(0), static=True, kw_only=True, converter=axis_spec
     )
-    out_axes: Any = eqx.field(
+    out_axes: AxisSpec = eqx.field(
         default=eqx.if_array(0), static=True, kw_only=True, converter=axis_spec
     )
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
@@ -135,15 +145,7 @@ class ChunkedVmap(AbstractBlocked):
     @public
     def __check_init__(self):
         check_callable(self.fn, "fn", owner=_OWNER)
-        check_int(self.chunk_size, "chunk_size", owner=_OWNER, minimum=1, optional=True)
-        check_size_or_memory(
-            self.chunk_size,
-            "chunk_size",
-            self.max_memory,
-            owner=_OWNER,
-            meaning="the elements mapped at once",
-            blocks="chunks",
-        )
+        check_size_or_memory(self, "chunk_size", "the elements mapped at once", "chunks")
         if isinstance(self.in_axes, dict):
             for name in self.in_axes:
                 if not isinstance(name, str):
@@ -231,7 +233,7 @@ class ChunkedVmap(AbstractBlocked):
             return None
         return largest_made_from(traced.jaxpr, made_from)
 
-    def with_block_size(self, size: int, strategy: Any) -> ChunkedVmap:
+    def with_block_size(self, size: int, strategy: str | None) -> ChunkedVmap:
         return dataclasses.replace(self, chunk_size=size, max_memory=None)
 
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias, no_type_check
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import PyTree
 
-from .._checks import as_index, common_size
+from .._checks import Integer, as_index, common_size
 
 __all__ = [
+    "AxisSpec",
     "Mapped",
     "axis_spec",
     "check_axis_spec",
@@ -27,7 +29,13 @@ __all__ = [
 _OWNER = "ChunkedVmap"
 
 
-def axis_spec(spec: Any) -> Any:
+AxisSpec: TypeAlias = PyTree[Integer | Callable[..., Any] | None]
+"""The axes of `in_axes` or `out_axes`: a pytree of ints, `None` and callables (such as
+`eqx.if_array(0)`), as `eqx.filter_vmap` takes them."""
+
+
+@no_type_check  # the option's type, for the constructor; the checks refuse the rest
+def axis_spec(spec: AxisSpec) -> Any:
     """An axis spec as `jax.vmap` reads it: a list at the top is a tuple of per-argument
     specs, and integer axes (NumPy's too) are Python ints, so that the spec hashes."""
     if isinstance(spec, list):
