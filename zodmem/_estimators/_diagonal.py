@@ -21,7 +21,7 @@ from .._engine._sharding import replicate, sharding_of
 from .._operators._flat import FlatView, flat_view
 from .._operators._operator import BlockedOperator
 from .._traceback import public
-from ._probes import AbstractColumns, ProbeJob, run_probes
+from ._probes import AbstractColumns, ProbeJob, ProbeOptions, run_probes
 from ._random import sign_probes
 
 __all__ = ["diagonal", "trace"]
@@ -190,14 +190,14 @@ def _standard_error(xp: Any, spread: Any, count: int) -> Any:
     return xp.sqrt(spread / ((count - 1) * count))
 
 
-def _sketch(view: FlatView, key: jax.Array, width: int, options: dict) -> tuple:
+def _sketch(view: FlatView, key: jax.Array, width: int, options: ProbeOptions) -> tuple:
     """`(Q, A Q)`: an orthonormal basis of the range of `A S` for `width` random sign
     probes `S` (probes `0, ..., width - 1` of `key`; it holds the directions of `A`'s
     largest eigenvalues), and its products."""
     signs = _sign_columns(key, width, view.size, view.dtype)
-    sketch = _whole(run_probes(view, Columns(signs), **options))
+    sketch = _whole(run_probes(view, Columns(signs), options))
     basis, _ = jnp.linalg.qr(sketch)
-    return basis, _whole(run_probes(view, Columns(basis), **options))
+    return basis, _whole(run_probes(view, Columns(basis), options))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -211,17 +211,6 @@ def _whole(array: jax.Array) -> jax.Array:
     mesh axes (a QR factorisation takes no split columns)."""
     sharding = sharding_of(array)
     return array if sharding is None else replicate(array, sharding.mesh)
-
-
-def _options(owner: str, max_memory: Any, batch_size: Any, sharding: Any, progress: Any) -> dict:
-    """The options of the probes' blocks, as `run_probes` takes them."""
-    return dict(
-        owner=owner,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
-    )
 
 
 # The diagonal: flat, or shaped like the operator's input.
@@ -304,7 +293,7 @@ def diagonal(
                                       key=jax.random.key(0))
         ```
     """
-    options = _options("zm.diagonal", max_memory, batch_size, sharding, progress)
+    options = ProbeOptions("zm.diagonal", max_memory, batch_size, sharding, progress)
     view, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=False)
     if method == "exact":
         return _shaped(view, found, pytree)
@@ -360,22 +349,22 @@ def trace(
                                    key=jax.random.key(0))
         ```
     """
-    options = _options("zm.trace", max_memory, batch_size, sharding, progress)
+    options = ProbeOptions("zm.trace", max_memory, batch_size, sharding, progress)
     _, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=True)
     return jnp.sum(found) if method == "exact" else found
 
 
 def _diagonal_or_trace(
-    operator: Any, method: Any, num_probes: Any, key: Any, options: dict, *, for_trace: bool
+    operator: Any, method: Any, num_probes: Any, key: Any, options: ProbeOptions, *, for_trace: bool
 ) -> tuple[FlatView, Any]:
     """The flat view of `operator` and, by `method`, its exact diagonal or the estimate of
     its trace (`for_trace`) or diagonal with the standard error."""
-    owner = options["owner"]
+    owner = options.owner
     methods = _TRACE_METHODS if for_trace else _DIAGONAL_METHODS
     check_choice(method, "method", methods, owner=owner)
     if method == "exact":
         view = flat_view(operator, owner)
-        return view, run_probes(view, UnitDiagonal(), **options)
+        return view, run_probes(view, UnitDiagonal(), options)
     view = _stochastic_view(operator, owner, method)
     if method == "diag++" and not lx.is_symmetric(view.operator):
         raise ValueError(
@@ -388,16 +377,16 @@ def _diagonal_or_trace(
 
 
 def _estimate(
-    view: FlatView, method: str, num_probes: Any, key: Any, options: dict, for_trace: bool
+    view: FlatView, method: str, num_probes: Any, key: Any, options: ProbeOptions, for_trace: bool
 ) -> tuple:
     """A stochastic estimate of the trace or the diagonal, and its standard error:
     Hutchinson's, or with a third of the probes sketching the range of `A` and another
     third taking its exact part (Hutch++, Diag++)."""
-    owner = options["owner"]
+    owner = options.owner
     key = _check_key(key, owner, method)
     if method == "hutchinson":
         num = _check_probes(num_probes, owner, method, 2)
-        statistics = run_probes(view, Hutchinson(key, None, num, for_trace), **options)
+        statistics = run_probes(view, Hutchinson(key, None, num, for_trace), options)
         return _mean_and_error(statistics, num)
     num = _check_probes(num_probes, owner, method, 4)
     width = num // 3
@@ -406,7 +395,7 @@ def _estimate(
     known = jnp.sum(basis * products) if for_trace else jnp.sum(basis * products, axis=1)
     rest = num - 2 * width
     job = Hutchinson(key, basis, rest, for_trace, first=width)
-    mean, error = _mean_and_error(run_probes(view, job, **options), rest)
+    mean, error = _mean_and_error(run_probes(view, job, options), rest)
     return known + mean, error
 
 

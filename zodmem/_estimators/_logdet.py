@@ -23,6 +23,7 @@ from .._checks import Integer, Memory, RealScalar, check_int, check_key, describ
 from .._operators._arguments import check_real, is_traced
 from .._traceback import public
 from ._lanczos import symmetric_space, tridiagonal
+from ._probes import ProbeOptions
 from ._spectral import quadrature_rules
 
 __all__ = ["logdet", "trace_function"]
@@ -186,17 +187,13 @@ def _estimate(
 def _trace_function(
     operator: Any,
     function: Any,
-    *,
-    owner: str,
     num_probes: Any,
     num_steps: Any,
     key: Any,
     damping: Any,
-    max_memory: Any,
-    batch_size: Any,
-    sharding: Any,
-    progress: Any,
+    options: ProbeOptions,
 ) -> tuple[jax.Array, jax.Array]:
+    owner = options.owner
     space, view = symmetric_space(operator, owner)
     apply = _check_function(function, owner)
     num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=2, allowed="an int >= 2")
@@ -210,9 +207,9 @@ def _trace_function(
         )
     key = check_key(key, owner=owner)
     damping = check_real(damping, "damping", owner=owner, minimum=None)
-    options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
-    options.update(owner=owner, progress=progress, tridiagonals=True)
-    alphas, betas = quadrature_rules(view, space, key, num_probes, num_steps, **options)
+    alphas, betas = quadrature_rules(
+        view, space, key, num_probes, num_steps, options, tridiagonals=True
+    )
     shift = damping if is_traced(damping) else jnp.asarray(damping, view.dtype)
     named = isinstance(function, str)
     mean, error, lowest, bound = _estimate(alphas, betas, shift, apply, named, view.size, owner)
@@ -344,19 +341,8 @@ def trace_function(
                                        key=jax.random.key(0))
         ```
     """
-    return _trace_function(
-        operator,
-        function,
-        owner="zm.trace_function",
-        num_probes=num_probes,
-        num_steps=num_steps,
-        key=key,
-        damping=damping,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
-    )
+    options = ProbeOptions("zm.trace_function", max_memory, batch_size, sharding, progress)
+    return _trace_function(operator, function, num_probes, num_steps, key, damping, options)
 
 
 @public
@@ -417,16 +403,5 @@ def logdet(
         assert abs(estimate - exact) < 4 * error
         ```
     """
-    return _trace_function(
-        operator,
-        "log",
-        owner="zm.logdet",
-        num_probes=num_probes,
-        num_steps=num_steps,
-        key=key,
-        damping=damping,
-        max_memory=max_memory,
-        batch_size=batch_size,
-        sharding=sharding,
-        progress=progress,
-    )
+    options = ProbeOptions("zm.logdet", max_memory, batch_size, sharding, progress)
+    return _trace_function(operator, "log", num_probes, num_steps, key, damping, options)

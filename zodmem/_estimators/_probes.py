@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -34,7 +34,41 @@ from .._operators._vector_blocks import AbstractVectorBlocks, vector_options
 from .._plan._memory import check_memory
 from .._plan._plans import Work
 
-__all__ = ["AbstractColumns", "ProbeJob", "Probes", "run_probes"]
+__all__ = [
+    "AbstractColumns",
+    "ProbeJob",
+    "ProbeOptions",
+    "Probes",
+    "check_probe_blocks",
+    "run_probes",
+]
+
+
+class ProbeOptions(NamedTuple):
+    """How an estimator runs its probes, as its caller gave them: `owner`, the estimator
+    its messages name; `batch_size` probes a block, or as many as `max_memory` allows (at
+    most one of the two); spread over the devices that `sharding` splits its first axis
+    over; a bar where `progress`. Options left `None` are those of a zodmem operator's
+    transform."""
+
+    owner: str
+    max_memory: Any = None
+    batch_size: Any = None
+    sharding: Any = None
+    progress: Any = None
+
+
+def check_probe_blocks(options: ProbeOptions) -> None:
+    """Refuse a `max_memory` or a `batch_size` that says no block size, or both of them."""
+    owner, max_memory, batch_size = options.owner, options.max_memory, options.batch_size
+    check_memory(max_memory, owner=owner)
+    check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
+    if max_memory is not None and batch_size is not None:
+        raise ValueError(
+            f"{owner}: give at most one of `batch_size` (probes per block) and "
+            f"`max_memory` (a budget the blocks are planned to fit), got "
+            f"batch_size={batch_size!r} and max_memory={max_memory!r}."
+        )
 
 
 class ProbeJob(eqx.Module):
@@ -189,48 +223,31 @@ def _transform_of(view: FlatView) -> Any:
     return operator.transform if isinstance(operator, BlockedOperator) else None
 
 
-def run_probes(
-    view: FlatView,
-    job: ProbeJob,
-    *,
-    owner: str,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    sharding: Any = None,
-    progress: Any = None,
-    spread: bool = True,
-) -> Any:
-    """Run `job`'s probes of `view` in blocks: `batch_size` probes a block, or as many as
-    `max_memory` allows (at most one of the two), spread over the devices that
-    `sharding` splits its first axis over (never, with `spread=False`). Options left
-    `None` are those of a zodmem operator's transform (its budget, block count or size,
-    sharding and bar; for a `Microbatcher`, those of the transform it wraps)."""
+def run_probes(view: FlatView, job: ProbeJob, options: ProbeOptions, *, spread: bool = True) -> Any:
+    """Run `job`'s probes of `view` in blocks, as `options` say, spread over devices by
+    their `sharding` (never, with `spread=False`). Options left `None` are those of a
+    zodmem operator's transform (its budget, block count or size, sharding and bar; for a
+    `Microbatcher`, those of the transform it wraps)."""
+    owner = options.owner
     transform = _transform_of(view)
-    options = vector_options(transform)
-    if max_memory is not None or batch_size is not None:
-        check_memory(max_memory, owner=owner)
-        check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
-        if max_memory is not None and batch_size is not None:
-            raise ValueError(
-                f"{owner}: give at most one of `batch_size` (probes per block) and "
-                f"`max_memory` (a budget the blocks are planned to fit), got "
-                f"batch_size={batch_size!r} and max_memory={max_memory!r}."
-            )
-        options.update(nbatches=None, batch_size=batch_size, max_memory=max_memory)
+    settings = vector_options(transform)
+    if options.max_memory is not None or options.batch_size is not None:
+        check_probe_blocks(options)
+        settings.update(nbatches=None, batch_size=options.batch_size, max_memory=options.max_memory)
     if not spread:
-        options["sharding"] = None
-    elif sharding is not None:
-        if not isinstance(sharding, NamedSharding):
+        settings["sharding"] = None
+    elif options.sharding is not None:
+        if not isinstance(options.sharding, NamedSharding):
             raise TypeError(
                 f"{owner}: `sharding` must be a jax.sharding.NamedSharding whose first "
                 "entry names the mesh axes that split the probes, e.g. NamedSharding(mesh, "
-                f"PartitionSpec('d')), or None; got {described(sharding)}."
+                f"PartitionSpec('d')), or None; got {described(options.sharding)}."
             )
-        options["sharding"] = sharding
-    if progress is not None:
-        if not isinstance(progress, bool):
+        settings["sharding"] = options.sharding
+    if options.progress is not None:
+        if not isinstance(options.progress, bool):
             raise TypeError(
-                f"{owner}: `progress` must be a bool or None, got {described(progress)}."
+                f"{owner}: `progress` must be a bool or None, got {described(options.progress)}."
             )
-        options["progress"] = progress
-    return Probes(view, job=job, owner=owner, **options)()
+        settings["progress"] = options.progress
+    return Probes(view, job=job, owner=owner, **settings)()

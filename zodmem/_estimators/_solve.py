@@ -21,7 +21,7 @@ from .._operators._flat import FlatView, flat_view
 from .._operators._operator import BlockedOperator, check_leaves, variables_of
 from .._pytree import is_traced
 from .._traceback import public
-from ._probes import AbstractColumns, run_probes
+from ._probes import AbstractColumns, ProbeOptions, run_probes
 
 __all__ = ["solve", "marginal_variances"]
 
@@ -157,9 +157,10 @@ def _raise_or_flag(value: Any, code: jax.Array, messages: tuple[str, ...]) -> An
     return value
 
 
-def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, view, blocks):
+def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, options):
     """The checked solve of flat `(n,)` or `(n, k)` right-hand sides; the columns of
-    the latter in blocks, as `blocks` (the options of `run_probes`) say."""
+    the latter in blocks, as `options` (which name the caller too) say."""
+    owner = options.owner
     rtol = check_real(rtol, "rtol", owner=owner)
     atol = check_real(atol, "atol", owner=owner)
     if is_traced(rtol) or is_traced(atol):
@@ -212,7 +213,7 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, *, owner, v
         job = Solves(b_flat, damping, tags, solver)
         # Solves stay on one device: lineax's solves do not take the vectors a
         # `shard_map` types with its manual mesh.
-        value, code = run_probes(view, job, owner=owner, spread=False, **blocks)
+        value, code = run_probes(view, job, options, spread=False)
     return _raise_or_flag(value, code, _failure_messages(owner, solver, max_steps))
 
 
@@ -305,10 +306,8 @@ def solve(
     owner = "zm.solve"
     view = flat_view(operator, owner)
     rhs, form = _read_rhs(operator, view, b, owner=owner)
-    blocks = dict(max_memory=max_memory, batch_size=batch_size, progress=progress)
-    value = _solve(
-        operator, rhs, damping, rtol, atol, max_steps, solver, owner=owner, view=view, blocks=blocks
-    )
+    options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
+    value = _solve(operator, rhs, damping, rtol, atol, max_steps, solver, view, options)
     return view.unflatten(value) if form == "tree" else value
 
 
@@ -392,13 +391,12 @@ def marginal_variances(
         import jax.numpy as jnp
         import zodmem as zm
 
-        def model(params, t, y):
-            return params["a"] * jnp.tanh(params["w"] * t)
+        def loss(w, x):
+            return jnp.sum(jnp.logaddexp(0.0, x @ w)) + 0.5 * jnp.sum(w**2)
 
-        params = {"a": jnp.ones(3), "w": jnp.arange(3.0)}
-        t, y = jnp.linspace(-1, 1, 8)[:, None], jnp.zeros((8, 3))
-        F = zm.BatchedGGN(model, zm.losses.SquaredError()).operator(params, t, y)
-        zm.marginal_variances(F, [0, 4], damping=1e-3)   # shape (2,)
+        x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+        H = zm.BatchedHessian(loss).operator(jnp.zeros(3), x)
+        zm.marginal_variances(H, [0, 2])   # the variances of w[0] and w[2], shape (2,)
         ```
     """
     owner = "zm.marginal_variances"
@@ -408,17 +406,6 @@ def marginal_variances(
     if k == 0:
         return jnp.zeros((0,), view.dtype)
     units = jax.nn.one_hot(indices, view.size, dtype=view.dtype).T
-    blocks = dict(max_memory=max_memory, batch_size=batch_size, progress=progress)
-    solutions = _solve(
-        operator,
-        units,
-        damping,
-        rtol,
-        atol,
-        max_steps,
-        solver,
-        owner=owner,
-        view=view,
-        blocks=blocks,
-    )
+    options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
+    solutions = _solve(operator, units, damping, rtol, atol, max_steps, solver, view, options)
     return solutions[indices, jnp.arange(k)]

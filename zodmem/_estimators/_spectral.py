@@ -22,10 +22,10 @@ from .._engine._layout import canonical_body
 from .._operators._arguments import check_positive, key_or_default
 from .._operators._flat import FlatView
 from .._operators._vectors import VectorSpace, flat_space
-from .._plan._memory import budget_bytes, check_memory, format_bytes_up
+from .._plan._memory import budget_bytes, format_bytes_up
 from .._traceback import public
 from ._lanczos import lanczos_step, space_product, symmetric_space, tridiagonal
-from ._probes import ProbeJob, run_probes
+from ._probes import ProbeJob, ProbeOptions, check_probe_blocks, run_probes
 from ._random import probe_seeds, sign_probes
 
 __all__ = ["lanczos_quadrature", "spectral_density"]
@@ -131,56 +131,41 @@ def quadrature_rules(
     key: Any,
     num_probes: int,
     num_steps: int,
+    options: ProbeOptions,
     *,
-    owner: str,
     tridiagonals: bool = False,
-    **options: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """The Gauss rules `(nodes, weights)` of `num_probes` sign probes of `key`, each
-    `(num_probes, num_steps)`, in blocks that `options` plan (`run_probes`'s); with
-    `tridiagonals`, their Lanczos matrices `(alphas, betas)` instead, of the same shapes.
-    For variables sharded over devices, each probe and its basis are laid out like them
-    (`sharded_rules`)."""
-    if space.sharded:
-        return sharded_rules(
-            view, space, key, num_probes, num_steps, owner, tridiagonals, **options
-        )
+    `(num_probes, num_steps)`, in blocks that `options` plan; with `tridiagonals`, their
+    Lanczos matrices `(alphas, betas)` instead, of the same shapes. For variables sharded
+    over devices, each probe and its basis are laid out like them (`sharded_rules`)."""
     job = Quadrature(key, num_probes, num_steps, tridiagonals)
-    return run_probes(view, job, owner=owner, **options)
+    if space.sharded:
+        return sharded_rules(view, space, job, options)
+    return run_probes(view, job, options)
 
 
 def sharded_rules(
-    view: FlatView,
-    space: VectorSpace,
-    key: Any,
-    num_probes: int,
-    num_steps: int,
-    owner: str,
-    tridiagonals: bool = False,
-    *,
-    max_memory: Any = None,
-    batch_size: Any = None,
-    sharding: Any = None,
-    progress: Any = None,
+    view: FlatView, space: VectorSpace, job: Quadrature, options: ProbeOptions
 ) -> tuple[jax.Array, jax.Array]:
-    """`quadrature_rules` for variables sharded over devices: the probes run one block of
-    `batch_size` at a time (by default as many as `max_memory` holds bases of, per device,
-    else one), each probe `sign_probes(key, i)` drawn leaf by leaf in the variables'
-    layout, its basis `(num_steps, *leaf.shape)` a leaf, sharded as the leaf."""
-    if sharding is not None:
+    """`quadrature_rules` for variables sharded over devices: the probes of `job` run one
+    block of `batch_size` at a time (by default as many as `max_memory` holds bases of,
+    per device, else one), each probe `sign_probes(key, i)` drawn leaf by leaf in the
+    variables' layout, its basis `(num_steps, *leaf.shape)` a leaf, sharded as the leaf."""
+    if options.sharding is not None:
         raise ValueError(
-            f"{owner}: `sharding` spreads probes over devices, but the operator's variables "
-            "are sharded over them already; leave `sharding` None."
+            f"{options.owner}: `sharding` spreads probes over devices, but the operator's "
+            "variables are sharded over them already; leave `sharding` None."
         )
-    size = probe_block(space, num_steps, num_probes, owner, max_memory, batch_size)
+    size = probe_block(space, job.num_steps, job.num, options)
     product = space_product(view, space)
-    run = lanczos_tridiagonal if tridiagonals else lanczos_quadrature
+    run = lanczos_tridiagonal if job.tridiagonals else lanczos_quadrature
 
     def one(seed):
         probe = space.map(lambda leaf: leaf[0], space.signs(seed[None]))
-        return run(product, probe, num_steps, space)
+        return run(product, probe, job.num_steps, space)
 
-    seeds = probe_seeds(key, jnp.arange(num_probes, dtype=jnp.int32))
+    seeds = probe_seeds(job.key, jnp.arange(job.num, dtype=jnp.int32))
     if space.explicit:
         # A Lanczos step's branches, mapped over a block, become selects that the types
         # of Explicit axes refuse: there the probes of a block run one after another.
@@ -188,37 +173,24 @@ def sharded_rules(
     return jax.lax.map(one, seeds, batch_size=size)
 
 
-def probe_block(
-    space: VectorSpace,
-    num_steps: int,
-    num_probes: int,
-    owner: str,
-    max_memory: Any,
-    batch_size: Any,
-) -> int:
+def probe_block(space: VectorSpace, num_steps: int, num_probes: int, options: ProbeOptions) -> int:
     """Probes a block for sharded variables: `batch_size`, or as many whose Lanczos bases
     (`num_steps` vectors each, counted per device) `max_memory` holds, else 1; refused in
     words, naming the budget that fits, where not even one basis fits."""
-    check_memory(max_memory, owner=owner)
-    check_int(batch_size, "batch_size", owner=owner, minimum=1, optional=True)
-    if max_memory is not None and batch_size is not None:
-        raise ValueError(
-            f"{owner}: give at most one of `batch_size` (probes per block) and `max_memory` "
-            f"(a budget the blocks are planned to fit), got batch_size={batch_size!r} and "
-            f"max_memory={max_memory!r}."
-        )
-    if batch_size is not None:
-        return min(int(batch_size), num_probes)
-    budget = budget_bytes(max_memory)
+    check_probe_blocks(options)
+    if options.batch_size is not None:
+        return min(int(options.batch_size), num_probes)
+    budget = budget_bytes(options.max_memory)
     if budget is None:
         return 1
     # A probe's basis and its few working vectors (the probe, the residual, an image).
     per_probe = space.bytes_per_device(num_steps + 4)
     if per_probe > budget:
         raise ValueError(
-            f"{owner}: one probe's Lanczos basis of {num_steps} vectors takes "
-            f"{format_bytes_up(per_probe)} per device, over max_memory={max_memory!r}; "
-            f"give max_memory={per_probe} or more (bytes per device), or fewer `num_steps`."
+            f"{options.owner}: one probe's Lanczos basis of {num_steps} vectors takes "
+            f"{format_bytes_up(per_probe)} per device, over max_memory="
+            f"{options.max_memory!r}; give max_memory={per_probe} or more (bytes per "
+            "device), or fewer `num_steps`."
         )
     return max(1, min(num_probes, budget // per_probe))
 
@@ -348,8 +320,6 @@ def spectral_density(
     sigma = check_positive(sigma, "sigma", owner, optional=True)
     if sigma is not None:
         sigma = jnp.asarray(sigma, view.dtype)
-    options = dict(max_memory=max_memory, batch_size=batch_size, sharding=sharding)
-    nodes, weights = quadrature_rules(
-        view, space, key, num_probes, num_steps, owner=owner, progress=progress, **options
-    )
+    options = ProbeOptions(owner, max_memory, batch_size, sharding, progress)
+    nodes, weights = quadrature_rules(view, space, key, num_probes, num_steps, options)
     return _density(nodes, weights, grid, sigma)
