@@ -2,10 +2,8 @@
 basis, the probes and the eigenvectors stored leaf by leaf, each laid out like its
 variable, never gathered; the values those of the same model on one device.
 
-Layouts: FSDP (each leaf's first axis that the device count divides, sharded), data
-parallel (weights replicated, the batch sharded) and tensor parallel (a weight's last
-axis sharded), on Auto and Explicit meshes. Run in a process of its own with
-`--xla_force_host_platform_device_count=4` (or 8): the device count is read here.
+The models and layouts (FSDP, data and tensor parallel, on Auto and Explicit meshes) are
+those of `tests/multidevice/models.py`.
 """
 
 import equinox as eqx
@@ -17,65 +15,16 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zodmem as zm
-
-D = len(jax.devices())
-
-
-def mlp(width=32):
-    return eqx.nn.MLP(8, 2, width, 2, key=jax.random.key(0))
-
-
-class CNN(eqx.Module):
-    conv: eqx.nn.Conv2d
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.conv = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
-        self.head = eqx.nn.Linear(8 * 4 * 4, 2, key=k2)
-
-    def __call__(self, x):
-        z = jnp.tanh(self.conv(x.reshape(1, 4, 4)))
-        return self.head(z.ravel())
-
-
-class Block(eqx.Module):
-    """A transformer block: attention and an MLP, each with a residual and a norm."""
-
-    attention: eqx.nn.MultiheadAttention
-    norm: eqx.nn.LayerNorm
-    mlp: eqx.nn.MLP
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.attention = eqx.nn.MultiheadAttention(2, 8, key=k1)
-        self.norm = eqx.nn.LayerNorm(8)
-        self.mlp = eqx.nn.MLP(8, 8, 16, 1, key=k2)
-        self.head = eqx.nn.Linear(8, 2, key=k3)
-
-    def __call__(self, x):
-        tokens = x.reshape(2, 8)
-        tokens = tokens + self.attention(tokens, tokens, tokens)
-        tokens = jax.vmap(self.norm)(tokens)
-        tokens = tokens + jax.vmap(self.mlp)(tokens)
-        return self.head(jnp.mean(tokens, axis=0))
-
-
-class Dense(eqx.Module):
-    """A layer whose products are well typed on Explicit axes with its weight sharded
-    over its outputs and the batch replicated."""
-
-    weight: jax.Array
-    bias: jax.Array
-
-    def __init__(self, key):
-        self.weight = jax.random.normal(key, (4 * D, 8)) / 3
-        self.bias = jnp.linspace(-1.0, 1.0, 4 * D)
-
-    def __call__(self, x):
-        z = jnp.tanh(self.weight @ x + self.bias)
-        return jnp.stack([jnp.sum(z**2), jnp.sum(z * self.bias)])
+from tests.multidevice.models import (
+    CNN,
+    Block,
+    D,
+    Dense,
+    check_laid_out,
+    laid_out,
+    layouts,
+    mlp,
+)
 
 
 def data(features):
@@ -86,30 +35,6 @@ def data(features):
 
 def loss(model, x, y):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
-
-
-def spec_of(leaf, layout):
-    """The layout's PartitionSpec for one variable."""
-    spec = [None] * leaf.ndim
-    axes = range(leaf.ndim) if layout == "fsdp" else reversed(range(leaf.ndim))
-    if layout in ("fsdp", "tensor") and leaf.ndim >= (1 if layout == "fsdp" else 2):
-        for axis in axes:
-            if leaf.shape[axis] % D == 0:
-                spec[axis] = "d"
-                break
-    return P(*spec)
-
-
-def laid_out(mesh, model, x, y, layout):
-    """The model and data on `mesh` in `layout`."""
-
-    def put(leaf):
-        if not eqx.is_inexact_array(leaf):
-            return leaf
-        return jax.device_put(leaf, NamedSharding(mesh, spec_of(leaf, layout)))
-
-    batch = NamedSharding(mesh, P("d"))
-    return jax.tree.map(put, model), jax.device_put(x, batch), jax.device_put(y, batch)
 
 
 def hessian_operator(model, x, y):
@@ -144,52 +69,26 @@ def operators(model_fn, features, layout, kind):
     return hessian_operator(model, x, y), op, sharded, mesh
 
 
-def check_laid_out(vectors, variables, block=True):
-    """Each leaf of `vectors` (a block of them with `block`) laid out like its variable,
-    and no device holding more than 2/D of a sharded leaf's entries."""
-    leaves = [v for v in jax.tree.leaves(variables) if eqx.is_inexact_array(v)]
-    for vector, variable in zip(jax.tree.leaves(vectors), leaves, strict=True):
-        spec = variable.sharding.spec
-        expected = P(None, *spec) if block else spec
-        assert vector.sharding.is_equivalent_to(
-            NamedSharding(variable.sharding.mesh, expected), vector.ndim
-        )
-        if any(axis is not None for axis in spec):
-            for shard in vector.addressable_shards:
-                assert shard.data.size <= 2 * vector.size / D
-
-
-AUTO = [
-    pytest.param(model_fn, features, layout, AxisType.Auto, id=f"{name}-{layout}-auto")
-    for name, model_fn, features in [
+# On Explicit axes the model's own operations must be well typed: a layer whose weight is
+# sharded over its outputs (FSDP) or replicated (data parallel), the batch replicated.
+LAYOUTS = layouts(
+    [
         ("mlp", mlp, 8),
         ("cnn", lambda: CNN(jax.random.key(0)), 16),
         ("transformer", lambda: Block(jax.random.key(0)), 16),
-    ]
-    for layout in ("fsdp", "data", "tensor")
-]
-# On Explicit axes the model's own operations must be well typed: a layer whose weight is
-# sharded over its outputs (FSDP) or replicated (data parallel), the batch replicated.
-EXPLICIT = [
-    pytest.param(
-        lambda: Dense(jax.random.key(0)),
-        8,
-        layout,
-        AxisType.Explicit,
-        id=f"dense-{layout}-explicit",
-    )
-    for layout in ("fsdp", "data")
-]
+    ],
+    (lambda: Dense(jax.random.key(0)), 8),
+)
 
 
-@pytest.mark.parametrize("model_fn, features, layout, kind", AUTO + EXPLICIT)
+@pytest.mark.parametrize("model_fn, features, layout, kind", LAYOUTS)
 def test_eigsh(model_fn, features, layout, kind):
     single, op, variables, mesh = operators(model_fn, features, layout, kind)
     expected, expected_vectors = zm.eigsh(single, 3, pytree=True)
     with jax.sharding.set_mesh(mesh):
         values, vectors = zm.eigsh(op, 3)
     np.testing.assert_allclose(values, expected, rtol=1e-4)
-    check_laid_out(vectors, variables)
+    check_laid_out(vectors, variables, block=True)
     # The top eigenvector, up to its sign.
     top = sum(
         jnp.vdot(a[-1], b[-1])

@@ -15,25 +15,13 @@ import pytest
 from jax.sharding import AxisType
 
 import zodmem as zm
-from tests.multidevice.test_sharded_lanczos import CNN, D, Dense, check_laid_out, mlp, operators
+from tests.multidevice.models import CNN, D, Dense, check_laid_out, layouts, mlp
+from tests.multidevice.test_sharded_lanczos import operators
 
-LAYOUTS = [
-    pytest.param(model_fn, features, layout, AxisType.Auto, id=f"{name}-{layout}-auto")
-    for name, model_fn, features in [
-        ("mlp", mlp, 8),
-        ("cnn", lambda: CNN(jax.random.key(0)), 16),
-    ]
-    for layout in ("fsdp", "data", "tensor")
-] + [
-    pytest.param(
-        lambda: Dense(jax.random.key(0)),
-        8,
-        layout,
-        AxisType.Explicit,
-        id=f"dense-{layout}-explicit",
-    )
-    for layout in ("fsdp", "data")
-]
+LAYOUTS = layouts(
+    [("mlp", mlp, 8), ("cnn", lambda: CNN(jax.random.key(0)), 16)],
+    (lambda: Dense(jax.random.key(0)), 8),
+)
 
 
 def vector_like(variables, space_of):
@@ -55,7 +43,7 @@ def test_low_rank_like_one_device(model_fn, features, layout, kind):
         posterior = zm.low_rank(op, 3)
         assert posterior.leafwise
         np.testing.assert_allclose(posterior.s, expected.s, rtol=1e-4)
-        check_laid_out(posterior.U, variables)
+        check_laid_out(posterior.U, variables, block=True)
         check_laid_out(posterior.d, variables, block=False)
         space = posterior._space
         v, flat = vector_like(variables, space)
@@ -84,7 +72,7 @@ def test_low_rank_like_one_device(model_fn, features, layout, kind):
             posterior.logdet(damping=damping), expected.logdet(damping=damping), rtol=1e-5
         )
         draws = posterior.sample(jax.random.key(0), (2000,), damping=damping)
-        check_laid_out(draws, variables)
+        check_laid_out(draws, variables, block=True)
         variances = space.to_flat(jax.tree.map(lambda x: jnp.var(x, axis=0), draws))
         ratio = variances / expected.marginal_variances(damping=damping)
         assert abs(float(jnp.mean(ratio)) - 1) < 0.02
@@ -111,7 +99,7 @@ def test_rank_zero_and_refusals():
     with jax.sharding.set_mesh(mesh):
         posterior = zm.low_rank(op, 0)
         assert posterior.s.shape == (0,)
-        check_laid_out(posterior.U, variables)
+        check_laid_out(posterior.U, variables, block=True)
         with pytest.raises(ValueError, match="d \\+ damping must be > 0"):
             posterior.logdet()
         with pytest.raises(ValueError, match="`diagonal=` is not yet available"):

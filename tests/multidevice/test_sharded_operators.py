@@ -2,11 +2,9 @@
 devices: pytree vectors in, pytree products out, each leaf laid out like its variable;
 the values those of the same model on one device.
 
-Layouts: FSDP (each leaf's first axis that the device count divides, sharded), data
-parallel (weights replicated, the batch sharded) and tensor parallel (a weight's last
-axis sharded), on Auto meshes, and on Explicit meshes where the model's own operations
-are well typed. Run in a process of its own with
-`--xla_force_host_platform_device_count=4` (or 8): the device count is read here.
+The models and layouts (FSDP, data and tensor parallel, on Auto meshes, and on Explicit
+meshes where the model's own operations are well typed) are those of
+`tests/multidevice/models.py`.
 """
 
 import equinox as eqx
@@ -17,44 +15,14 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import zodmem as zm
-
-D = len(jax.devices())
+from tests.multidevice import models
+from tests.multidevice.models import CNN, D, Dense, check_laid_out, laid_out, layouts
 
 
 def mlp():
     # Hidden layers as wide as the devices' count allows: XLA lays their products out
     # over the other axis of the weight unless told.
-    return eqx.nn.MLP(16, D, 8 * D, 2, key=jax.random.key(0))
-
-
-class CNN(eqx.Module):
-    conv: eqx.nn.Conv2d
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.conv = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
-        self.head = eqx.nn.Linear(8 * 4 * 4, D, key=k2)
-
-    def __call__(self, x):
-        z = jnp.tanh(self.conv(x.reshape(1, 4, 4)))
-        return self.head(z.ravel())
-
-
-class Dense(eqx.Module):
-    """A layer whose products are well typed on Explicit axes with its weight sharded
-    over its outputs and the batch replicated."""
-
-    weight: jax.Array
-    bias: jax.Array
-
-    def __init__(self, key):
-        self.weight = jax.random.normal(key, (4 * D, 16)) / 3
-        self.bias = jnp.linspace(-1.0, 1.0, 4 * D)
-
-    def __call__(self, x):
-        z = jnp.tanh(self.weight @ x + self.bias)
-        return jnp.stack([jnp.sum(z**2), jnp.sum(z * self.bias)] * (D // 2))
+    return models.mlp(16, D, 8 * D)
 
 
 def outputs(model, x, y):
@@ -67,43 +35,6 @@ def squared_error(out, x, y):
 
 def loss(model, x, y):
     return squared_error(outputs(model, x, y), x, y)
-
-
-def spec_of(leaf, layout):
-    """The layout's PartitionSpec for one variable."""
-    spec = [None] * leaf.ndim
-    axes = range(leaf.ndim) if layout == "fsdp" else reversed(range(leaf.ndim))
-    if layout in ("fsdp", "tensor") and leaf.ndim >= (1 if layout == "fsdp" else 2):
-        for axis in axes:
-            if leaf.shape[axis] % D == 0:
-                spec[axis] = "d"
-                break
-    return P(*spec)
-
-
-def laid_out(mesh, model, x, y, layout, batch):
-    def put(leaf):
-        if not eqx.is_inexact_array(leaf):
-            return leaf
-        return jax.device_put(leaf, NamedSharding(mesh, spec_of(leaf, layout)))
-
-    batch = NamedSharding(mesh, P("d") if batch else P())
-    return jax.tree.map(put, model), jax.device_put(x, batch), jax.device_put(y, batch)
-
-
-def check_laid_out(vectors, variables, block=False):
-    """Each leaf of `vectors` (a block of them with `block`) laid out like its variable,
-    and no device holding more than 2/D of a sharded leaf's entries."""
-    leaves = [v for v in jax.tree.leaves(variables) if eqx.is_inexact_array(v)]
-    for vector, variable in zip(jax.tree.leaves(vectors), leaves, strict=True):
-        spec = variable.sharding.spec
-        expected = P(None, *spec) if block else spec
-        assert vector.sharding.is_equivalent_to(
-            NamedSharding(variable.sharding.mesh, expected), vector.ndim
-        ), (vector.shape, vector.sharding, expected)
-        if any(axis is not None for axis in spec):
-            for shard in vector.addressable_shards:
-                assert shard.data.size <= 2 * vector.size / D
 
 
 def check_close(actual, expected):
@@ -119,20 +50,10 @@ TRANSFORMS = {
         zm.BatchedHessian(loss), microbatch_size=D, argnums=(1, 2), accumulator="mean"
     ),
 }
-CASES = [
-    pytest.param(model_fn, features, layout, AxisType.Auto, id=f"{name}-{layout}-auto")
-    for name, model_fn, features in [("mlp", mlp, 16), ("cnn", lambda: CNN(jax.random.key(0)), 16)]
-    for layout in ("fsdp", "data", "tensor")
-] + [
-    pytest.param(
-        lambda: Dense(jax.random.key(0)),
-        16,
-        layout,
-        AxisType.Explicit,
-        id=f"dense-{layout}-explicit",
-    )
-    for layout in ("fsdp", "data")
-]
+CASES = layouts(
+    [("mlp", mlp, 16), ("cnn", lambda: CNN(jax.random.key(0), D), 16)],
+    (lambda: Dense(jax.random.key(0), 16, D), 16),
+)
 
 
 def setting(model_fn, features, layout, kind):
@@ -182,7 +103,7 @@ def test_products_laid_out(name, model_fn, features, layout, kind, request):
         op = TRANSFORMS[name]().operator(sharded, xs, ys)
         product = op.mv(placed(v, variables))
     check_close(product, single.mv(v))
-    check_laid_out(product, variables)
+    check_laid_out(product, variables, block=False)
     with jax.sharding.set_mesh(mesh):
         products = op.mm(placed(block, variables, block=True))
     expected = jax.vmap(single.mv)(block)
