@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "zodmem"
 LAYERS = [
     "_stream",
     "_serialise",
+    "_influence",
     "_approximations",
     "_estimators",
     "_transforms",

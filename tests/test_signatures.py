@@ -32,6 +32,8 @@ TYPED = {
     "marginal_variances",
     "covariance",
     "approximation_error",
+    "influence",
+    "influence_scorer",
     "BlockDiagonal",
     "LowRankDiagonal",
     "KroneckerFactored",
@@ -210,6 +212,12 @@ _CASES = textwrap.dedent(
             lambda: zm.CheckpointedScan(lambda c, x: (c, x), unroll="2"), "unroll"
         ),
         "SquaredError targets": (lambda: zm.losses.SquaredError(targets=2.5), "targets"),
+        "influence damping": (
+            lambda: zm.influence(
+                lambda w, x: jnp.sum(w * x), op, jnp.ones(6), train=(matrix,), damping="0.1"
+            ),
+            "damping",
+        ),
     }
     results = {}
     for label, (call, name) in cases.items():
@@ -260,6 +268,7 @@ def refusals():
         "SlicedScan step",
         "CheckpointedScan unroll",
         "SquaredError targets",
+        "influence damping",
     ],
 )
 def test_a_wrong_type_is_a_type_error_that_names_the_parameter(refusals, label):

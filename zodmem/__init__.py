@@ -16,6 +16,10 @@ from ._estimators._logdet import logdet as logdet, trace_function as trace_funct
 from ._estimators._low_rank import low_rank as low_rank
 from ._estimators._solve import marginal_variances as marginal_variances, solve as solve
 from ._estimators._spectral import spectral_density as spectral_density
+from ._influence._influence import (
+    influence as influence,
+    influence_scorer as influence_scorer,
+)
 from ._operators._block_diagonal import BlockDiagonal as BlockDiagonal
 from ._operators._kronecker import KroneckerFactored as KroneckerFactored
 from ._operators._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
@@ -69,6 +73,8 @@ __all__ = [
     "diagonal",
     "eigsh",
     "hessian_to_pytree",
+    "influence",
+    "influence_scorer",
     "jacobian_to_pytree",
     "load",
     "logdet",
