@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import PyTree
 
 from .._checks import as_index
 from .._transforms._accumulate import aggregate_stacked
@@ -77,7 +78,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(index, int) and not isinstance(index, bool)
 
 
-def reshape_batch_axis(tree: Any, microbatch_size: int, axis: int = 0) -> Any:
+def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> Any:
     """Split the batch axis of every leaf into `(num_microbatches, microbatch_size)`.
 
     Entry `[j, k]` of the two new axes (at `axis` and `axis + 1`) is example
@@ -132,7 +133,7 @@ def microbatch(
     fun: Callable[..., Any],
     argnums: int | Sequence[int],
     microbatch_size: int | None,
-    accumulator: Any = AccumulationType.SUM,
+    accumulator: PyTree = AccumulationType.SUM,
     *,
     argnames: str | Sequence[str] = (),
     in_axes: int | Sequence[int] = 0,
@@ -220,11 +221,11 @@ def microbatch(
 def micro_vmap(
     fun: Callable[..., Any],
     in_axes: int | Sequence[int | None] = 0,
-    out_axes: Any = 0,
+    out_axes: PyTree[int | None] = 0,
     *,
     microbatch_size: int | None = None,
     vmap_fn: Callable[..., Any] = jax.vmap,
-    accumulator: Any = AccumulationType.CONCAT,
+    accumulator: PyTree = AccumulationType.CONCAT,
     num_real_microbatches: int | jax.Array | None = None,
 ) -> Callable[..., Any]:
     """`vmap_fn(fun, in_axes)` in microbatches, results combined by `accumulator`.
@@ -267,7 +268,7 @@ def micro_grad(
     batch_argnums: int | Sequence[int] = 1,
     keep_batch_dim: bool = True,
     microbatch_size: int | None = None,
-    accumulator: Any = AccumulationType.SUM,
+    accumulator: PyTree = AccumulationType.SUM,
     transform_fn: Callable[[Any], Any] = lambda x: x,
     metrics_fn: Callable[[Any], Any] = lambda x: None,
     num_real_microbatches: int | jax.Array | None = None,

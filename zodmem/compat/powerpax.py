@@ -28,6 +28,7 @@ from typing import Any, SupportsIndex, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import PyTree
 
 from .._checks import check_callable, check_int, common_size
 from .._static import Static
@@ -115,8 +116,8 @@ def _clip_unroll(unroll: SupportsIndex, steps: int) -> int:
 
 def sliced_scan(
     f: Callable[[Any, Any], tuple[Any, Any]],
-    init: Any,
-    xs: Any,
+    init: PyTree,
+    xs: PyTree,
     length: SupportsIndex | None = None,
     reverse: bool = False,
     unroll: SupportsIndex = 1,
@@ -186,8 +187,8 @@ def sliced_scan(
 
 def checkpoint_chunked_scan(
     f: Callable[[Any, Any], tuple[Any, Any]],
-    init: Any,
-    xs: Any,
+    init: PyTree,
+    xs: PyTree,
     length: SupportsIndex | None = None,
     reverse: bool = False,
     unroll: SupportsIndex = 1,

@@ -21,6 +21,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import ArrayLike, PyTree
 
 from .. import BatchedHessian, BatchedJacobian, hessian_to_pytree as _hessian_to_pytree
 from .._checks import check_int
@@ -57,7 +58,7 @@ def _variables(x: Any, nbatches: Any, owner: str) -> tuple[Any, Any, int]:
 
 def jacobian(
     f: Callable[[Any], Any],
-    x: Any,
+    x: PyTree,
     nbatches: int = 1,
     jit: bool = True,
     checkpoint: bool = False,
@@ -77,7 +78,7 @@ def jacobian(
 
 def hessian(
     f: Callable[[Any], Any],
-    x: Any,
+    x: PyTree,
     nbatches: int = 1,
     jit: bool = True,
     checkpoint: bool = False,
@@ -88,7 +89,7 @@ def hessian(
     return transform(x), variables.unravel
 
 
-def hessian_to_pytree(H: Any, x: Any) -> Any:
+def hessian_to_pytree(H: ArrayLike, x: PyTree) -> PyTree:
     """The flat `(n, n)` Hessian `H` as blocks: `x`'s structure twice, block `[i][j]` of
     shape `leaf_i.shape + leaf_j.shape` and, as in zodiax, of `H`'s dtype."""
     H = jnp.asarray(H)
