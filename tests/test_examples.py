@@ -56,6 +56,10 @@ KEY_LINES = {
         "exact diagonal equals the dense one: True",
         "spectral density integrates to 1.000",
     ],
+    "influence_flipped_labels.py": [
+        "self-influence equals the dense formula: True",
+        "flipped labels among the top 48 self-influence scores",
+    ],
     "sharded_hessian.py": [
         "sharded Hessian equals jax.hessian: True",
         "column split P(None, 'd') equals jax.hessian: True",
