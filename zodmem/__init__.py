@@ -20,6 +20,7 @@ from ._influence._influence import (
     influence as influence,
     influence_scorer as influence_scorer,
 )
+from ._operators._base import AbstractOperator as AbstractOperator
 from ._operators._block_diagonal import BlockDiagonal as BlockDiagonal
 from ._operators._kronecker import KroneckerFactored as KroneckerFactored
 from ._operators._low_rank_diagonal import LowRankDiagonal as LowRankDiagonal
@@ -48,6 +49,7 @@ from ._transforms._scan import CheckpointedScan as CheckpointedScan, SlicedScan 
 from ._transforms._vmap import ChunkedVmap as ChunkedVmap
 
 __all__ = [
+    "AbstractOperator",
     "AbstractTransform",
     "BlockDiagonal",
     "AccumulationType",

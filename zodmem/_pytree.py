@@ -28,7 +28,20 @@ __all__ = [
     "hessian_to_pytree",
     "jacobian_to_pytree",
     "is_traced",
+    "variable_structure",
 ]
+
+
+def variable_structure(tree: Any) -> Any:
+    """`tree` with each variable (inexact-array leaf) as a `jax.ShapeDtypeStruct` and
+    `None` at every other leaf: the structure of vectors over its variables."""
+
+    def shape_of(leaf: Any) -> Any:
+        if eqx.is_inexact_array(leaf):
+            return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype)
+        return None
+
+    return jax.tree_util.tree_map(shape_of, tree)
 
 
 class Variables(eqx.Module):

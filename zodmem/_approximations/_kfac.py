@@ -43,7 +43,7 @@ from .._checks import (
 )
 from .._operators._kronecker import KroneckerBlock, KroneckerFactored
 from .._plan._plans import Plan
-from .._pytree import Variables, split_variables
+from .._pytree import Variables, split_variables, variable_structure
 from .._traceback import public
 from .._transforms._base import AbstractTransform
 from .._transforms._losses import AbstractLoss
@@ -228,6 +228,7 @@ class _KroneckerCurvature(AbstractTransform):
             [b for _, b in factors],
             shapes=first.variables.shapes,
             dtype=first.variables.dtype,
+            structure=variable_structure(x),
         )
         if not self._corrected or not first.found.layers:
             return operator

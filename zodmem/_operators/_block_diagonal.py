@@ -9,6 +9,7 @@ products, damped solves and log-determinants by each block's eigendecomposition.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -17,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
-from jaxtyping import Array, Float, Inexact, Shaped
+from jaxtyping import Array, Float, Inexact, PyTree, Shaped
 
 from .._checks import Number, RealScalar, check_bool, typechecked
 from .._pytree import is_traced
 from .._traceback import public
 from ._arguments import check_real
+from ._base import AbstractOperator, VariableLayout
 from ._tags import register_symmetric
 
 __all__ = ["BlockDiagonal"]
@@ -30,7 +32,7 @@ __all__ = ["BlockDiagonal"]
 _OWNER = "zm.BlockDiagonal"
 
 
-class BlockDiagonal(lx.AbstractLinearOperator):
+class BlockDiagonal(AbstractOperator):
     """The symmetric operator `diag(B_1, ..., B_k)` of square blocks along the diagonal,
     a `lineax` operator over flat vectors of `n = sum(n_i)` entries.
 
@@ -47,6 +49,11 @@ class BlockDiagonal(lx.AbstractLinearOperator):
       semi-definite (`zm.BatchedGGN`'s are; `zm.BatchedHessian`'s are not assumed to
       be). Then the operator is tagged so for `lineax`, and each block's eigenvalues
       below zero are taken as zeros, as rounding leaves those of its null space.
+
+    - `structure`: the variables the blocks are of, one leaf per block (a pytree of
+      arrays or `jax.ShapeDtypeStruct`s, `blocks="leaf"` gives `x`'s): `mv` and `solve`
+      then take and return vectors shaped like it too, leaf by leaf. `None`: a tuple of
+      flat pieces, one per block.
 
     It is tagged symmetric for `lineax`. Besides `mv` and `as_matrix`:
 
@@ -92,6 +99,7 @@ class BlockDiagonal(lx.AbstractLinearOperator):
     blocks: tuple[jax.Array, ...]
     sizes: tuple[int, ...] = eqx.field(static=True)
     positive_semidefinite: bool = eqx.field(static=True)
+    layout: VariableLayout = eqx.field(static=True)
 
     @public
     @typechecked
@@ -100,6 +108,7 @@ class BlockDiagonal(lx.AbstractLinearOperator):
         blocks: Sequence[Float[Array | np.ndarray, "_ _"] | Sequence[Sequence[Number]]],
         *,
         positive_semidefinite: bool = False,
+        structure: PyTree[jax.ShapeDtypeStruct | Array] | None = None,
     ):
         check_bool(positive_semidefinite, "positive_semidefinite", owner=_OWNER)
         blocks = tuple(jnp.asarray(block) for block in blocks)
@@ -125,28 +134,44 @@ class BlockDiagonal(lx.AbstractLinearOperator):
         self.blocks = blocks
         self.sizes = tuple(block.shape[0] for block in blocks)
         self.positive_semidefinite = positive_semidefinite
+        if structure is None:
+            self.layout = VariableLayout.of_shapes([(n,) for n in self.sizes], blocks[0].dtype)
+        else:
+            self.layout = VariableLayout.of(structure)
+            sizes = tuple(math.prod(shape) for shape in self.layout.shapes)
+            if sizes != self.sizes:
+                raise ValueError(
+                    f"{_OWNER}: `structure` must have one leaf per block, of the block's "
+                    f"size: the blocks have sizes {list(self.sizes)}, the leaves of "
+                    f"`structure` {list(sizes)}."
+                )
 
     @property
     def _dtype(self) -> Any:
         return self.blocks[0].dtype
 
-    def _pieces(self, vector: Any, name: str) -> list[jax.Array]:
-        vector = jnp.asarray(vector)
-        size = sum(self.sizes)
-        if vector.shape != (size,):
-            raise ValueError(
-                f"{_OWNER}: `{name}` must be a flat vector of the operator's {size} entries, "
-                f"got shape {vector.shape}."
-            )
-        cuts = np.cumsum(self.sizes)[:-1].tolist()
-        return jnp.split(vector.astype(jnp.result_type(vector, self._dtype)), cuts)
+    def _pieces(self, vector: Any, name: str, owner: str) -> tuple[list[jax.Array], bool, Any]:
+        """`(pieces, is_tree, dtype)`: `vector`, flat or shaped like `structure`, as one
+        flat piece per block in the dtype of the result."""
+        leaves = jax.tree_util.tree_leaves(vector)
+        if not eqx.is_array(vector) and leaves and all(isinstance(v, Number) for v in leaves):
+            vector = jnp.asarray(vector)  # a list of numbers, a flat vector
+        dtype = jnp.result_type(*jax.tree_util.tree_leaves(vector), self._dtype)
+        pieces, is_tree = self.layout.read(vector, name=name, owner=owner, dtype=dtype)
+        return [jnp.ravel(piece) for piece in pieces], is_tree, dtype
+
+    def _written(self, pieces: list[jax.Array], is_tree: bool, dtype: Any) -> Any:
+        shaped = [p.reshape(shape) for p, shape in zip(pieces, self.layout.shapes, strict=True)]
+        return self.layout.write(shaped, is_tree, dtype)
 
     @public
     @typechecked
     def mv(
-        self, vector: Shaped[Array | np.ndarray, " n"] | Sequence[Number]
-    ) -> Inexact[Array, " n"]:
-        """The product `A v` with a flat vector `v`.
+        self,
+        vector: Shaped[Array | np.ndarray, " n"] | Sequence[Number] | PyTree[Shaped[Array, "..."]],
+    ) -> Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]:
+        """The product `A v` with a flat vector `v`, or one shaped like `structure`
+        (returned so).
 
         !!! example
 
@@ -158,8 +183,9 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(A.mv(jnp.ones(3)), jnp.array([3.0, 3.0, 4.0]))
             ```
         """
-        pieces = self._pieces(vector, "vector")
-        return jnp.concatenate([b @ p for b, p in zip(self.blocks, pieces, strict=True)])
+        pieces, is_tree, dtype = self._pieces(vector, "vector", f"{_OWNER}.mv")
+        out = [b @ p for b, p in zip(self.blocks, pieces, strict=True)]
+        return self._written(out, is_tree, dtype)
 
     def as_matrix(self) -> jax.Array:
         """The dense `(n, n)` matrix, zeros off the blocks.
@@ -286,7 +312,7 @@ class BlockDiagonal(lx.AbstractLinearOperator):
         message = f"{owner}: every eigenvalue plus `damping` must be {allowed}"
         rounding = "eigenvalues within rounding of zero count as zeros"
 
-        def refuse_singular(result: jax.Array) -> jax.Array:
+        def refuse_singular(result: Any) -> Any:
             if is_traced(every):
                 return eqx.error_if(result, jnp.any(bad), f"{message} ({rounding}).")
             return result
@@ -303,11 +329,12 @@ class BlockDiagonal(lx.AbstractLinearOperator):
     @typechecked
     def solve(
         self,
-        b: Shaped[Array | np.ndarray, " n"] | Sequence[Number],
+        b: Shaped[Array | np.ndarray, " n"] | Sequence[Number] | PyTree[Shaped[Array, "..."]],
         *,
         damping: RealScalar = 0.0,
-    ) -> Inexact[Array, " n"]:
-        """`(A + damping I)^{-1} b` for a flat vector `b`, one block at a time (each by its
+    ) -> Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]:
+        """`(A + damping I)^{-1} b` for a flat vector `b` (or one shaped like
+        `structure`, the solution returned so), one block at a time (each by its
         eigendecomposition, so a singular block with a positive damping solves). A
         singular `A + damping I` is refused (see the class).
 
@@ -322,13 +349,13 @@ class BlockDiagonal(lx.AbstractLinearOperator):
             assert jnp.allclose(A.mv(x) + x, jnp.ones(3), atol=1e-6)
             ```
         """
-        pieces = self._pieces(b, "b")
+        pieces, is_tree, dtype = self._pieces(b, "b", f"{_OWNER}.solve")
         shifted, bases, refuse_singular = self._damped(damping, f"{_OWNER}.solve")
         out = [
             vectors @ ((vectors.T @ piece) / values)
             for values, vectors, piece in zip(shifted, bases, pieces, strict=True)
         ]
-        return refuse_singular(jnp.concatenate(out))
+        return refuse_singular(self._written(out, is_tree, dtype))
 
     @public
     @typechecked

@@ -21,15 +21,15 @@ from typing import Any, ClassVar, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import lineax as lx
 import numpy as np
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Real, Shaped
+from jaxtyping import Array, Float, PyTree, Real, Shaped
 
 from .._checks import Integer, RealScalar, typechecked
 from .._traceback import public
 from . import _kronecker_products as compiled
 from ._arguments import check_real
+from ._base import AbstractOperator, VariableLayout
 from ._tags import register_symmetric
 
 __all__ = ["KroneckerBlock", "KroneckerEigen", "KroneckerFactored"]
@@ -69,16 +69,19 @@ def _eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.maximum(values, 0), vectors
 
 
-class KroneckerFactored(lx.AbstractLinearOperator):
+class KroneckerFactored(AbstractOperator):
     """A Kronecker-factored curvature: block-diagonal over the layers, each block
     `B ⊗ A` (KFAC) or `Q_B diag(E) Q_B^T ⊗ Q_A (...) Q_A^T` with corrected eigenvalues
     (EKFAC), as `zm.KFAC` and `zm.EKFAC` return it.
 
     It is a `lineax` operator over the flat variables of `x` (raveled as
     `zm.BatchedGGN`'s: the inexact leaves of `x` in `jax.tree_util` order, each in C
-    order), tagged symmetric and positive semi-definite. Its products, damped solves
-    and log-determinant are exact for the approximation, from the factors'
-    eigendecompositions, at the cost of products with the factors only.
+    order), tagged symmetric and positive semi-definite. `mv` and `solve` take the
+    variables' pytree too (as `eqx.filter(grads, eqx.is_inexact_array)` gives it,
+    `None` where `x` has no variable) and return one, leaf by leaf, never raveled.
+    Its products, damped solves and log-determinant are exact for the approximation,
+    from the factors' eigendecompositions, at the cost of products with the factors
+    only.
 
     **Arguments** (as `zm.KFAC` fills them):
 
@@ -89,6 +92,9 @@ class KroneckerFactored(lx.AbstractLinearOperator):
     - `shapes`: the shapes of the leaves, in leaf order; `dtype`: the operator's.
     - `eigenvalues`: EKFAC's corrected eigenvalues, per block an `(out, in)` array in
       the factors' eigenbasis, or `None` for KFAC's, the products of the factors'.
+    - `structure`: the variables, a pytree of arrays or `jax.ShapeDtypeStruct`s whose
+      leaves have the `shapes` (`zm.KFAC` gives `x`'s, `None` where a leaf of `x` is no
+      variable): the pytree vectors `mv` and `solve` take. `None`: a tuple of the leaves.
 
     !!! example
 
@@ -119,6 +125,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
     corrected: bool = eqx.field(static=True)
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    layout: VariableLayout = eqx.field(static=True)
 
     @public
     @typechecked
@@ -132,10 +139,20 @@ class KroneckerFactored(lx.AbstractLinearOperator):
         dtype: DTypeLike,
         eigenvalues: Sequence[Factor] | None = None,
         bases: tuple[Sequence[Factor], Sequence[Factor]] | None = None,
+        structure: PyTree[jax.ShapeDtypeStruct | Array] | None = None,
     ):
         self.blocks = tuple(blocks)
-        self.shapes = tuple(tuple(shape) for shape in shapes)
+        self.shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
         self.dtype = jnp.dtype(dtype)
+        if structure is None:
+            self.layout = VariableLayout.of_shapes(self.shapes, self.dtype)
+        else:
+            self.layout = VariableLayout.of(structure)
+            if self.layout.shapes != self.shapes:
+                raise ValueError(
+                    f"{_OWNER}: the leaves of `structure` must have the `shapes` "
+                    f"{list(self.shapes)}, got {list(self.layout.shapes)}."
+                )
 
         # Every array in the operator's dtype, so that its products are too (data of
         # another dtype than the model's gives factors of the data's).
@@ -168,11 +185,14 @@ class KroneckerFactored(lx.AbstractLinearOperator):
 
     def _matrices(self, vector: jax.Array) -> list[jax.Array]:
         """The flat `vector` as one `(out, in)` matrix per block."""
-        offsets = np.cumsum([0] + [math.prod(shape) for shape in self.shapes])
-        pieces = [
-            vector[offsets[i] : offsets[i + 1]].reshape(shape)
-            for i, shape in enumerate(self.shapes)
-        ]
+        return self._leaf_matrices(self.layout.split(vector))
+
+    def _vector(self, matrices: list[jax.Array]) -> jax.Array:
+        """The inverse of `_matrices`."""
+        return self.layout.join(self._leaf_pieces(matrices), self.dtype)
+
+    def _leaf_matrices(self, pieces: list[jax.Array]) -> list[jax.Array]:
+        """A vector given as the variables' leaves as one `(out, in)` matrix per block."""
         matrices = []
         for block in self.blocks:
             weight = jnp.transpose(pieces[block.leaves[0]], block.weight_axes)
@@ -181,8 +201,8 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             matrices.append(jnp.concatenate(columns, axis=1) if len(columns) > 1 else columns[0])
         return matrices
 
-    def _vector(self, matrices: list[jax.Array]) -> jax.Array:
-        """The inverse of `_matrices`."""
+    def _leaf_pieces(self, matrices: list[jax.Array]) -> list[jax.Array]:
+        """The inverse of `_leaf_matrices`."""
         pieces = [None] * len(self.shapes)
         for block, matrix in zip(self.blocks, matrices, strict=True):
             shape = self.shapes[block.leaves[0]]
@@ -191,21 +211,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             pieces[block.leaves[0]] = jnp.transpose(weight, np.argsort(block.weight_axes))
             for leaf in block.leaves[1:]:
                 pieces[leaf] = matrix[:, block.in_size]
-        if not pieces:
-            return jnp.zeros((0,), self.dtype)
-        return jnp.concatenate([jnp.ravel(piece) for piece in pieces])
-
-    def _read(self, vector: Any, name: str, owner: str, *, columns: bool = False) -> jax.Array:
-        """`vector`, an array (as annotated), checked to be `(n,)` (or `(n, k)` where
-        `columns`), in the operator's dtype."""
-        n = self._size
-        shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
-        if jnp.ndim(vector) not in ((1, 2) if columns else (1,)) or jnp.shape(vector)[0] != n:
-            raise ValueError(
-                f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors over the "
-                f"variables: see `in_structure()`), got shape {jnp.shape(vector)}."
-            )
-        return jnp.asarray(vector, self.dtype)
+        return pieces
 
     # -- the operator ---------------------------------------------------------------------
 
@@ -247,9 +253,12 @@ class KroneckerFactored(lx.AbstractLinearOperator):
 
     @public
     @typechecked
-    def mv(self, vector: Shaped[Array | np.ndarray, " n"]) -> Float[Array, " n"]:
-        """The product with a flat `(n,)` vector: `B V A` for each block (KFAC), or in the
-        eigenbasis with the corrected eigenvalues (EKFAC).
+    def mv(
+        self, vector: Shaped[Array | np.ndarray, " n"] | PyTree[Shaped[Array, "..."]]
+    ) -> Float[Array, " n"] | PyTree[Float[Array, "..."]]:
+        """The product with a flat `(n,)` vector or one shaped like the variables (see
+        `structure`), returned in the same form: `B V A` for each block (KFAC), or in
+        the eigenbasis with the corrected eigenvalues (EKFAC).
 
         !!! example
 
@@ -266,7 +275,10 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             assert jnp.allclose(F.mv(jnp.ones(8)), G @ jnp.ones(8), rtol=1e-4, atol=1e-4)
             ```
         """
-        return compiled.products(self, self._read(vector, "vector", f"{_OWNER}.mv"))
+        pieces, is_tree = self.layout.read(
+            vector, name="vector", owner=f"{_OWNER}.mv", dtype=self.dtype
+        )
+        return self.layout.write(compiled.products(self, pieces), is_tree, self.dtype)
 
     @public
     def as_matrix(self) -> jax.Array:
@@ -346,17 +358,20 @@ class KroneckerFactored(lx.AbstractLinearOperator):
     @typechecked
     def solve(
         self,
-        b: Shaped[Array | np.ndarray, " n"] | Shaped[Array | np.ndarray, "n k"],
+        b: Shaped[Array | np.ndarray, " n"]
+        | Shaped[Array | np.ndarray, "n k"]
+        | PyTree[Shaped[Array, "..."]],
         *,
         damping: RealScalar = 0.0,
-    ) -> Float[Array, " n"] | Float[Array, "n k"]:
+    ) -> Float[Array, " n"] | Float[Array, "n k"] | PyTree[Float[Array, "..."]]:
         """The solution `y` of `(F + damping I) y = b`, exactly for this `F`, in its
         eigenbasis: `damping` is added to every eigenvalue, not to the factors (as the
         factored damping `(B + sqrt(damping) I) ⊗ (A + sqrt(damping) I)` would).
 
         **Arguments:**
 
-        - `b`: an `(n,)` array, or `(n, k)` for `k` right-hand sides.
+        - `b`: an `(n,)` array, `(n, k)` for `k` right-hand sides, or a vector shaped
+          like the variables (see `structure`).
         - `damping`: a finite real scalar (a Python or NumPy number, or a 0-d real
           array; anything else is a `TypeError`, NaN or infinity a `ValueError`); every
           eigenvalue plus it must be `> 0` (a `ValueError`; under `jax.jit`, where NaN
@@ -382,8 +397,14 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             ```
         """
         owner = f"{_OWNER}.solve"
-        b = self._read(b, "b", owner, columns=True)
-        return compiled.solve(self, b, self._damping(damping, owner))
+        n = self._size
+        if eqx.is_array(b) and jnp.ndim(b) == 2 and jnp.shape(b)[0] == n:
+            columns = jnp.asarray(b, self.dtype)
+            return compiled.solve(self, columns, self._damping(damping, owner))
+        read = dict(name="b", owner=owner, dtype=self.dtype, columns=True)
+        pieces, is_tree = self.layout.read(b, **read)
+        out = compiled.solve(self, pieces, self._damping(damping, owner))
+        return self.layout.write(out, is_tree, self.dtype)
 
     @public
     @typechecked
@@ -461,6 +482,7 @@ class KroneckerFactored(lx.AbstractLinearOperator):
             dtype=self.dtype,
             eigenvalues=eigenvalues,
             bases=bases,
+            structure=self.layout.structure(),
         )
 
 

@@ -12,28 +12,37 @@ import jax.numpy as jnp
 __all__ = ["dense", "diagonal", "least", "logdet", "products", "solve"]
 
 
-def _rotated(operator: Any, vector: jax.Array, spectrum: Any) -> jax.Array:
-    """`Q spectrum(E) Q^T vector` block by block, `E` the eigenvalues in the basis `Q`."""
+def _rotated(operator: Any, pieces: list, spectrum: Any) -> list:
+    """`Q spectrum(E) Q^T v` block by block, `E` the eigenvalues in the basis `Q`, for
+    `v` given and returned as the variables' leaves."""
     out = []
-    for k, matrix in enumerate(operator._matrices(vector)):
+    for k, matrix in enumerate(operator._leaf_matrices(pieces)):
         q_b, q_a = operator.gradient_bases[k], operator.input_bases[k]
         out.append(q_b @ (spectrum(k) * (q_b.T @ matrix @ q_a)) @ q_a.T)
-    return operator._vector(out)
+    return operator._leaf_pieces(out)
 
 
 @eqx.filter_jit
-def products(operator: Any, vector: jax.Array) -> jax.Array:
+def products(operator: Any, pieces: list) -> list:
+    """The product with a vector given and returned as the variables' leaves."""
     if operator.corrected:
-        return _rotated(operator, vector, lambda k: operator.eigenvalues[k])
-    matrices = operator._matrices(vector)
+        return _rotated(operator, pieces, lambda k: operator.eigenvalues[k])
+    matrices = operator._leaf_matrices(pieces)
     factors = zip(matrices, operator.input_factors, operator.gradient_factors, strict=True)
-    return operator._vector([b @ matrix @ a for matrix, a, b in factors])
+    return operator._leaf_pieces([b @ matrix @ a for matrix, a, b in factors])
+
+
+def _flat(operation: Any, operator: Any, vector: jax.Array) -> jax.Array:
+    """`operation` of the leaves, on a flat vector."""
+    layout = operator.layout
+    return layout.join(operation(layout.split(vector)), operator.dtype)
 
 
 @eqx.filter_jit
 def dense(operator: Any) -> jax.Array:
     identity = jnp.eye(operator._size, dtype=operator.dtype)
-    return jax.vmap(lambda vector: products(operator, vector))(identity).T
+    one = lambda vector: _flat(lambda p: products(operator, p), operator, vector)  # noqa: E731
+    return jax.vmap(one)(identity).T
 
 
 @eqx.filter_jit
@@ -43,7 +52,7 @@ def diagonal(operator: Any) -> jax.Array:
         operator.gradient_bases, operator.input_bases, operator.eigenvalues, strict=True
     ):
         out.append((q_b * q_b) @ values @ (q_a * q_a).T)
-    return operator._vector(out)
+    return operator.layout.join(operator._leaf_pieces(out), operator.dtype)
 
 
 @eqx.filter_jit
@@ -53,10 +62,16 @@ def least(operator: Any) -> jax.Array:
 
 
 @eqx.filter_jit
-def solve(operator: Any, b: jax.Array, damping: jax.Array) -> jax.Array:
-    def one(vector: jax.Array) -> jax.Array:
-        return _rotated(operator, vector, lambda k: 1 / (operator.eigenvalues[k] + damping))
+def solve(operator: Any, b: Any, damping: jax.Array) -> Any:
+    """The damped solve of `b`: the variables' leaves (a list), or a flat `(n,)` or
+    `(n, k)` array."""
 
+    def leaves(pieces: list) -> list:
+        return _rotated(operator, pieces, lambda k: 1 / (operator.eigenvalues[k] + damping))
+
+    if isinstance(b, list):
+        return leaves(b)
+    one = lambda vector: _flat(leaves, operator, vector)  # noqa: E731
     return one(b) if b.ndim == 1 else jax.vmap(one, in_axes=1, out_axes=1)(b)
 
 

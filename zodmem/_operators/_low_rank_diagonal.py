@@ -1,7 +1,6 @@
-"""Low-rank plus diagonal operators, `A = U diag(s) U^T + diag(d)`: a curvature's top
-eigenpairs and the diagonal of what they leave out (`zm.low_rank`), the form of a Laplace
-posterior's precision. Its damped inverse, log-determinant, marginal variances and
-Gaussian samples are exact, in `O(n r^2)`, from one thin SVD.
+"""Low-rank plus diagonal operators, `A = U diag(s) U^T + diag(d)` (`zm.low_rank`'s, a
+Laplace posterior's precision), with exact damped inverses, log-determinants, marginal
+variances and Gaussian samples in `O(n r^2)` from one thin SVD.
 
 With `D = d + damping > 0` and the thin SVD `D^{-1/2} U diag(s)^{1/2} = Q diag(sigma) V^T`,
 
@@ -32,7 +31,9 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .._checks import Integer, Number, RealScalar, check_key, described, typechecked
 from .._traceback import public
 from . import _low_rank_leaves as leaves
-from ._arguments import check_dtype, check_entries, check_real, check_shape
+from ._arguments import check_entries, check_real, check_shape
+from ._base import AbstractOperator
+from ._dense import dense_eigh
 from ._tags import register_symmetric
 
 __all__ = ["LowRankDiagonal"]
@@ -43,7 +44,7 @@ _OWNER = "zm.LowRankDiagonal"
 Vector = PyTree[Float[Array, "..."]]
 
 
-class LowRankDiagonal(lx.AbstractLinearOperator):
+class LowRankDiagonal(AbstractOperator):
     """The symmetric positive semi-definite operator `A = U diag(s) U^T + diag(d)`: a
     low-rank part and a diagonal one, with exact inverses, log-determinants and samples
     of `A + damping I`.
@@ -191,20 +192,8 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
         return self.in_structure()
 
     def _read(self, vector: Any, name: str, owner: str, *, columns: bool) -> Any:
-        """`vector`, an array (as annotated), checked: `(n,)` and of the operator's dtype
-        (or `(n, k)` where `columns`); held leaf by leaf, a vector like the variables."""
-        if self.leafwise:
-            return leaves.read(self._space, vector, name, owner)
-        n, dtype = self._size, self.d.dtype
-        shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
-        ndims = (1, 2) if columns else (1,)
-        if jnp.ndim(vector) not in ndims or jnp.shape(vector)[0] != n:
-            raise ValueError(
-                f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors: see "
-                f"`in_structure()`), got shape {jnp.shape(vector)}."
-            )
-        check_dtype(vector, name, dtype, owner=owner)
-        return jnp.asarray(vector)
+        """`vector` checked (see `_low_rank_leaves.read_either`)."""
+        return leaves.read_either(self, vector, name, owner, columns=columns)
 
     @public
     @typechecked
@@ -382,6 +371,21 @@ class LowRankDiagonal(lx.AbstractLinearOperator):
             return leaves.logdet(self._space, self._damped(damping, f"{_OWNER}.logdet"))
         root, _, spectrum = self._damped(damping, f"{_OWNER}.logdet")
         return 2 * jnp.sum(jnp.log(root)) + jnp.sum(jnp.log1p(spectrum))
+
+    def eigh(self) -> tuple[jax.Array, jax.Array]:
+        """`jnp.linalg.eigh` of the dense `A`, `O(n^3)` (`s`, `U`: the low rank's alone).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import zodmem as zm
+
+            A = zm.LowRankDiagonal(jnp.eye(3, 1), jnp.array([2.0]), jnp.ones(3))
+            assert jnp.allclose(A.eigh()[0], jnp.array([1.0, 1.0, 3.0]))
+            ```
+        """
+        return dense_eigh(self, f"{_OWNER}.eigh")
 
     @public
     @typechecked

@@ -82,6 +82,24 @@ def leaves_space(d: Any) -> VectorSpace:
     return VectorSpace(size, dtype, shapes, dtypes, shardings, treedef)
 
 
+def read_either(operator: Any, vector: Any, name: str, owner: str, *, columns: bool) -> Any:
+    """`vector` for a `LowRankDiagonal` `operator`, checked: an array (as annotated) of
+    shape `(n,)` and of the operator's dtype (or `(n, k)` where `columns`); held leaf by
+    leaf, a vector like the variables."""
+    if operator.leafwise:
+        return read(operator._space, vector, name, owner)
+    n, dtype = operator.d.shape[0], operator.d.dtype
+    shapes = f"({n},) or ({n}, k)" if columns else f"({n},)"
+    ndims = (1, 2) if columns else (1,)
+    if jnp.ndim(vector) not in ndims or jnp.shape(vector)[0] != n:
+        raise ValueError(
+            f"{owner}: `{name}` must be an array of shape {shapes} (flat vectors: see "
+            f"`in_structure()`), got shape {jnp.shape(vector)}."
+        )
+    check_dtype(vector, name, dtype, owner=owner)
+    return jnp.asarray(vector)
+
+
 def read(space: VectorSpace, vector: Any, name: str, owner: str) -> Any:
     """`vector` checked: in the variables' structure, each leaf of its variable's shape
     and of the space's dtype; laid out like the variables."""

@@ -27,7 +27,10 @@ import lineax as lx
 
 from .._checks import described
 from .._memo import memo_of, signature_of
+from .._pytree import variable_structure
 from ._arguments import check_dtype
+from ._base import AbstractOperator, check_leaves, variables_of
+from ._dense import dense_diagonal, dense_eigh, dense_logdet, dense_solve
 from ._options import TransformOptions, options_of, unblocked, with_strategy
 from ._vector_blocks import ProductBlocks
 from ._vectors import VectorSpace, leaf_sharding
@@ -68,7 +71,7 @@ def _shapes(transform: Any, products: Products, x: Any, args: tuple, kwargs: dic
     return eqx.filter_eval_shape(probe, transform, x, args, kwargs)
 
 
-class BlockedOperator(lx.AbstractLinearOperator):
+class BlockedOperator(AbstractOperator):
     """A transform's matrix at a point `(x, *args, **kwargs)`, as a lineax operator.
 
     Made by `transform.operator(x, *args, **kwargs)`; not built directly.
@@ -99,13 +102,7 @@ class BlockedOperator(lx.AbstractLinearOperator):
 
     def _variable_structure(self) -> Any:
         """`x` with its variables as `jax.ShapeDtypeStruct`s and `None` elsewhere."""
-
-        def shape_of(leaf):
-            if eqx.is_inexact_array(leaf):
-                return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype)
-            return None
-
-        return jax.tree_util.tree_map(shape_of, self.x)
+        return variable_structure(self.x)
 
     def _output_structure(self) -> Any:
         if self.square:
@@ -189,6 +186,13 @@ class BlockedOperator(lx.AbstractLinearOperator):
         single = dataclasses.replace(self, transform=unblocked(self.transform))
         layout = None if is_flat else self._output_layout()
         return (_product_jit if self._options.jit else _product)(single, vector, is_flat, layout)
+
+    def variable_shardings(self) -> tuple[jax.sharding.Sharding | None, ...]:
+        """Each input leaf's sharding over several devices: the variables' of `x`."""
+        if self.transposed:
+            return super().variable_shardings()
+        leaves = [leaf for leaf in jax.tree_util.tree_leaves(self.x) if eqx.is_inexact_array(leaf)]
+        return tuple(leaf_sharding(leaf) for leaf in leaves)
 
     def _output_layout(self) -> VectorSpace | None:
         """The output space with the variables' shardings, where the products lie in the
@@ -282,43 +286,36 @@ class BlockedOperator(lx.AbstractLinearOperator):
             result = jnp.concatenate([p.reshape(-1, n).astype(dtype) for p in pieces], axis=0)
         return result.T if self.transposed else result
 
+    # -- exact, from the dense matrix (see `_dense`; the estimators use products) -----
+
+    def diagonal(self) -> jax.Array:
+        """The diagonal, flat `(n,)`, from the dense matrix (`zm.diagonal`: products)."""
+        return dense_diagonal(self, f"{self._owner}.diagonal")
+
+    def solve(self, b: Any, *, damping: Any = 0.0) -> Any:
+        """`(A + damping I)^{-1} b`, `b` flat `(n,)`, `(n, k)` or like the variables
+        (returned so), from the dense matrix (`zm.solve`: CG or GMRES from products)."""
+        owner = f"{self._owner}.solve"
+        if eqx.is_array(b) and jnp.ndim(b) == 2:
+            return dense_solve(self, b, damping, owner)
+        vector, is_flat = self._read(b, "b")
+        solution = dense_solve(self, vector if is_flat else self._ravel(vector), damping, owner)
+        return solution if is_flat else self._write(solution)
+
+    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+        """`log det(A + damping I)`, dense (`nan` where it is negative; `zm.logdet`)."""
+        return dense_logdet(self, damping, f"{self._owner}.logdet")
+
+    def eigh(self) -> tuple[jax.Array, jax.Array]:
+        """`jnp.linalg.eigh` of the dense symmetric matrix (`zm.eigsh`: a few, products)."""
+        return dense_eigh(self, f"{self._owner}.eigh")
+
     def transpose(self) -> BlockedOperator:
         if lx.is_symmetric(self):
             return self
         return dataclasses.replace(
             self, transposed=not self.transposed, tags=lx.transpose_tags(self.tags)
         )
-
-
-def variables_of(vector: Any, x: Any, treedef: Any) -> Any:
-    """`vector` given as the whole of `x` (its leaves that are not variables ignored), as a
-    pytree of `treedef`, the variables' structure; any other `vector` as it is."""
-    given = jax.tree_util.tree_structure(vector)
-    if given == treedef or given != jax.tree_util.tree_structure(x):
-        return vector
-    leaves = jax.tree_util.tree_leaves(vector)
-    of_x = jax.tree_util.tree_leaves(x)
-    picked = [leaf for leaf, o in zip(leaves, of_x, strict=True) if eqx.is_inexact_array(o)]
-    return jax.tree_util.tree_unflatten(treedef, picked)
-
-
-def check_leaves(vector: Any, expected: list, name: str, *, owner: str) -> None:
-    """Refuse a leaf of the pytree `vector` that is not an array of the shape and dtype of
-    its `expected` `jax.ShapeDtypeStruct`, naming it by its path in `name`."""
-    for (path, leaf), wanted in zip(
-        jax.tree_util.tree_flatten_with_path(vector)[0], expected, strict=True
-    ):
-        if not eqx.is_array(leaf) or jnp.shape(leaf) != wanted.shape:
-            shown = f"shape {jnp.shape(leaf)}" if eqx.is_array(leaf) else described(leaf)
-            raise ValueError(
-                f"{owner}: `{name}`{jax.tree_util.keystr(path)} must be an array of shape "
-                f"{wanted.shape}, got {shown}."
-            )
-        if jnp.dtype(leaf.dtype) != wanted.dtype:
-            raise TypeError(
-                f"{owner}: `{name}`{jax.tree_util.keystr(path)} has dtype {leaf.dtype}, but "
-                f"the operator takes {wanted.dtype} there; cast it."
-            )
 
 
 def _flat_structure(structure: Any) -> jax.ShapeDtypeStruct:

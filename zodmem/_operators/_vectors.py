@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from .._checks import described
+from ._base import AbstractOperator
 
 __all__ = [
     "GOLDEN",
@@ -359,18 +360,16 @@ def flat_space(size: int, dtype: Any) -> VectorSpace:
 
 
 def _variable_shardings(operator: Any, count: int, like: Any) -> tuple:
-    """Each input leaf's sharding over several devices: of the arrays the operator was
-    built at (a zodmem operator's variables), else of `like` (a vector given)."""
-    leaves = None
-    x = getattr(operator, "x", None)
-    if x is not None and not getattr(operator, "transposed", True):
-        leaves = [leaf for leaf in jax.tree_util.tree_leaves(x) if eqx.is_inexact_array(leaf)]
-    if (leaves is None or len(leaves) != count) and like is not None:
-        leaves = jax.tree_util.tree_leaves(like)
-    if leaves is None or len(leaves) != count:
-        # A lineax operator's structure may say its layout.
-        leaves = jax.tree_util.tree_leaves(operator.in_structure())
-    return tuple(leaf_sharding(leaf) for leaf in leaves)
+    """Each input leaf's sharding over several devices: as the operator says of its
+    variables (a zodmem operator), else as `like` (a vector given) is laid out, else as
+    a lineax operator's structure says."""
+    if isinstance(operator, AbstractOperator):
+        shardings = operator.variable_shardings()
+        if len(shardings) == count and any(s is not None for s in shardings):
+            return shardings
+    if like is not None and len(jax.tree_util.tree_leaves(like)) == count:
+        return tuple(leaf_sharding(leaf) for leaf in jax.tree_util.tree_leaves(like))
+    return tuple(leaf_sharding(leaf) for leaf in jax.tree_util.tree_leaves(operator.in_structure()))
 
 
 def vector_space(

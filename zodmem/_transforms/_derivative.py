@@ -38,7 +38,7 @@ from .._operators._block_diagonal import BlockDiagonal
 from .._operators._options import OperatorSource, TransformOptions
 from .._plan._memory import check_memory
 from .._plan._plans import Work
-from .._pytree import Variables, called_as, split_variables
+from .._pytree import Variables, called_as, split_variables, variable_structure
 from .._traceback import public
 from ._base import AbstractBlocked
 from ._leaf_blocks import leaf_blocks
@@ -221,7 +221,10 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
         semi-definite where the transform's matrix is."""
         blocks = leaf_blocks(self, args, kwargs)
         blocks = blocks[0] if self.has_aux else blocks
-        return BlockDiagonal(blocks, positive_semidefinite=positive_semidefinite)
+        structure = variable_structure(args[0])
+        return BlockDiagonal(
+            blocks, positive_semidefinite=positive_semidefinite, structure=structure
+        )
 
     @abc.abstractmethod
     def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:

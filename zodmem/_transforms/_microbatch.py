@@ -414,7 +414,11 @@ def _leaf_blocks_operator(
     semi-definite where `fn`'s own operator is declared so."""
     per_microbatch = dataclasses.replace(transform, fn=_BlocksOf(transform.fn))
     blocks = per_microbatch(x, *args, **kwargs)
-    return BlockDiagonal(blocks, positive_semidefinite=inner.positive_semidefinite)
+    return BlockDiagonal(
+        blocks,
+        positive_semidefinite=inner.positive_semidefinite,
+        structure=inner.layout.structure(),
+    )
 
 
 def _microbatch_products(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) -> tuple:
