@@ -36,6 +36,7 @@ def problem(dtype=jnp.float64, n=5):
     return params, data
 
 
+@eqx.filter_jit  # one program per shape rather than one per operation of the Hessian
 def dense_blocks(params, data):
     full = jax.hessian(lambda p: loss(eqx.combine(p, static), data))
     arrays, static = eqx.partition(params, eqx.is_inexact_array)
