@@ -92,6 +92,14 @@ def net_loss(net, images, labels):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))
 
 
+@eqx.filter_jit  # one program rather than one per operation of the Hessian
+def dense_hessian(net, images, labels):
+    """`jax.hessian` of `net_loss` in the raveled variables of `net`."""
+    params, static = eqx.partition(net, eqx.is_inexact_array)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    return jax.hessian(lambda p: net_loss(eqx.combine(unravel(p), static), images, labels))(flat)
+
+
 def _net_problem():
     net = Net(jax.random.key(0))
     images = jnp.asarray(RNG.normal(size=(4, 2, 5, 5)))
@@ -102,10 +110,8 @@ def _net_problem():
 @pytest.mark.parametrize("mode", ["fwd", "rev"])
 def test_hessian_products_of_a_convolutional_network_in_blocks(mode):
     net, images, labels = _net_problem()
-    params, static = eqx.partition(net, eqx.is_inexact_array)
-    flat, unravel = jax.flatten_util.ravel_pytree(params)
-    dense = jax.hessian(lambda p: net_loss(eqx.combine(unravel(p), static), images, labels))(flat)
-    vectors = jnp.asarray(RNG.normal(size=(flat.size, 3)))
+    dense = dense_hessian(net, images, labels)
+    vectors = jnp.asarray(RNG.normal(size=(dense.shape[0], 3)))
     operator = zm.BatchedHessian(net_loss, batch_size=2, mode=mode).operator(net, images, labels)
     close(operator.mm(vectors), dense @ vectors, rtol=1e-10)
 
@@ -115,7 +121,7 @@ def test_gradient_through_a_reduction_whose_loop_body_holds_convolutions():
     batch = zm.Microbatcher(net_loss, microbatch_size=2, argnums=(1, 2), accumulator="mean")
     close(
         eqx.filter_grad(batch)(net, images, labels),
-        eqx.filter_grad(net_loss)(net, images, labels),
+        eqx.filter_jit(eqx.filter_grad(net_loss))(net, images, labels),
         rtol=1e-10,
     )
 
@@ -152,11 +158,7 @@ def test_auto_mode_takes_forward_over_reverse_where_fn_holds_a_convolution():
     assert holds_convolution(lambda n: net_loss(n, images, labels), net)
     assert not holds_convolution(lambda w: jnp.sum(jnp.tanh(w) ** 2), jnp.ones(3))
     assert holds_convolution(jax.jit(lambda n: net_loss(n, images, labels)), net)
-    params, static = eqx.partition(net, eqx.is_inexact_array)
-    flat, unravel = jax.flatten_util.ravel_pytree(params)
-    expected = jax.hessian(lambda p: net_loss(eqx.combine(unravel(p), static), images, labels))(
-        flat
-    )
+    expected = dense_hessian(net, images, labels)
     hessian = zm.BatchedHessian(net_loss, nbatches=3)(net, images, labels)
     close(hessian, expected, rtol=1e-10)
     assert hessian.dtype == expected.dtype
@@ -173,7 +175,7 @@ def test_auto_mode_takes_forward_over_reverse_where_fn_holds_a_loop():
 
     w, x0 = jnp.linspace(-0.5, 0.7, 6), jnp.asarray([0.3, -0.2, 0.9])
     assert holds(lambda w: rollout(w, x0), w, primitives=(lax.scan_p, lax.while_p))
-    expected = jax.hessian(rollout)(w, x0)
+    expected = jax.jit(jax.hessian(rollout))(w, x0)
     close(zm.BatchedHessian(rollout, nbatches=2)(w, x0), expected, rtol=1e-12)
     operator = zm.BatchedHessian(rollout).operator(w, x0)
     close(operator.mv(jnp.eye(6)[2]), expected[:, 2], rtol=1e-12)
