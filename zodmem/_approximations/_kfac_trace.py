@@ -29,6 +29,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from .._jaxpr import bind, evaluate
+
 __all__ = [
     "Layer",
     "Program",
@@ -419,38 +421,19 @@ def run(jaxpr: Any, consts: list, args: list, program: Program, perturbations: l
     """Evaluate `jaxpr` on `args`: returns its outputs and each layer's input, in the order
     of `program.layers`, with `perturbations[k]` added to layer `k`'s output."""
     at = {layer.path: (k, layer) for k, layer in enumerate(program.layers)}
-    state = (at, program.calls, perturbations, [None] * len(program.layers))
-    outputs = _evaluate(jaxpr, consts, args, (), state)
-    return outputs, state[3]
+    inputs = [None] * len(program.layers)
 
-
-def _evaluate(jaxpr: Any, consts: list, args: list, path: tuple, state: tuple) -> list:
-    """`jax.core.eval_jaxpr`, with the layers' inputs kept and their outputs perturbed."""
-    at, calls, perturbations, inputs = state
-    env = {}
-
-    def read(var: Any) -> Any:
-        return var.val if isinstance(var, jcore.Literal) else env[var]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for i, eqn in enumerate(jaxpr.eqns):
-        here = path + (i,)
-        values = [read(var) for var in eqn.invars]
-        if here in calls:
+    def rule(eqn: Any, values: list, here: tuple) -> list | None:
+        if here in program.calls:  # a call holding layers: into its program
             inner, inner_consts = _inner(eqn)
-            answer = _evaluate(inner, inner_consts, values, here, state)
-        else:
-            with eqn.ctx.manager:
-                answer = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-            if here in at:
-                k, layer = at[here]
-                inputs[k] = values[1 - layer.weight_operand]
-                answer = answer + perturbations[k]
-        if not eqn.primitive.multiple_results:
-            answer = [answer]
-        env.update(zip(eqn.outvars, answer, strict=True))
-    return [read(var) for var in jaxpr.outvars]
+            return evaluate(inner, inner_consts, values, rule, here)
+        if here not in at:
+            return None
+        k, layer = at[here]
+        inputs[k] = values[1 - layer.weight_operand]
+        return [answer + perturbations[k] for answer in bind(eqn, values)]
+
+    return evaluate(jaxpr, consts, args, rule), inputs
 
 
 def output_shape(jaxpr: Any, layer: Layer) -> tuple[int, ...]:

@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from .._jaxpr import bind, evaluate
 
 __all__ = ["LOOPS", "canonical_body", "canonical_spec", "holds", "holds_convolution", "jaxpr_holds"]
 
@@ -141,25 +143,14 @@ def _rewritten_param(value: Any) -> Any:
 
 def _evaluate(jaxpr: Jaxpr, consts: Any, args: Any) -> list[Any]:
     """`jaxpr` evaluated on `args`, with every convolution in the fast form."""
-    env: dict[Any, Any] = {}
 
-    def read(var: Any) -> Any:
-        return var.val if isinstance(var, Literal) else env[var]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        values = [read(var) for var in eqn.invars]
+    def rule(eqn: Any, values: list, path: tuple) -> list | None:
         if eqn.primitive is _CONV and not _is_canonical(eqn.params["dimension_numbers"]):
-            outs = [_canonical_conv(*values, **eqn.params)]
-        else:
-            params = {name: _rewritten_param(value) for name, value in eqn.params.items()}
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(var) for var in jaxpr.outvars]
+            return [_canonical_conv(*values, **eqn.params)]
+        params = {name: _rewritten_param(value) for name, value in eqn.params.items()}
+        return bind(eqn, values, params)
+
+    return evaluate(jaxpr, consts, args, rule)
 
 
 def canonical_body(body: Callable[..., Any]) -> Callable[..., Any]:
