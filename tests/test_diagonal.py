@@ -50,7 +50,7 @@ def test_exact_diagonal_of_a_ggn_and_of_a_dataset():
         return jnp.concatenate([jnp.tanh(data @ params["w"]) * params["b"], params["m"][0]])
 
     fn, flat = raveled(predict, params, None)
-    J = np.asarray(jax.jacfwd(fn)(flat))
+    J = np.asarray(jax.jit(jax.jacfwd(fn))(flat))
     G = J.T @ J
     ggn = zm.BatchedGGN(predict, zm.losses.SquaredError(), batch_size=4)
     targets = jnp.zeros(7)
@@ -64,7 +64,7 @@ def test_exact_diagonal_of_a_ggn_and_of_a_dataset():
         zm.BatchedHessian(rows_loss), microbatch_size=3, argnums=(1,), accumulator="sum"
     )
     fn, flat = raveled(rows_loss, params, data)
-    close(zm.diagonal(summed.operator(params, data)), np.diag(jax.hessian(fn)(flat)))
+    close(zm.diagonal(summed.operator(params, data)), np.diag(jax.jit(jax.hessian(fn))(flat)))
 
 
 def test_exact_diagonal_of_lineax_operators_real_and_complex():

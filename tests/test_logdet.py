@@ -240,7 +240,7 @@ def test_logdet_of_a_convex_loss_hessian():
     w = jnp.linspace(-0.5, 0.5, 10)
     data, labels = jnp.asarray(data), jnp.asarray(labels)
     op = zm.BatchedHessian(loss).operator(w, data, labels)
-    hessian = jax.hessian(loss)(w, data, labels)
+    hessian = jax.jit(jax.hessian(loss))(w, data, labels)
     key = jax.random.key(10)
     estimate, error = zm.logdet(op, num_probes=20, num_steps=10, key=key)
     samples = hutchinson(hessian, np.log, key, 20)
