@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
 
 import zodmem as zm
+from tests.multidevice.models import D, check_laid_out, laid_out
 
-D = len(jax.devices())
 CG = lx.CG(rtol=1e-7, atol=1e-7)
 
 
@@ -37,29 +37,6 @@ def problem():
     inputs = jax.random.normal(jax.random.key(1), (2 * D, 3))
     labels = jnp.arange(2 * D) % D
     return model, inputs, labels
-
-
-def spec_of(leaf, layout):
-    """The layout's PartitionSpec of one variable: FSDP its first axis that the devices
-    divide, tensor parallel its last, data parallel none."""
-    spec = [None] * leaf.ndim
-    axes = range(leaf.ndim) if layout == "fsdp" else reversed(range(leaf.ndim))
-    if layout in ("fsdp", "tensor") and leaf.ndim >= (1 if layout == "fsdp" else 2):
-        for axis in axes:
-            if leaf.shape[axis] % D == 0:
-                spec[axis] = "d"
-                break
-    return P(*spec)
-
-
-def laid_out(mesh, model, inputs, labels, layout):
-    def put(leaf):
-        if not eqx.is_inexact_array(leaf):
-            return leaf
-        return jax.device_put(leaf, NamedSharding(mesh, spec_of(leaf, layout)))
-
-    batch = NamedSharding(mesh, P("d") if layout == "data" else P())
-    return jax.tree.map(put, model), jax.device_put(inputs, batch), jax.device_put(labels, batch)
 
 
 def ggn(model, inputs, labels):
@@ -95,7 +72,7 @@ def replicated_on(array, mesh):
 def test_scores_of_a_sharded_model_equal_those_on_one_device(name, layout):
     model, inputs, labels = problem()
     mesh = jax.make_mesh((D,), ("d",), axis_types=(AxisType.Auto,))
-    sharded, xs, ys = laid_out(mesh, model, inputs, labels, layout)
+    sharded, xs, ys = laid_out(mesh, model, inputs, labels, layout, batch=layout == "data")
     # KFAC's factors (small) of the model on one device; its solves take flat vectors.
     at = (model, inputs, labels) if name == "kfac" else (sharded, xs, ys)
     C = CURVATURES[name](*at)
@@ -122,17 +99,15 @@ def test_scores_of_a_sharded_model_equal_those_on_one_device(name, layout):
 def test_the_preconditioned_queries_are_laid_out_like_the_variables(layout):
     model, inputs, labels = problem()
     mesh = jax.make_mesh((D,), ("d",), axis_types=(AxisType.Auto,))
-    sharded, xs, ys = laid_out(mesh, model, inputs, labels, layout)
+    sharded, xs, ys = laid_out(mesh, model, inputs, labels, layout, batch=False)
     C = zm.low_rank(ggn(sharded, xs, ys), 3)
     scorer = zm.influence_scorer(
         example_loss, C, sharded, query=(xs[:3], ys[:3]), damping=0.5, chunk_size=4
     )
-    variables = jax.tree.leaves(eqx.filter(sharded, eqx.is_inexact_array))
-    queries = jax.tree.leaves(scorer.fn.queries)
-    for query, variable in zip(queries, variables, strict=True):
-        expected = NamedSharding(mesh, P(None, *variable.sharding.spec))
+    check_laid_out(scorer.fn.queries, sharded, block=True)
+    for query, variable in zip(
+        jax.tree.leaves(scorer.fn.queries),
+        jax.tree.leaves(eqx.filter(sharded, eqx.is_inexact_array)),
+        strict=True,
+    ):
         assert query.shape == (3, *variable.shape)
-        assert query.sharding.is_equivalent_to(expected, query.ndim), query.sharding
-        if any(axis is not None for axis in variable.sharding.spec):
-            for shard in query.addressable_shards:
-                assert shard.data.size == query.size // D
