@@ -28,8 +28,34 @@ __all__ = [
     "hessian_to_pytree",
     "jacobian_to_pytree",
     "is_traced",
+    "ravel_leaves",
+    "split_leaves",
     "variable_structure",
 ]
+
+
+def ravel_leaves(leaves: Any, dtype: Any, *, batch: int = 0) -> jax.Array:
+    """The arrays `leaves` raveled and joined in order into one vector of `dtype` (empty
+    where there are none): the flat form of a vector over variables. With `batch`, each
+    leaf's first `batch` axes are kept and the rest raveled and joined along the next."""
+    leaves = list(leaves)
+    if not leaves:
+        return jnp.zeros((0,), dtype)
+    pieces = [jnp.reshape(leaf, jnp.shape(leaf)[:batch] + (-1,)).astype(dtype) for leaf in leaves]
+    return jnp.concatenate(pieces, axis=batch)
+
+
+def split_leaves(flat: jax.Array, shapes: Any, dtypes: Any = None) -> list[jax.Array]:
+    """The inverse of `ravel_leaves`: `flat`'s last axis cut into pieces of these `shapes`
+    (its leading axes kept), each cast to its dtype in `dtypes` where given."""
+    pieces, start, batch = [], 0, flat.shape[:-1]
+    for index, shape in enumerate(shapes):
+        size = math.prod(shape)
+        piece = jax.lax.slice_in_dim(flat, start, start + size, axis=flat.ndim - 1)
+        piece = piece.reshape(batch + tuple(shape))
+        pieces.append(piece if dtypes is None else piece.astype(dtypes[index]))
+        start += size
+    return pieces
 
 
 def variable_structure(tree: Any) -> Any:
@@ -91,9 +117,7 @@ class Variables(eqx.Module):
             for leaf, is_var in zip(jax.tree_util.tree_leaves(tree), self.is_variable, strict=True)
             if is_var
         ]
-        if not leaves:
-            return jnp.zeros((0,), self.dtype)
-        return jnp.concatenate([jnp.ravel(leaf).astype(self.dtype) for leaf in leaves])
+        return ravel_leaves(leaves, self.dtype)
 
     def unravel(self, flat: jax.Array) -> Any:
         """The pytree with its variables read from `flat` and every other leaf restored."""

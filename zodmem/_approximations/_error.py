@@ -4,8 +4,6 @@ eigenvalues."""
 
 from __future__ import annotations
 
-import itertools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -15,6 +13,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import Integer, check_int, check_key, typechecked
 from .._estimators._eigsh import eigsh
+from .._operators._flat import flat_view
 from .._traceback import public
 
 __all__ = ["ApproximationError", "approximation_error"]
@@ -53,22 +52,11 @@ class ApproximationError(NamedTuple):
     exact_eigenvalues: Float[Array, " k"]
 
 
-def _flat(operator: lx.AbstractLinearOperator) -> tuple[Any, int, Any]:
+def _flat(operator: lx.AbstractLinearOperator, owner: str) -> tuple[Any, int, Any]:
     """`operator`'s product as a function of flat vectors (a pytree of variables raveled in
     leaf order, as zodmem's operators ravel them), their size and dtype."""
-    leaves, treedef = jax.tree_util.tree_flatten(operator.in_structure())
-    sizes = [math.prod(leaf.shape) for leaf in leaves]
-    dtype = jnp.result_type(*leaves)
-
-    def product(vector: jax.Array) -> jax.Array:
-        pieces = jnp.split(vector, list(itertools.accumulate(sizes))[:-1])
-        shaped = [
-            p.reshape(leaf.shape).astype(leaf.dtype) for p, leaf in zip(pieces, leaves, strict=True)
-        ]
-        out = jax.tree_util.tree_leaves(operator.mv(jax.tree_util.tree_unflatten(treedef, shaped)))
-        return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in out])
-
-    return product, sum(sizes), dtype
+    view = flat_view(operator, owner)
+    return view.linear(), view.size, view.dtype
 
 
 @public
@@ -124,8 +112,8 @@ def approximation_error(
         ```
     """
     owner = "zm.approximation_error"
-    approx_product, n, dtype = _flat(approx)
-    exact_product, m, _ = _flat(exact)
+    approx_product, n, dtype = _flat(approx, owner)
+    exact_product, m, _ = _flat(exact, owner)
     if n != m:
         raise ValueError(
             f"{owner}: `approx` takes vectors of size {n} and `exact` of size {m}; they must "

@@ -28,6 +28,7 @@ import numpy as np
 from jaxtyping import Array, PyTree, Shaped
 
 from .._checks import described, typechecked
+from .._pytree import ravel_leaves, split_leaves
 from .._traceback import public
 
 __all__ = ["AbstractOperator", "VariableLayout", "check_leaves", "variables_of"]
@@ -69,18 +70,11 @@ class VariableLayout(NamedTuple):
 
     def split(self, flat: jax.Array) -> list[jax.Array]:
         """A flat `(n,)` vector cut into the leaves, each reshaped (in `flat`'s dtype)."""
-        pieces, start = [], 0
-        for shape in self.shapes:
-            size = math.prod(shape)
-            pieces.append(flat[start : start + size].reshape(shape))
-            start += size
-        return pieces
+        return split_leaves(flat, self.shapes)
 
     def join(self, pieces: list[jax.Array], dtype: Any) -> jax.Array:
         """The leaves raveled and concatenated, in `dtype`."""
-        if not pieces:
-            return jnp.zeros((0,), dtype)
-        return jnp.concatenate([jnp.ravel(piece).astype(dtype) for piece in pieces])
+        return ravel_leaves(pieces, dtype)
 
     def read(
         self, vector: Any, *, name: str, owner: str, dtype: Any, columns: bool = False

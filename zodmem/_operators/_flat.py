@@ -11,14 +11,13 @@ operators only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
+from .._pytree import ravel_leaves, split_leaves
 from ._operator import BlockedOperator
 from ._vectors import check_symmetric, square_input
 
@@ -52,22 +51,15 @@ class FlatView(eqx.Module):
 
         def product(vector):
             out = operator.mv(self.unflatten(vector))
-            leaves = jax.tree_util.tree_leaves(out)
-            return jnp.concatenate([jnp.ravel(leaf).astype(self.dtype) for leaf in leaves])
+            return ravel_leaves(jax.tree_util.tree_leaves(out), self.dtype)
 
         return product
 
     def unflatten(self, vector: jax.Array) -> Any:
         """A flat vector (or `(..., size)` stack of them) as a pytree like the input."""
         leaves, treedef = jax.tree_util.tree_flatten(self.structure)
-        batch = vector.shape[:-1]
-        pieces, start = [], 0
-        for leaf in leaves:
-            width = math.prod(leaf.shape)
-            piece = vector[..., start : start + width].reshape(batch + leaf.shape)
-            pieces.append(piece.astype(leaf.dtype))
-            start += width
-        return jax.tree_util.tree_unflatten(treedef, pieces)
+        shapes, dtypes = [leaf.shape for leaf in leaves], [leaf.dtype for leaf in leaves]
+        return jax.tree_util.tree_unflatten(treedef, split_leaves(vector, shapes, dtypes))
 
 
 def flat_view(operator: Any, owner: str) -> FlatView:

@@ -27,7 +27,7 @@ import lineax as lx
 
 from .._checks import described
 from .._memo import memo_of, signature_of
-from .._pytree import variable_structure
+from .._pytree import ravel_leaves, split_leaves, variable_structure
 from ._arguments import check_dtype
 from ._base import AbstractOperator, check_leaves, variables_of
 from ._dense import dense_diagonal, dense_eigh, dense_logdet, dense_solve
@@ -50,8 +50,7 @@ Products = Callable[[Any, Any, tuple, dict], tuple]
 def _ravel_outputs(tree: Any) -> jax.Array:
     """The leaves of an output pytree, raveled and concatenated in their common dtype."""
     leaves = jax.tree_util.tree_leaves(tree)
-    dtype = jnp.result_type(*leaves)
-    return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+    return ravel_leaves(leaves, jnp.result_type(*leaves))
 
 
 def _forward(transform: Any, products: Products, x: Any, args: tuple, kwargs: dict) -> Callable:
@@ -145,18 +144,13 @@ class BlockedOperator(AbstractOperator):
     def _ravel(self, vector: Any) -> jax.Array:
         """A pytree shaped like `in_structure()` as a flat vector."""
         dtype = _flat_structure(self.in_structure()).dtype
-        leaves = jax.tree_util.tree_leaves(vector)
-        return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+        return ravel_leaves(jax.tree_util.tree_leaves(vector), dtype)
 
     def _write(self, flat: jax.Array) -> Any:
         """A flat vector of the output space as a pytree shaped like `out_structure()`."""
         leaves, treedef = jax.tree_util.tree_flatten(self.out_structure())
-        pieces, start = [], 0
-        for leaf in leaves:
-            size = math.prod(leaf.shape)
-            pieces.append(flat[start : start + size].reshape(leaf.shape).astype(leaf.dtype))
-            start += size
-        return jax.tree_util.tree_unflatten(treedef, pieces)
+        shapes, dtypes = [leaf.shape for leaf in leaves], [leaf.dtype for leaf in leaves]
+        return jax.tree_util.tree_unflatten(treedef, split_leaves(flat, shapes, dtypes))
 
     # -- products ----------------------------------------------------------------------
 
@@ -259,18 +253,11 @@ class BlockedOperator(AbstractOperator):
                 f"{self._owner}: `matrix` must be an (n, k) array or a pytree shaped like "
                 f"{self.in_structure()} with a leading block axis on every leaf."
             )
-        k, dtype = jnp.shape(given[0])[0], _flat_structure(self.in_structure()).dtype
-        columns = jnp.concatenate([g.reshape(k, -1).astype(dtype) for g in given], axis=1)
-        products = self.mm(columns.T).T
+        dtype = _flat_structure(self.in_structure()).dtype
+        products = self.mm(ravel_leaves(given, dtype, batch=1).T).T
         out, out_def = jax.tree_util.tree_flatten(self.out_structure())
-        pieces, start = [], 0
-        for leaf in out:
-            size = math.prod(leaf.shape)
-            pieces.append(products[:, start : start + size].reshape(k, *leaf.shape))
-            start += size
-        block = jax.tree_util.tree_unflatten(
-            out_def, [p.astype(o.dtype) for p, o in zip(pieces, out, strict=True)]
-        )
+        pieces = split_leaves(products, [o.shape for o in out], [o.dtype for o in out])
+        block = jax.tree_util.tree_unflatten(out_def, pieces)
         layout = self._output_layout()
         return block if layout is None else layout.constrain(block, block=True)
 

@@ -38,7 +38,7 @@ from .._operators._block_diagonal import BlockDiagonal
 from .._operators._options import OperatorSource, TransformOptions
 from .._plan._memory import check_memory
 from .._plan._plans import Work
-from .._pytree import Variables, called_as, split_variables, variable_structure
+from .._pytree import Variables, called_as, ravel_leaves, split_variables, variable_structure
 from .._traceback import public
 from ._base import AbstractBlocked
 from ._leaf_blocks import leaf_blocks
@@ -88,7 +88,7 @@ class Prepared(NamedTuple):
     def raveled(self, pieces: list[Any]) -> jax.Array:
         """One piece per variable leaf (a vector in the variables' space), as one flat
         vector in the dtype of `flat`."""
-        return jnp.concatenate([jnp.ravel(piece).astype(self.flat.dtype) for piece in pieces])
+        return ravel_leaves(pieces, self.flat.dtype)
 
     def result(self, value: Any, aux: Any) -> Any:
         """What the call returns: `value`, or `(value, aux)` put back with `has_aux`."""
