@@ -170,8 +170,8 @@ class SelfScores(eqx.Module):
 
     def __call__(self, *example: Any) -> jax.Array:
         if not solves_in_shard_map(self.form) and _in_shard_map():
-            raise NotImplementedError(
-                f"{self.gradient.owner}: self_influence=True with this curvature cannot yet "
+            raise ValueError(
+                f"{self.gradient.owner}: self_influence=True with this curvature cannot "
                 f"score training examples split over the devices: its solve (zm.solve's, or "
                 f"one held leaf by leaf) does not run on a shard_map's devices. Give the "
                 f"training arrays replicated, `jax.device_put(array, NamedSharding(mesh, "

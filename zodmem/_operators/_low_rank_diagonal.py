@@ -491,7 +491,7 @@ register_symmetric(
 def _(operator):
     U, s = operator.U, operator.s
     if operator.leafwise:
-        raise NotImplementedError(
+        raise ValueError(
             f"{_OWNER}: a tridiagonal part of an operator held leaf by leaf has no order of "
             "its entries across the variables; use it on one device."
         )
