@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
+from ._sharding import leaf_sharding, whole
+
 __all__ = [
     "Variables",
     "split_variables",
@@ -41,8 +43,8 @@ def ravel_leaves(leaves: Any, dtype: Any, *, batch: int = 0) -> jax.Array:
     leaves = list(leaves)
     if not leaves:
         return jnp.zeros((0,), dtype)
-    pieces = [jnp.reshape(leaf, jnp.shape(leaf)[:batch] + (-1,)).astype(dtype) for leaf in leaves]
-    return jnp.concatenate(pieces, axis=batch)
+    pieces = [jnp.reshape(whole(leaf), jnp.shape(leaf)[:batch] + (-1,)) for leaf in leaves]
+    return jnp.concatenate([piece.astype(dtype) for piece in pieces], axis=batch)
 
 
 def split_leaves(flat: jax.Array, shapes: Any, dtypes: Any = None) -> list[jax.Array]:
@@ -58,14 +60,16 @@ def split_leaves(flat: jax.Array, shapes: Any, dtypes: Any = None) -> list[jax.A
     return pieces
 
 
-def variable_structure(tree: Any) -> Any:
+def variable_structure(tree: Any, *, shardings: bool = False) -> Any:
     """`tree` with each variable (inexact-array leaf) as a `jax.ShapeDtypeStruct` and
-    `None` at every other leaf: the structure of vectors over its variables."""
+    `None` at every other leaf: the structure of vectors over its variables (with
+    `shardings`, each carrying its variable's sharding over several devices)."""
 
     def shape_of(leaf: Any) -> Any:
-        if eqx.is_inexact_array(leaf):
-            return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype)
-        return None
+        if not eqx.is_inexact_array(leaf):
+            return None
+        sharding = leaf_sharding(leaf) if shardings else None
+        return jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype, sharding=sharding)
 
     return jax.tree_util.tree_map(shape_of, tree)
 

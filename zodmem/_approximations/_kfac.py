@@ -163,8 +163,10 @@ class _KroneckerCurvature(AbstractTransform):
     @public
     @typechecked
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> KroneckerFactored:
-        # One compiled program: the statistics are many small operations.
-        return eqx.filter_jit(type(self)._factored)(self, x, args, kwargs)
+        # One compiled program: the statistics are many small operations. The variables'
+        # layout over devices is read here, where their shardings are known.
+        structure = variable_structure(x, shardings=True)
+        return eqx.filter_jit(type(self)._factored)(self, x, args, kwargs, structure)
 
     @public
     @typechecked
@@ -218,7 +220,7 @@ class _KroneckerCurvature(AbstractTransform):
         accumulator = {"inputs": "sum", "rows": "sum", "gradients": each, "dense": each}
         return _Pass(variables, found, statistics, accumulator, each, leaves, keys)
 
-    def _factored(self, x: Any, args: tuple, kwargs: dict) -> KroneckerFactored:
+    def _factored(self, x: Any, args: tuple, kwargs: dict, structure: Any) -> KroneckerFactored:
         first = self._first_pass(x, args, kwargs)
         sums = self._reduce(first.statistics, first.accumulator, first.leaves, first.keys, args)
         blocks, factors = _blocks(first.found, first.variables, sums)
@@ -228,7 +230,7 @@ class _KroneckerCurvature(AbstractTransform):
             [b for _, b in factors],
             shapes=first.variables.shapes,
             dtype=first.variables.dtype,
-            structure=variable_structure(x),
+            structure=structure,
         )
         if not self._corrected or not first.found.layers:
             return operator

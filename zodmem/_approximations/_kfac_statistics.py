@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .._pytree import Variables
+from .._sharding import laid_out_like
 from . import _kfac_trace as trace
 
 __all__ = ["Settings", "Statistics", "traced", "variable_leaves"]
@@ -188,7 +189,7 @@ class Statistics(eqx.Module):
         def block(k: int) -> jax.Array:
             def column(unit: jax.Array) -> jax.Array:
                 direction = list(zeros)
-                direction[k] = unit.reshape(chosen[k].shape)
+                direction[k] = laid_out_like(unit.reshape(chosen[k].shape), chosen[k])
                 tangents = tangent(tuple(direction))
                 product = self.loss.hessian_product(outputs, tangents, *args, **self.kwargs)
                 return jnp.ravel(cotangent(product)[0][k])

@@ -29,6 +29,7 @@ from jaxtyping import Array, PyTree, Shaped
 
 from .._checks import described, typechecked
 from .._pytree import ravel_leaves, split_leaves
+from .._sharding import leaf_sharding, pinned
 from .._traceback import public
 
 __all__ = ["AbstractOperator", "VariableLayout", "check_leaves", "variables_of"]
@@ -42,14 +43,17 @@ class VariableLayout(NamedTuple):
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
+    shardings: tuple[Any, ...] = ()  # per leaf, where it is split over devices (or None)
 
     @classmethod
     def of(cls, structure: Any) -> VariableLayout:
         """The layout of `structure`, a pytree of arrays or `jax.ShapeDtypeStruct`s (its
-        `None`s are empty subtrees, as `eqx.filter` leaves them)."""
+        `None`s are empty subtrees, as `eqx.filter` leaves them), with the shardings over
+        several devices that its leaves carry."""
         leaves, treedef = jax.tree_util.tree_flatten(structure)
         shapes = tuple(tuple(int(d) for d in jnp.shape(leaf)) for leaf in leaves)
-        return cls(treedef, shapes, tuple(jnp.dtype(leaf.dtype) for leaf in leaves))
+        dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)
+        return cls(treedef, shapes, dtypes, tuple(leaf_sharding(leaf) for leaf in leaves))
 
     @classmethod
     def of_shapes(cls, shapes: Any, dtype: Any) -> VariableLayout:
@@ -62,9 +66,11 @@ class VariableLayout(NamedTuple):
         return sum(math.prod(shape) for shape in self.shapes)
 
     def structure(self) -> Any:
-        """The variables as `jax.ShapeDtypeStruct`s in their pytree."""
+        """The variables as `jax.ShapeDtypeStruct`s in their pytree, with their shardings."""
+        shardings = self.shardings or (None,) * len(self.shapes)
         structs = [
-            jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True)
+            jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            for shape, dtype, sharding in zip(self.shapes, self.dtypes, shardings, strict=True)
         ]
         return jax.tree_util.tree_unflatten(self.treedef, structs)
 
@@ -99,10 +105,16 @@ class VariableLayout(NamedTuple):
         return [jnp.asarray(leaf, dtype) for leaf in leaves], True
 
     def write(self, pieces: list[jax.Array], is_tree: bool, dtype: Any) -> Any:
-        """The leaves as they were read: a flat vector, or the variables' pytree."""
+        """The leaves as they were read: a flat vector, or the variables' pytree, each
+        leaf laid out like its variable."""
         if not is_tree:
             return self.join(pieces, dtype)
-        return jax.tree_util.tree_unflatten(self.treedef, [p.astype(dtype) for p in pieces])
+        shardings = self.shardings or (None,) * len(pieces)
+        leaves = [
+            pinned(piece.reshape(shape).astype(dtype), sharding)
+            for piece, shape, sharding in zip(pieces, self.shapes, shardings, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
 def variables_of(vector: Any, x: Any, treedef: Any) -> Any:

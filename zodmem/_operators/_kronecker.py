@@ -26,6 +26,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PyTree, Real, Shaped
 
 from .._checks import Integer, RealScalar, typechecked
+from .._sharding import whole
 from .._traceback import public
 from . import _kronecker_products as compiled
 from ._arguments import check_real
@@ -157,7 +158,8 @@ class KroneckerFactored(AbstractOperator):
         # Every array in the operator's dtype, so that its products are too (data of
         # another dtype than the model's gives factors of the data's).
         def own(arrays: Any) -> tuple:
-            return tuple(jnp.asarray(array, self.dtype) for array in arrays)
+            # Whole on every device: a factor is small, and held by each device.
+            return tuple(whole(jnp.asarray(array, self.dtype)) for array in arrays)
 
         self.input_factors = own(input_factors)
         self.gradient_factors = own(gradient_factors)

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from .._checks import described
+from .._sharding import is_explicit, leaf_sharding, pinned
 from ._base import AbstractOperator
 
 __all__ = [
@@ -99,41 +100,6 @@ def hashed_words(shape: tuple, offset: int, stream: Any, seed: Any) -> jax.Array
     return mix_words(x)
 
 
-def leaf_sharding(leaf: Any) -> Any:
-    """The `NamedSharding` of an array over more than one device, else `None`: of a
-    concrete array, its own; of a traced one, what its type says (on Explicit axes)."""
-    try:
-        sharding = leaf.sharding if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) else None
-    except (AttributeError, TypeError, ValueError):  # a tracer's, on Auto axes
-        sharding = None
-    if sharding is None and not isinstance(leaf, jax.ShapeDtypeStruct):
-        try:
-            sharding = jax.typeof(leaf).sharding
-        except (AttributeError, TypeError):
-            return None
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
-    if sharding.mesh.size <= 1 or sharding.mesh.empty:
-        return None
-    return sharding
-
-
-def _explicit(sharding: jax.sharding.NamedSharding) -> bool:
-    types = getattr(sharding.mesh, "axis_types", ())
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
-
-
-def _pinned(leaf: jax.Array, sharding: Any, block: bool) -> jax.Array:
-    """`leaf` laid out as `sharding` (with an unsharded block axis first if `block`)."""
-    if sharding is None:
-        return leaf
-    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - block - len(sharding.spec))
-    spec = jax.sharding.PartitionSpec(*((None,) if block else ()), *spec)
-    if _explicit(sharding):
-        return jax.sharding.reshard(leaf, spec)
-    return lax.with_sharding_constraint(leaf, jax.sharding.NamedSharding(sharding.mesh, spec))
-
-
 class VectorSpace(eqx.Module):
     """The input space of a square operator, whose vectors are pytrees shaped like its
     `in_structure()` (one leaf per variable), or, with `flat()`, one `(n,)` leaf.
@@ -185,7 +151,7 @@ class VectorSpace(eqx.Module):
         if not self.sharded:
             return vector
         leaves = self.leaves(vector)
-        return self.tree(_pinned(x, s, block) for x, s in zip(leaves, self.shardings, strict=True))
+        return self.tree(pinned(x, s, block) for x, s in zip(leaves, self.shardings, strict=True))
 
     def zeros(self, steps: int | None = None) -> Any:
         """The zero vector, or with `steps` a block of that many zero vectors."""
@@ -222,7 +188,7 @@ class VectorSpace(eqx.Module):
     @property
     def explicit(self) -> bool:
         """Whether a leaf is sharded over Explicit mesh axes (its layout in its type)."""
-        return any(s is not None and _explicit(s) for s in self.shardings)
+        return any(s is not None and is_explicit(s) for s in self.shardings)
 
     @property
     def _reduced(self) -> Any:
@@ -333,7 +299,7 @@ class VectorSpace(eqx.Module):
             bits = mix_words(lax.add(mix_words(lax.bitwise_xor(positions, block)), block))
             top = lax.shift_right_logical(bits, np.uint32(31))
             signs = 1 - 2 * lax.convert_element_type(top, jnp.int32)
-            return _pinned(lax.convert_element_type(signs, self.dtype), sharding, True)
+            return pinned(lax.convert_element_type(signs, self.dtype), sharding, True)
 
         return self.tree(map(leaf_signs, self.shapes, self.offsets, self.shardings))
 
