@@ -27,7 +27,6 @@ from typing import Any, TypeAlias, TypeVar, no_type_check
 import equinox as eqx
 import jax
 import numpy as np
-from beartype import beartype
 from jaxtyping import Array, Real, TypeCheckError, jaxtyped
 
 from ._traceback import public
@@ -37,6 +36,7 @@ __all__ = [
     "Memory",
     "Number",
     "RealScalar",
+    "checked_annotations",
     "typechecked",
     "typechecked_constructor",
     "as_index",
@@ -71,6 +71,23 @@ _Class = TypeVar("_Class", bound=type)
 _PARAMETER = re.compile(r"typechecking parameter '(\w+)'")
 
 
+def checked_annotations(function: _Function) -> _Function:
+    """`jaxtyping.jaxtyped(typechecker=beartype)(function)`, built at its first call: the
+    checker is made (and beartype imported) when the function is first used, not when
+    zodmem is imported."""
+    checked: list[Callable[..., Any]] = []
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not checked:
+            from beartype import beartype
+
+            checked.append(jaxtyped(typechecker=beartype)(function))
+        return checked[0](*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
 def typechecked(function: _Function) -> _Function:
     """`function` with its annotations checked by beartype at every call, through
     jaxtyping (array dtypes and shapes, tracers under `jax.jit` too), as the transforms'
@@ -82,7 +99,7 @@ def typechecked(function: _Function) -> _Function:
     nothing, is run with its `__check_init__`), and a `TypeError` or `ValueError` whose
     message names the parameter is raised instead.
     """
-    checked = jaxtyped(typechecker=beartype)(function)
+    checked = checked_annotations(function)
     # The function itself, beneath `public` and any other checking wrapper.
     body = inspect.unwrap(function)
     checking = f"the parameters of {body.__module__}.{body.__qualname__}"

@@ -7,10 +7,9 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import Array, Inexact, PyTree, jaxtyped
+from jaxtyping import Array, Inexact, PyTree
 
-from .._checks import taking_jvps_of_fn, typechecked_constructor
+from .._checks import checked_annotations, taking_jvps_of_fn, typechecked_constructor
 from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label
@@ -121,7 +120,7 @@ class BatchedJacobian(AbstractDerivative):
     _result: ClassVar[str] = "Jacobian"
     _square: ClassVar[str | None] = None
 
-    @jaxtyped(typechecker=beartype)
+    @checked_annotations
     @public
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any

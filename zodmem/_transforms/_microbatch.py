@@ -9,12 +9,12 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
-from jaxtyping import ArrayLike, Int, PyTree, jaxtyped
+from jaxtyping import ArrayLike, Int, PyTree
 
 from .._checks import (
     check_bool,
     check_callable,
+    checked_annotations,
     int_option,
     memory_option,
     typechecked_constructor,
@@ -231,7 +231,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
         count = len(self.batch_argnums) + len(self.batch_argnames)
         return self.in_axes if isinstance(self.in_axes, tuple) else (self.in_axes,) * count
 
-    @jaxtyped(typechecker=beartype)
+    @checked_annotations
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         return super().__call__(*args, **kwargs)

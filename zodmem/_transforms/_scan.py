@@ -12,14 +12,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from beartype import beartype
-from jaxtyping import PyTree, jaxtyped
+from jaxtyping import PyTree
 
 from .._checks import (
     as_int_or_bool,
     check_bool,
     check_callable,
     check_int,
+    checked_annotations,
     common_size,
     int_option,
     typechecked_constructor,
@@ -113,7 +113,7 @@ class AbstractScan(AbstractTransform):
         _check_unroll(self.unroll, owner=owner)
         check_bool(self.progress, "progress", owner=owner)
 
-    @jaxtyped(typechecker=beartype)
+    @checked_annotations
     @public
     def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
         with closing_bars():  # a failed run's bar is closed, not left open

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import lineax as lx
-from beartype import beartype
-from jaxtyping import Array, Float, Inexact, PyTree, jaxtyped
+from jaxtyping import Array, Float, Inexact, PyTree
 
+from .._checks import checked_annotations
 from .._operators._block_diagonal import BlockDiagonal
 from .._operators._operator import BlockedOperator, make_operator
 from .._traceback import public
@@ -25,7 +25,7 @@ class AbstractSquare(AbstractDerivative):
     made by a call of its own. A concrete one fills `_prepare` and `compute_share` as
     every derivative does, and builds its operator with `_square_operator`."""
 
-    @jaxtyped(typechecker=beartype)
+    @checked_annotations
     @public
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any

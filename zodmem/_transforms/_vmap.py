@@ -9,13 +9,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from beartype import beartype
 from jax.sharding import PartitionSpec
-from jaxtyping import PyTree, jaxtyped
+from jaxtyping import PyTree
 
 from .._checks import (
     check_bool,
     check_callable,
+    checked_annotations,
     int_option,
     memory_option,
     typechecked_constructor,
@@ -158,7 +158,7 @@ class ChunkedVmap(AbstractBlocked):
         check_axis_spec(self.out_axes, "out_axes")
         check_bool(self.progress, "progress", owner=_OWNER)
 
-    @jaxtyped(typechecker=beartype)
+    @checked_annotations
     @public
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         return super().__call__(*args, **kwargs)
