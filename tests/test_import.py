@@ -1,0 +1,19 @@
+"""`import zodmem` is light: what a first call does not need is imported when first used."""
+
+import subprocess
+import sys
+
+
+def test_import_leaves_the_checker_and_scipy_for_the_first_call():
+    code = (
+        "import sys, zodmem\n"
+        "print(sorted(m for m in ('beartype', 'scipy', 'matplotlib') if m in sys.modules))\n"
+        "import jax.numpy as jnp\n"
+        "zodmem.BatchedHessian(jnp.sum)(jnp.ones(2))\n"
+        "print('beartype' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[0] == "[]", out
+    assert out[1] == "True"  # a checked call imports it, and checks its arguments
