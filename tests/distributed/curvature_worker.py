@@ -139,6 +139,31 @@ def run_checks(mesh) -> int:
     expected = zm.trace(local_op, method="hutchinson", num_probes=16, key=key)
     np.testing.assert_allclose(local_values(trace[0]), np.asarray(expected[0]), rtol=1e-10)
     passed += 1
+
+    # KFAC of the model split over both processes: the whole model's factors, and the
+    # product and solve of a vector in the weights' structure laid out like the weights.
+    kfac = zm.KFAC(logits, LOSS)(model, xs, labels)
+    local_kfac = zm.KFAC(logits, LOSS)(local_model, local_xs, local_labels)
+    np.testing.assert_allclose(
+        local_values(kfac.as_matrix()), np.asarray(local_kfac.as_matrix()), rtol=1e-8, atol=1e-12
+    )
+    local_params = eqx.filter(local_model, eqx.is_inexact_array)
+    for name, got, expected in [
+        ("KFAC's product", kfac.mv(params), local_kfac.mv(local_params)),
+        (
+            "KFAC's solve",
+            kfac.solve(params, damping=0.1),
+            local_kfac.solve(local_params, damping=0.1),
+        ),
+    ]:
+        check_laid_out_like(name, jax.tree_util.tree_map(lambda a: a[None], got), params)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(local_values(got)),
+            jax.tree_util.tree_leaves(expected),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, np.asarray(b), rtol=1e-8, atol=1e-12)
+        passed += 1
     return passed
 
 
