@@ -8,7 +8,9 @@ approximated by `B ⊗ A` with
     A = sum(a a^T) / R,    B = sum(g g^T),
 
 `R` the number of rows, in the weight's layout `(out, in)` (a bias a last column of
-the weight, its input a one). The gradients are those of the columns of a square root
+the weight, its input a one); a weight used several times (tied, or in a `lax.scan`)
+has the rows of every use, or with `kfac_approx="reduce"` per example the inputs'
+mean and the gradients' sum over them (Eschenhagen et al., 2023). The gradients are those of the columns of a square root
 of the loss's Hessian (`fisher="type-2"`), of the loss at targets drawn from the model
 (`"mc"`) or at the true targets (`"empirical"`). These are curvlinops' factors
 (`KFACLinearOperator`, `kfac_approx="expand"`, `separate_weight_and_bias=False`).
@@ -28,7 +30,6 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._checks import (
@@ -41,7 +42,7 @@ from .._checks import (
     described,
     typechecked,
 )
-from .._operators._kronecker import KroneckerBlock, KroneckerFactored
+from .._operators._kronecker import KroneckerFactored
 from .._plan._plans import Plan
 from .._pytree import Variables, split_variables, variable_structure
 from .._traceback import public
@@ -49,33 +50,14 @@ from .._transforms._base import AbstractTransform
 from .._transforms._losses import AbstractLoss
 from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
+from ._kfac_blocks import check_others, layer_blocks
 from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
 
 __all__ = ["EKFAC", "KFAC"]
 
 _FISHERS = ("type-2", "mc", "empirical")
-# The most entries a leaf in no layer may have: its dense block holds their square.
-_DENSE_LIMIT = 4096
-
-
-def _blocks(found: trace.Program, variables: Variables, sums: dict) -> tuple:
-    """The operator's blocks and factors, in the order of their first leaves."""
-    entries = []
-    for k, layer in enumerate(found.layers):
-        leaves = (layer.weight,) if layer.bias is None else (layer.weight, layer.bias)
-        names = tuple(variables.names[leaf] for leaf in leaves)
-        block = KroneckerBlock(names, leaves, layer.weight_axes, layer.out_size, layer.in_size)
-        factors = (sums["inputs"][k] / sums["rows"][k], sums["gradients"][k])
-        entries.append((block, factors))
-    for leaf, dense in zip(found.others, sums["dense"], strict=True):
-        ndim = len(variables.shapes[leaf])
-        block = KroneckerBlock((variables.names[leaf],), (leaf,), tuple(range(ndim)), len(dense), 1)
-        entries.append((block, (jnp.ones((1, 1), dense.dtype), dense)))
-    entries.sort(key=lambda entry: entry[0].leaves[0])
-    return tuple(entry[0] for entry in entries), [entry[1] for entry in entries]
-
-
+_APPROXIMATIONS = ("expand", "reduce")
 class _KroneckerCurvature(AbstractTransform):
     """What `KFAC` and `EKFAC` share: their options, checks, plan and call. They are
     transforms like the others: `zm.save`/`zm.load` write and read them, `plan()` says
@@ -95,6 +77,7 @@ class _KroneckerCurvature(AbstractTransform):
     microbatch_size: int | None = eqx.field(default=None, static=True, kw_only=True)
     max_memory: int | str | None = eqx.field(default=None, static=True, kw_only=True)
     progress: bool = eqx.field(default=False, static=True, kw_only=True)
+    kfac_approx: str = eqx.field(default="expand", static=True, kw_only=True)
 
     _corrected: ClassVar[bool]
     _owner: ClassVar[str]
@@ -112,6 +95,7 @@ class _KroneckerCurvature(AbstractTransform):
         microbatch_size: Integer | None = None,
         max_memory: Memory = None,
         progress: bool = False,
+        kfac_approx: Literal["expand", "reduce"] = "expand",
     ):
         self.fn = fn
         self.loss = loss
@@ -122,6 +106,7 @@ class _KroneckerCurvature(AbstractTransform):
         self.microbatch_size = as_index(microbatch_size)
         self.max_memory = as_index(max_memory)
         self.progress = progress
+        self.kfac_approx = kfac_approx
 
     def __check_init__(self):
         # The checks of values, and of the types whose refusal says more in words than
@@ -134,6 +119,7 @@ class _KroneckerCurvature(AbstractTransform):
                 f"root and likelihood the factors use; got {described(self.loss)}."
             )
         check_choice(self.fisher, "fisher", _FISHERS, owner=owner)
+        check_choice(self.kfac_approx, "kfac_approx", _APPROXIMATIONS, owner=owner)
         check_int(self.mc_samples, "mc_samples", owner=owner, minimum=1)
         if self.fisher != "mc" and self.mc_samples != 1:
             raise ValueError(
@@ -206,12 +192,19 @@ class _KroneckerCurvature(AbstractTransform):
         program = traced(self.fn, variables, kwargs)
         jaxpr = jax.make_jaxpr(program)(leaves, args).jaxpr
         found = trace.find_layers(jaxpr, len(leaves))
-        _check_others(found, variables, owner)
+        check_others(found, variables, owner)
         examples = (None,) * len(found.layers)
         if self._corrected:
             examples = example_axes(program, leaves, args, found, jaxpr, variables, owner)
+        reduced = ()
+        if self.kfac_approx == "reduce":
+            reduced = example_axes(
+                program, leaves, args, found, jaxpr, variables, owner, terms=True
+            )
         mean = getattr(self.loss, "reduction", "sum") == "mean"
-        settings = Settings(self.fisher, self.mc_samples, mean, found, examples)
+        settings = Settings(
+            self.fisher, self.mc_samples, mean, found, examples, self.kfac_approx, reduced
+        )
         keys = None
         if self.fisher == "mc":
             keys = jax.random.split(self.key, batch_size(args, owner))
@@ -223,7 +216,7 @@ class _KroneckerCurvature(AbstractTransform):
     def _factored(self, x: Any, args: tuple, kwargs: dict, structure: Any) -> KroneckerFactored:
         first = self._first_pass(x, args, kwargs)
         sums = self._reduce(first.statistics, first.accumulator, first.leaves, first.keys, args)
-        blocks, factors = _blocks(first.found, first.variables, sums)
+        blocks, factors = layer_blocks(first.found, first.variables, sums)
         operator = KroneckerFactored(
             blocks,
             [a for a, _ in factors],
@@ -238,8 +231,8 @@ class _KroneckerCurvature(AbstractTransform):
 
     def _correct(self, operator, statistics, each, leaves, keys, args) -> KroneckerFactored:
         """EKFAC: the per-example gradients' moments in the factors' eigenbases."""
-        settings = statistics.settings
-        weights = [settings.program.layers[k].weight for k in range(len(settings.program.layers))]
+        program = statistics.settings.program
+        weights = [program.layers[group[0]].weight for group in program.groups]
         position = {block.leaves[0]: k for k, block in enumerate(operator.blocks)}
         layer_blocks = [position[weight] for weight in weights]
         bases = [(operator.input_bases[k], operator.gradient_bases[k]) for k in layer_blocks]
@@ -306,21 +299,6 @@ class _Pass(NamedTuple):
     keys: Any
 
 
-def _check_others(found: trace.Program, variables: Variables, owner: str) -> None:
-    """Refuse a leaf in no layer whose dense block would be too large to hold."""
-    for leaf in found.others:
-        size = variables.sizes[leaf]
-        if size > _DENSE_LIMIT:
-            raise ValueError(
-                f"{owner}: the leaf x{variables.names[leaf]} of shape "
-                f"{variables.shapes[leaf]} is in no layer KFAC recognises (a weight of a "
-                "dot_general, a convolution or a row lookup, used once), and its exact "
-                f"block would hold {size}^2 numbers; leaves in no layer may have at most "
-                f"{_DENSE_LIMIT} entries. Hold it fixed (outside `x`), or use it as a "
-                "layer's weight."
-            )
-
-
 class KFAC(_KroneckerCurvature):
     """Kronecker-factored approximate curvature (KFAC) of any Equinox model: the
     Gauss-Newton (Fisher) matrix of `loss(fn(x, *args), *args)` with respect to the
@@ -360,11 +338,32 @@ class KFAC(_KroneckerCurvature):
     its input the one-hot rows of the indices (its input factor, diagonal, is held
     dense: `vocabulary²` numbers).
 
-    **Every other leaf** (a normalisation's scale, a weight used twice or inside a
-    `lax.scan`) is a block of its own: its exact Gauss-Newton block `J^T H J`, whatever
-    `fisher` says, from as many products as it has entries and held dense. Such a leaf
-    may have at most 4096 entries: a larger one is refused with a `ValueError` naming
-    it. Blocks of different layers are not coupled.
+    **A weight used more than once** is one layer when every use is one of these: the
+    same layer applied twice, a tied embedding (its lookup `w[tokens]` and its head
+    `h @ w.T`), a weight inside `lax.scan` (a constant of the scan, `fori_loop` with
+    fixed bounds too: one use a step). Its uses are the positions of the weight-sharing
+    setting of Eschenhagen et al. (2023): with `kfac_approx="expand"` every use's every
+    row is a row, `A` the mean of `a a^T` over all of them; with `"reduce"`, per example,
+    the inputs are averaged and the gradients summed over its positions in every use
+    (the steps, the tokens) before the outer products, `A = sum_n ā ā^T / N`,
+    `B = sum_n ĝ ĝ^T`. Where the uses lay the weight out exchanged (the lookup reads
+    `(V, D)` as `(in, out)`, the head as `(out, in)`), the weight takes the first use's
+    layout and the other's inputs join the gradients' side and its gradients the
+    inputs' side, each term (column of the square root, row) once on both sides: one
+    Kronecker product for both, approximate even where each use alone is exact; no bias
+    joins such a layer. The uses' blocks between them are summed into one factor pair
+    each, so the cross terms between uses are approximated like those between
+    positions. A scan is unrolled in the traced statistics pass (its body evaluated once
+    a step, to keep each step's inputs and gradients): the compiled program grows with
+    the number of steps, and the rows with steps times examples.
+
+    **Every other leaf** (a normalisation's scale, a weight used through a slice or as
+    a scan's carry) is a block of its own: its exact Gauss-Newton block `J^T H J`,
+    whatever `fisher` says, from as many products as it has entries and held dense.
+    Such a leaf may have at most 4096 entries: a larger one is refused with a
+    `ValueError` naming it, as is one whose uses' layouts cannot be made to agree
+    (neither the same `(out, in)` nor exchanged). Blocks of different layers are not
+    coupled.
 
     **Arguments:**
 
@@ -399,6 +398,10 @@ class KFAC(_KroneckerCurvature):
       many examples, or of a size planned to fit the budget (`zm.Microbatcher`'s);
       neither means the whole batch at once. Keyword data arguments are passed whole.
     - `progress`: a progress bar over the microbatches.
+    - `kfac_approx`: `"expand"` (the default) or `"reduce"`, for weights shared over
+      positions (a sequence's tokens in one product, the uses of a tied or scanned
+      weight), as curvlinops' option of that name. `"reduce"` needs each use's rows to
+      have an axis of examples, found as EKFAC finds it (below).
 
     **Returns:**
 

@@ -13,6 +13,7 @@ import jax
 
 from .._pytree import Variables
 from . import _kfac_trace as trace
+from ._kfac_rows import rows_shape
 
 __all__ = ["batch_size", "check_examples", "check_not_empty", "example_axes"]
 
@@ -25,17 +26,20 @@ def example_axes(
     jaxpr: Any,
     variables: Variables,
     owner: str,
+    *,
+    terms: bool = False,
 ) -> tuple:
-    """Per layer, which axis of its rows holds the examples, or None (each row then
-    counts as an example): the one axis that grows by one when the data arguments whose
-    leading axis is the first one's, the number of examples, grow by one, where each
-    example's outputs are one loss term (outputs `(N,)` or `(N, C)`). An axis that
-    cannot be found is refused."""
+    """Per use of a layer, which axis of its rows holds the examples, or None (each row
+    then counts as an example): the one axis that grows by one when the data arguments
+    whose leading axis is the first one's, the number of examples, grow by one, where
+    each example's outputs are one loss term (outputs `(N,)` or `(N, C)`), or with
+    `terms` whatever the outputs (`kfac_approx="reduce"` reduces over each example's
+    positions). An axis that cannot be found is refused."""
     none = (None,) * len(found.layers)
     outputs = jax.tree_util.tree_leaves(jax.eval_shape(program, leaves, args))
     # With several terms an example, the square root's columns are shared by them, and
     # an example's gradient would hold products of its terms that the matrix lacks.
-    if not outputs or any(leaf.ndim == 0 or leaf.ndim > 2 for leaf in outputs):
+    if not outputs or any(leaf.ndim == 0 or (leaf.ndim > 2 and not terms) for leaf in outputs):
         return none
     paths = jax.tree_util.tree_flatten_with_path(args)[0]
     arrays = [(path, leaf) for path, leaf in paths if eqx.is_array(leaf) and leaf.ndim > 0]
@@ -79,15 +83,15 @@ def example_axes(
         raise ValueError(f"{how}, and then `fn`'s layers differ. {advice}")
     axes = []
     for layer in found.layers:
-        before, after = trace.rows_shape(jaxpr, layer), trace.rows_shape(larger, layer)
+        before, after = rows_shape(jaxpr, layer), rows_shape(larger, layer)
         moved = [d for d, (m, n) in enumerate(zip(before, after, strict=True)) if m != n]
         if len(moved) != 1 or after[moved[0]] != before[moved[0]] + 1:
             raise ValueError(
                 f"{how}; the rows of the layer of x{variables.names[layer.weight]} have "
                 f"shape {before}, then {after}: no one axis of them grows by one example. "
                 "Keep the examples on an axis of their own in each layer's input (a `vmap` "
-                "over them, not a reshape that merges them with positions), or use zm.KFAC, "
-                "which needs no examples' axis."
+                "over them, not a reshape that merges them with positions), or use zm.KFAC "
+                "with kfac_approx='expand', which needs no examples' axis."
             )
         axes.append(moved[0])
     return tuple(axes)
@@ -98,7 +102,7 @@ def _rows_are_examples(
 ) -> int:
     """With no data arguments to grow, a layer whose rows are `(N,)`, `N` the outputs'
     examples, has a row per example; any other is refused."""
-    rows = trace.rows_shape(jaxpr, layer)
+    rows = rows_shape(jaxpr, layer)
     if rows != (count,):
         raise ValueError(
             f"{owner}: the call has no data arguments (after `x`) whose leading axis holds "

@@ -1,7 +1,14 @@
 """What Kronecker-factored curvature takes from each microbatch: its layers' inputs and
-output gradients, as sums of outer products (the factors), as moments in the factors'
-eigenbasis (EKFAC's eigenvalues), and the exact Gauss-Newton blocks of the leaves in no
-layer."""
+output gradients, over every use of each layer's weight, as sums of outer products (the
+factors), as moments in the factors' eigenbasis (EKFAC's eigenvalues), and the exact
+Gauss-Newton blocks of the leaves in no layer.
+
+Each use gives rows for the two sides of its layer's weight `(out, in)`: its output's
+gradients for `out` and its inputs for `in`, or the two exchanged where the use lays the
+weight out the other way (a tied embedding's lookup beside its head). Gradients come
+with a leading axis of columns (the loss's Hessian's square root's, or the draws); a side
+without one counts once a column, so that every term `(column, row)` of the sum is one
+outer product on both sides."""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import jax.numpy as jnp
 
 from .._pytree import Variables
 from .._sharding import laid_out_like
-from . import _kfac_trace as trace
+from . import _kfac_rows as rows_of, _kfac_trace as trace
 
 __all__ = ["Settings", "Statistics", "traced", "variable_leaves"]
 
@@ -27,7 +34,9 @@ class Settings(eqx.Module):
     mc_samples: int = eqx.field(static=True)
     mean: bool = eqx.field(static=True)
     program: trace.Program = eqx.field(static=True)
-    examples: tuple = eqx.field(static=True)  # per layer, its rows' examples axis or None
+    examples: tuple = eqx.field(static=True)  # per use, its rows' examples axis or None
+    approx: str = eqx.field(default="expand", static=True)
+    reduced: tuple = eqx.field(default=(), static=True)  # per use, for "reduce": as examples
 
 
 def traced(fn: Any, variables: Variables, kwargs: dict) -> Callable:
@@ -74,14 +83,46 @@ def _with_targets(loss: Any, targets: Any, args: tuple, kwargs: dict) -> tuple:
     return tuple(args), kwargs
 
 
-def _layer_rows(layer: trace.Layer, value: Any, gradients: Any) -> tuple:
-    """A layer's inputs `(rows..., in)` (a one appended for a bias) and its output's
-    gradients `(columns, rows..., out)`."""
-    inputs = trace.input_rows(layer, value, gradients.dtype)
+def _sides(layer: trace.Layer, value: Any, gradients: Any) -> tuple:
+    """A use's rows as its layer lays its weight out, `(in side, out side)`, each
+    `(columns, rows..., size)` (one column for the inputs): its inputs (a one appended
+    for a bias) and its output's gradients, or the two exchanged."""
+    inputs = rows_of.input_rows(layer, value, gradients.dtype)
     if layer.bias is not None:
         # A padded one keeps the rows' layout (a batch sharded over Explicit axes).
         inputs = jnp.pad(inputs, [(0, 0)] * (inputs.ndim - 1) + [(0, 1)], constant_values=1)
-    return inputs, trace.output_rows(layer, gradients)
+    outputs = rows_of.output_rows(layer, gradients)
+    return (outputs, inputs[None]) if layer.swapped else (inputs[None], outputs)
+
+
+def _per_example(side: jax.Array, axis: int | None) -> jax.Array:
+    """A side `(columns, rows..., size)` as `(columns, examples, positions, size)`."""
+    if axis is None:  # every row its own example
+        return side.reshape(side.shape[0], -1, 1, side.shape[-1])
+    side = jnp.moveaxis(side, axis + 1, 1)
+    return side.reshape(side.shape[:2] + (-1, side.shape[-1]))
+
+
+def _expanded(sides: list, columns: int) -> tuple:
+    """`kfac_approx="expand"`: every use's every row a term: the input side's and the
+    output side's sums of outer products, and the number of terms."""
+    mixed = any(a.shape[0] != 1 for a, _ in sides)
+    inputs = sum(_second_moment(a) * (columns // a.shape[0] if mixed else 1) for a, _ in sides)
+    gradients = sum(_second_moment(b) * (columns // b.shape[0]) for _, b in sides)
+    count = sum(math.prod(a.shape[1:-1]) for a, _ in sides) * (columns if mixed else 1)
+    return inputs, gradients, count
+
+
+def _reduced(sides: list, axes: tuple, columns: int) -> tuple:
+    """`kfac_approx="reduce"`: per example, the input side averaged and the output side
+    summed over its positions in every use, then their outer products."""
+    a_sum, b_sum, positions = 0, 0, 0
+    for (a, b), axis in zip(sides, axes, strict=True):
+        a, b = _per_example(a, axis), _per_example(b, axis)
+        a_sum, b_sum, positions = a_sum + a.sum(2), b_sum + b.sum(2), positions + a.shape[2]
+    mean = a_sum / positions
+    count = mean.shape[1] * mean.shape[0]
+    return _second_moment(mean), _second_moment(b_sum) * (columns // b_sum.shape[0]), count
 
 
 def _second_moment(rows: jax.Array) -> jax.Array:
@@ -119,12 +160,12 @@ class Statistics(eqx.Module):
                 "batch (its layers differ); it must not depend on the batch's size."
             )
         perturbations = [
-            jnp.zeros(trace.output_shape(closed.jaxpr, layer), dtype) for layer in found.layers
+            jnp.zeros(rows_of.output_shape(closed.jaxpr, layer), dtype) for layer in found.layers
         ]
         flat = jax.tree_util.tree_leaves((leaves, args))
 
         def forward(perturbations: list) -> tuple:
-            outputs, inputs = trace.run(closed.jaxpr, closed.consts, flat, found, perturbations)
+            outputs, inputs = rows_of.run(closed.jaxpr, closed.consts, flat, found, perturbations)
             return jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(shape), outputs
             ), inputs
@@ -132,39 +173,55 @@ class Statistics(eqx.Module):
         outputs, pullback, inputs = jax.vjp(forward, perturbations, has_aux=True)
         key = None if keys is None else keys[0]
         columns, scale = _columns(self.loss, outputs, args, self.kwargs, self.settings, key)
-        gradients = jax.vmap(pullback)(columns)[0]
-        rows = [
-            _layer_rows(layer, value, gradient)
+        # The moments' scale is carried by the gradients, whichever side they are on; a
+        # mean's gradients, which carry 1/n, are taken as a sum's and the gradients'
+        # factor divided by n, which the microbatches' weighted mean brings to 1/N.
+        n = jax.tree_util.tree_leaves(outputs)[0].shape[0] if self.settings.mean else 1
+        gradients = [math.sqrt(scale * n) * g for g in jax.vmap(pullback)(columns)[0]]
+        sides = [
+            _sides(layer, value, gradient)
             for layer, value, gradient in zip(found.layers, inputs, gradients, strict=True)
         ]
+        num_columns = max((g.shape[0] for g in gradients), default=1)
+        groups = [[sides[k] for k in group] for group in found.groups]
         if self.bases is not None:
-            return {"eigenvalues": self._corrections(rows, scale)}
+            return {"eigenvalues": [e / n for e in self._corrections(groups, num_columns)]}
+        if self.settings.approx == "reduce":
+            axes = [tuple(self.settings.reduced[k] for k in group) for group in found.groups]
+            factors = [_reduced(group, where, num_columns) for group, where in zip(groups, axes)]
+        else:
+            factors = [_expanded(group, num_columns) for group in groups]
         return {
-            "inputs": [_second_moment(a) for a, _ in rows],
-            "rows": [jnp.asarray(math.prod(a.shape[:-1]), dtype) for a, _ in rows],
-            "gradients": [scale * _second_moment(g) for _, g in rows],
+            "inputs": [a for a, _, _ in factors],
+            "rows": [jnp.asarray(n, dtype) for _, _, n in factors],
+            "gradients": [b / n for _, b, _ in factors],
             "dense": self._dense(leaves, args),
         }
 
-    def _corrections(self, rows: list, scale: float) -> list:
-        """Per layer, the per-example gradients' squares in the Kronecker eigenbasis."""
+    def _corrections(self, groups: list, num_columns: int) -> list:
+        """Per layer, the per-example gradients of its weight (summed over its uses)
+        squared in the Kronecker eigenbasis."""
         eigenvalues = []
-        for (a, g), (input_basis, gradient_basis), axis in zip(
-            rows, self.bases, self.settings.examples, strict=True
+        for group, (input_basis, gradient_basis), indices in zip(
+            groups, self.bases, self.settings.program.groups, strict=True
         ):
-            a, g = a @ input_basis, g @ gradient_basis
-            if axis is None:  # every row its own example
-                a, g = a.reshape(-1, 1, a.shape[-1]), g.reshape(g.shape[0], -1, 1, g.shape[-1])
-            else:
-                a = jnp.moveaxis(a, axis, 0)
-                a = a.reshape(a.shape[0], -1, a.shape[-1])
-                g = jnp.moveaxis(g, axis + 1, 1)
-                g = g.reshape(g.shape[:2] + (-1, g.shape[-1]))
-            if a.shape[1] == 1:
-                moments = jnp.einsum("keo,ei->oi", g[:, :, 0] ** 2, a[:, 0] ** 2)
-            else:
-                moments = jnp.sum(jnp.einsum("keto,eti->keoi", g, a) ** 2, axis=(0, 1))
-            eigenvalues.append(scale * moments)
+            axes = [self.settings.examples[k] for k in indices]
+            moments, summed = 0, None
+            for (a, b), axis in zip(group, axes, strict=True):
+                a = _per_example(a @ input_basis, axis)
+                b = _per_example(b @ gradient_basis, axis)
+                a = jnp.broadcast_to(a, (num_columns,) + a.shape[1:])
+                b = jnp.broadcast_to(b, (num_columns,) + b.shape[1:])
+                if axis is None:  # every row its own example, in no other use
+                    moments = moments + jnp.einsum("keo,kei->oi", b[:, :, 0] ** 2, a[:, :, 0] ** 2)
+                elif len(group) == 1 and a.shape[2] == 1:
+                    moments = jnp.einsum("keo,kei->oi", b[:, :, 0] ** 2, a[:, :, 0] ** 2)
+                else:
+                    term = jnp.einsum("keto,keti->keoi", b, a)
+                    summed = term if summed is None else summed + term
+            if summed is not None:
+                moments = moments + jnp.sum(summed**2, axis=(0, 1))
+            eigenvalues.append(moments)
         return eigenvalues
 
     def _dense(self, leaves: list, args: tuple) -> list:

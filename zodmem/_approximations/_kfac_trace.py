@@ -1,21 +1,21 @@
 """The layers of a traced program, for Kronecker-factored curvature.
 
-A layer is a weight leaf of the variables used as one operand of a `dot_general`
-(`eqx.nn.Linear`, `w @ a`, attention's projections, under `vmap` too), directly or
-through a transpose used by nothing else (PyTorch's layout `a @ w.T`), as the kernel of
-a `conv_general_dilated` (`eqx.nn.Conv2d`) or as the matrix whose rows a `gather` looks up
-(`eqx.nn.Embedding`: a product with one-hot rows), the layer's input being the other
-operand. A bias leaf joins the layer when the layer's output reaches, through layout
-operations only (transpose, reshape, squeeze, unit axes, a change of dtype) and no
-other use, an `add` whose other operand is the bias broadcast along the output's
-features: checked entry by entry on index arrays, so that any layout of the features is
-found as long as it is the same.
+A use of a weight is the weight leaf of the variables used as one operand of a
+`dot_general` (`eqx.nn.Linear`, `w @ a`, attention's projections, under `vmap` too),
+directly or through a transpose used by nothing else (PyTorch's layout `a @ w.T`), as the
+kernel of a `conv_general_dilated` (`eqx.nn.Conv2d`) or as the matrix whose rows a
+`gather` looks up (`eqx.nn.Embedding`: a product with one-hot rows), the use's input
+being the other operand. A layer is a weight every use of which is such a use, in the
+program, in the calls it holds and in the bodies of the `lax.scan`s it holds (as a
+constant of the scan: one use a step), with the uses' layouts `(out, in)` the same or
+exchanged (a tied embedding's lookup and head). A bias leaf joins the layer when each
+use's output reaches, through layout operations only (transpose, reshape, squeeze, unit
+axes, a change of dtype) and no other use, an `add` whose other operand is the bias
+broadcast along the output's features: checked entry by entry on index arrays, so that
+any layout of the features is found as long as it is the same.
 
-`find_layers` reads the program; `run` evaluates it as `jax.core.eval_jaxpr` would, but
-returns each layer's input and adds a perturbation to each layer's output, so that the
-gradients with respect to the perturbations are the gradients with respect to the
-layers' outputs. Calls (`jit`, `checkpoint`, custom derivatives) that hold a layer are
-evaluated equation by equation; others are bound whole.
+`find_layers` reads the program; `_kfac_rows.run` evaluates it and keeps each use's
+input and perturbs its output.
 """
 
 from __future__ import annotations
@@ -24,22 +24,14 @@ import math
 from collections import defaultdict
 from typing import Any, NamedTuple
 
-import jax
 import jax.extend.core as jcore
-import jax.numpy as jnp
 import numpy as np
-
-from .._jaxpr import bind, evaluate
 
 __all__ = [
     "Layer",
     "Program",
+    "call_program",
     "find_layers",
-    "input_rows",
-    "output_rows",
-    "output_shape",
-    "rows_shape",
-    "run",
 ]
 
 # Calls whose program is read through: a layer may be inside.
@@ -71,12 +63,14 @@ _LAYOUT = frozenset(
 
 
 class Layer(NamedTuple):
-    """A layer found in the program: where it is and how its arrays are laid out.
+    """A use of a layer's weight found in the program: where it is and how its arrays
+    are laid out.
 
     The weight leaf, transposed by `weight_axes`, is the matrix `(out..., in...)`; the
-    layer's input, transposed by `input_axes` (after patches are taken, for a
+    use's input, transposed by `input_axes` (after patches are taken, for a
     convolution), is `(rows..., in...)`; its output, transposed by `output_axes`, is
-    `(rows..., out...)`, with the same rows in the same order."""
+    `(rows..., out...)`, with the same rows in the same order. Inside scans, the steps
+    `steps` (the scans' lengths, outermost first) are rows before those."""
 
     path: tuple[int, ...]  # the equation: its index in the program and in each call within
     weight: int  # the weight's leaf index
@@ -90,6 +84,8 @@ class Layer(NamedTuple):
     num_rows: int  # how many leading axes of the transposed input and output are rows
     patches: tuple | None  # a convolution's options, to take its input's patches
     lookup: tuple | None = None  # a row lookup's: (index position, clipped, row axis kept)
+    steps: tuple[int, ...] = ()  # the lengths of the scans the use is inside
+    swapped: bool = False  # whether its `(out, in)` is the layer's `(in, out)`
 
     @property
     def out_size(self) -> int:
@@ -101,14 +97,18 @@ class Layer(NamedTuple):
 
 
 class Program(NamedTuple):
-    """What `find_layers` found: the layers, and the leaves in none (in leaf order)."""
+    """What `find_layers` found: every use of the layers' weights, the layers (each the
+    indices of its uses, the first laid out as the layer), and the leaves in none (in
+    leaf order)."""
 
     layers: tuple[Layer, ...]
     others: tuple[int, ...]
-    calls: frozenset  # the paths of calls evaluated equation by equation
+    calls: frozenset  # the paths of calls and scans evaluated equation by equation
+    groups: tuple[tuple[int, ...], ...] = ()
+    mixed: tuple[int, ...] = ()  # weights whose uses' layouts cannot be made to agree
 
 
-def _inner(eqn: Any) -> tuple[Any, list]:
+def call_program(eqn: Any) -> tuple[Any, list]:
     """The program of a call and its constants."""
     for name in ("jaxpr", "call_jaxpr"):
         program = eqn.params.get(name)
@@ -357,9 +357,18 @@ def _transposed(jaxpr: Any, leaf_of: dict, uses: dict) -> dict:
     return found
 
 
-def _walk(jaxpr: Any, leaf_of: dict, path: tuple, found: list, used: dict, calls: set) -> None:
-    """Record the candidate layers in `found` and every leaf's uses in `used` (leaf ->
-    paths of the equations that take it), reading through calls."""
+def _walk(
+    jaxpr: Any,
+    leaf_of: dict,
+    path: tuple,
+    found: list,
+    used: dict,
+    calls: set,
+    steps: tuple = (),
+) -> None:
+    """Record the candidate uses in `found` and every leaf's uses in `used` (leaf ->
+    paths of the equations that take it), reading through calls and into the bodies of
+    scans that take a leaf as a constant (`steps` the lengths of the scans around)."""
     uses = _consumers(jaxpr)
     for var, leaf in leaf_of.items():
         if any(i < 0 for i, _ in uses[var]):
@@ -376,10 +385,18 @@ def _walk(jaxpr: Any, leaf_of: dict, path: tuple, found: list, used: dict, calls
         ]
         if not taken:
             continue
-        inner, _ = _inner(eqn) if eqn.primitive.name in _CALLS else (None, [])
+        inner, _ = call_program(eqn) if eqn.primitive.name in _CALLS else (None, [])
+        inside = steps
+        if eqn.primitive.name == "scan":
+            inner, count = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"]
+            inside = steps + (eqn.params["length"],)
+            for _, leaf in [(p, leaf) for p, leaf in taken if p >= count]:
+                used[leaf].append(here)  # a carry or a step's slice: no one weight a step
+            taken = [(p, leaf) for p, leaf in taken if p < count]
         if inner is not None and len(inner.invars) == len(eqn.invars):
             before = len(found)
-            _walk(inner, {inner.invars[p]: leaf for p, leaf in taken}, here, found, used, calls)
+            leaves = {inner.invars[p]: leaf for p, leaf in taken}
+            _walk(inner, leaves, here, found, used, calls, inside)
             if len(found) > before:
                 calls.add(here)
             continue
@@ -390,94 +407,68 @@ def _walk(jaxpr: Any, leaf_of: dict, path: tuple, found: list, used: dict, calls
             continue
         bias = _bias(jaxpr, i, layer, leaf_of, uses)
         claim = (path + (bias[1],), bias[0]) if bias is not None else None
-        found.append((layer, claim))
+        found.append((layer._replace(steps=steps), claim))
+
+
+def _agreed(uses: list) -> list | None:
+    """The uses of one weight laid out as the first: each the same `(out, in)` or the
+    two exchanged (`swapped`), else None."""
+    first = uses[0]
+    split = len(first.out_shape)
+    exchanged = first.weight_axes[split:] + first.weight_axes[:split]
+    agreed = []
+    for use in uses:
+        if use.weight_axes == first.weight_axes and use.out_shape == first.out_shape:
+            agreed.append(use)
+        elif use.weight_axes == exchanged and use.out_shape == first.in_shape:
+            agreed.append(use._replace(swapped=True))
+        else:
+            return None
+    return agreed
+
+
+def _joined(claims: list, uses: list, used: dict, placed: set) -> int | None:
+    """The bias that every use of a weight claims, where those adds are its only uses."""
+    if any(claim is None for claim in claims) or any(use.swapped for use in uses):
+        return None
+    biases = {claim[1] for claim in claims}
+    if len(biases) != 1:
+        return None
+    bias = biases.pop()
+    if bias in placed or sorted(used[bias]) != sorted(claim[0] for claim in claims):
+        return None
+    return bias
 
 
 def find_layers(jaxpr: Any, num_leaves: int) -> Program:
     """The layers of `jaxpr`, whose first `num_leaves` inputs are the variables' leaves.
 
-    A weight is in a layer when that layer's equation is its only use; a bias joins when
-    its `add` is its only use and its layer's weight is in the layer. Every other leaf is
-    in `others`."""
+    A weight is a layer when every one of its uses is a candidate use and their layouts
+    agree; a bias joins when it is added to each use's output and nowhere else, and no
+    use is exchanged. Every other leaf is in `others`."""
     leaf_of = {var: leaf for leaf, var in enumerate(jaxpr.invars[:num_leaves])}
     found, used, calls = [], defaultdict(list), set()
     _walk(jaxpr, leaf_of, (), found, used, calls)
-    layers, placed = [], set()
+    by_weight = defaultdict(list)
     for layer, claim in found:
-        if used[layer.weight] != [layer.path] or layer.weight in placed:
+        by_weight[layer.weight].append((layer, claim))
+    layers, groups, placed, mixed = [], [], set(), []
+    for weight, candidates in by_weight.items():
+        paths = sorted(layer.path for layer, _ in candidates)
+        if sorted(used[weight]) != paths or weight in placed:
             continue
-        placed.add(layer.weight)
-        if claim is not None and used[claim[1]] == [claim[0]] and claim[1] not in placed:
-            layer = layer._replace(bias=claim[1])
-            placed.add(claim[1])
-        layers.append(layer)
+        uses = _agreed([layer for layer, _ in candidates])
+        if uses is None:
+            mixed.append(weight)
+            continue
+        placed.add(weight)
+        bias = _joined([claim for _, claim in candidates], uses, used, placed)
+        if bias is not None:
+            placed.add(bias)
+            uses = [use._replace(bias=bias) for use in uses]
+        groups.append(tuple(range(len(layers), len(layers) + len(uses))))
+        layers.extend(uses)
     # Calls that hold a dropped candidate only need no reading through.
     kept = {layer.path[:depth] for layer in layers for depth in range(1, len(layer.path))}
     others = tuple(leaf for leaf in range(num_leaves) if leaf not in placed)
-    return Program(tuple(layers), others, frozenset(kept & calls))
-
-
-def run(jaxpr: Any, consts: list, args: list, program: Program, perturbations: list) -> tuple:
-    """Evaluate `jaxpr` on `args`: returns its outputs and each layer's input, in the order
-    of `program.layers`, with `perturbations[k]` added to layer `k`'s output."""
-    at = {layer.path: (k, layer) for k, layer in enumerate(program.layers)}
-    inputs = [None] * len(program.layers)
-
-    def rule(eqn: Any, values: list, here: tuple) -> list | None:
-        if here in program.calls:  # a call holding layers: into its program
-            inner, inner_consts = _inner(eqn)
-            return evaluate(inner, inner_consts, values, rule, here)
-        if here not in at:
-            return None
-        k, layer = at[here]
-        inputs[k] = values[1 - layer.weight_operand]
-        return [answer + perturbations[k] for answer in bind(eqn, values)]
-
-    return evaluate(jaxpr, consts, args, rule), inputs
-
-
-def output_shape(jaxpr: Any, layer: Layer) -> tuple[int, ...]:
-    """The shape of a layer's output in the program `jaxpr`."""
-    for index in layer.path[:-1]:
-        jaxpr = _inner(jaxpr.eqns[index])[0]
-    return tuple(jaxpr.eqns[layer.path[-1]].outvars[0].aval.shape)
-
-
-def rows_shape(jaxpr: Any, layer: Layer) -> tuple[int, ...]:
-    """The shape of a layer's rows (examples, positions) in the program `jaxpr`."""
-    shape = output_shape(jaxpr, layer)
-    return tuple(shape[d] for d in layer.output_axes[: layer.num_rows])
-
-
-def input_rows(layer: Layer, value: jax.Array, dtype: Any) -> jax.Array:
-    """A layer's input as `(rows..., in)`: for a convolution, its patches; for a lookup,
-    the one-hot rows of its indices (none for an index out of bounds, where the lookup
-    drops it)."""
-    if layer.lookup is not None:
-        position, clip, kept = layer.lookup
-        rows = value[..., position]
-        rows = jnp.clip(rows, 0, layer.in_size - 1) if clip else rows
-        value = jax.nn.one_hot(rows, layer.in_size, dtype=dtype)
-        value = value[..., None, :] if kept else value
-    if layer.patches is not None:
-        spatial, strides, padding, dilation, numbers, precision = layer.patches
-        value = jax.lax.conv_general_dilated_patches(
-            value,
-            spatial,
-            strides,
-            padding,
-            rhs_dilation=dilation,
-            dimension_numbers=jax.lax.ConvDimensionNumbers(*numbers),
-            precision=precision,
-        )
-    value = jnp.transpose(value, layer.input_axes)
-    return value.reshape(value.shape[: layer.num_rows] + (layer.in_size,))
-
-
-def output_rows(layer: Layer, value: jax.Array) -> jax.Array:
-    """Something shaped like a layer's output (its gradient), as `(rows..., out)`; a
-    leading axis of columns is kept in front."""
-    lead = value.ndim - len(layer.output_axes)
-    axes = tuple(range(lead)) + tuple(lead + d for d in layer.output_axes)
-    value = jnp.transpose(value, axes)
-    return value.reshape(value.shape[: lead + layer.num_rows] + (layer.out_size,))
+    return Program(tuple(layers), others, frozenset(kept & calls), tuple(groups), tuple(mixed))
