@@ -161,3 +161,27 @@ def test_the_structure_must_match_the_blocks_or_shapes():
     np.testing.assert_allclose(out["a"], 2 * np.ones((1, 2)))
     np.testing.assert_allclose(out["b"], [3.0])
     assert A.variable_shardings() == (None,)  # its input structure is flat: one leaf
+
+
+def test_zm_solve_takes_a_structured_operator_s_own_exact_solve(dtype):
+    import lineax as lx
+
+    model, ops = operators(dtype)
+    vector = variables_like(model, 5)
+    flat = ravel_pytree(vector)[0]
+    for name in ("kfac", "ekfac", "leaf blocks"):
+        op = ops[name]
+        assert op.solves_exactly
+        np.testing.assert_array_equal(zm.solve(op, flat, damping=0.5), op.solve(flat, damping=0.5))
+        got = zm.solve(op, vector, damping=0.5)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(vector)
+        columns = jnp.stack([flat, 2 * flat], axis=1)
+        np.testing.assert_allclose(
+            zm.solve(op, columns, damping=0.5)[:, 1],
+            2 * op.solve(flat, damping=0.5),
+            **tolerance(dtype),
+        )
+        tol = 1e-10 if dtype == jnp.float64 else 1e-5
+        iterated = zm.solve(op, flat, damping=0.5, solver=lx.CG(rtol=tol, atol=tol))
+        np.testing.assert_allclose(iterated, op.solve(flat, damping=0.5), rtol=1e-3, atol=1e-4)
+    assert not ops["ggn"].solves_exactly  # a transform's: CG from products

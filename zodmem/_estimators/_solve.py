@@ -17,6 +17,7 @@ from jaxtyping import Array, Inexact, Int, PyTree
 
 from .._checks import Integer, Memory, RealScalar, check_int, described, typechecked
 from .._operators._arguments import check_dtype, check_real
+from .._operators._base import AbstractOperator
 from .._operators._flat import FlatView, flat_view
 from .._operators._operator import BlockedOperator, check_leaves, variables_of
 from .._pytree import is_traced
@@ -240,7 +241,11 @@ def solve(
     product per step (a Hessian-vector or Gauss-Newton-vector product). Use it for
     Newton and natural-gradient steps, influence functions, or Laplace posteriors' means.
 
-    The solver follows the operator's tags: conjugate gradients (`lx.CG`) for a positive
+    A zodmem operator with an exact solve of its own (`zm.KFAC`'s and `zm.EKFAC`'s
+    `KroneckerFactored`, `zm.BlockDiagonal`, `zm.LowRankDiagonal`) is solved by it, with
+    no iterations, unless `solver` is given; `rtol`, `atol`, `max_steps` and the block
+    options are then not read. For any other operator the solver follows its tags:
+    conjugate gradients (`lx.CG`) for a positive
     semi-definite operator (a Gauss-Newton or Fisher matrix) with `damping >= 0`; GMRES
     (`lx.GMRES`, restarted every 50 steps) otherwise, since CG is unsafe on a symmetric
     indefinite matrix such as a Hessian away from a minimum. A singular positive
@@ -304,11 +309,20 @@ def solve(
         ```
     """
     owner = "zm.solve"
+    if solver is None and isinstance(operator, AbstractOperator) and operator.solves_exactly:
+        return _exactly(operator, b, damping)
     view = flat_view(operator, owner)
     rhs, form = _read_rhs(operator, view, b, owner=owner)
     options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
     value = _solve(operator, rhs, damping, rtol, atol, max_steps, solver, view, options)
     return view.unflatten(value) if form == "tree" else value
+
+
+def _exactly(operator: AbstractOperator, b: Any, damping: Any) -> Any:
+    """The operator's own exact solve of `b` (an `(n, k)` array column by column)."""
+    if eqx.is_array(b) and jnp.ndim(b) == 2:
+        return jax.vmap(lambda c: operator.solve(c, damping=damping), in_axes=1, out_axes=1)(b)
+    return operator.solve(b, damping=damping)
 
 
 # -- marginal variances ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -162,6 +162,9 @@ class AbstractOperator(lx.AbstractLinearOperator):
     - `eigh()`: its eigendecomposition, in the form its structure gives (per block for a
       block-diagonal or Kronecker-factored operator, whole for a dense one).
 
+    `solves_exactly` says whether its `solve` is exact at a cost far below the dense
+    matrix's (a structured operator's), so that `zm.solve` takes it rather than iterating.
+
     It inherits `mm(matrix)`, the products with the `k` columns of an `(n, k)` array (or
     a block of `k` vectors as a pytree with a leading axis of `k` on every leaf), and
     `variable_shardings()`; either may be restated where the structure does better.
@@ -177,6 +180,8 @@ class AbstractOperator(lx.AbstractLinearOperator):
         assert A.mm(jnp.eye(3)).shape == (3, 3)
         ```
     """
+
+    solves_exactly: ClassVar[bool] = False
 
     @abc.abstractmethod
     def diagonal(self) -> Any:

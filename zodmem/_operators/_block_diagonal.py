@@ -96,6 +96,7 @@ class BlockDiagonal(AbstractOperator):
     # import hook would add, is left out, as it would check them again, first.
     __no_type_check__: ClassVar[bool] = True
 
+    solves_exactly: ClassVar[bool] = True
     blocks: tuple[jax.Array, ...]
     sizes: tuple[int, ...] = eqx.field(static=True)
     positive_semidefinite: bool = eqx.field(static=True)

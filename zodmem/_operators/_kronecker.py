@@ -117,6 +117,7 @@ class KroneckerFactored(AbstractOperator):
     # import hook would add, is left out, as it would check them again, first.
     __no_type_check__: ClassVar[bool] = True
 
+    solves_exactly: ClassVar[bool] = True
     blocks: tuple[KroneckerBlock, ...] = eqx.field(static=True)
     input_factors: tuple[jax.Array, ...]
     gradient_factors: tuple[jax.Array, ...]

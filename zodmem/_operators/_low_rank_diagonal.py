@@ -95,6 +95,7 @@ class LowRankDiagonal(AbstractOperator):
     # import hook would add, is left out, as it would check them again, first.
     __no_type_check__: ClassVar[bool] = True
 
+    solves_exactly: ClassVar[bool] = True
     U: PyTree[jax.Array]
     s: jax.Array
     d: PyTree[jax.Array]
