@@ -120,8 +120,8 @@ class BatchedJacobian(AbstractDerivative):
     _result: ClassVar[str] = "Jacobian"
     _square: ClassVar[str | None] = None
 
-    @checked_annotations
     @public
+    @checked_annotations
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> PyTree[Inexact[Array, "... n"]] | tuple[PyTree[Inexact[Array, "... n"]], Any]:

@@ -231,8 +231,8 @@ class Microbatcher(AbstractBlocked, OperatorSource):
         count = len(self.batch_argnums) + len(self.batch_argnames)
         return self.in_axes if isinstance(self.in_axes, tuple) else (self.in_axes,) * count
 
-    @checked_annotations
     @public
+    @checked_annotations
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         return super().__call__(*args, **kwargs)
 

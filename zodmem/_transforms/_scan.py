@@ -113,8 +113,8 @@ class AbstractScan(AbstractTransform):
         _check_unroll(self.unroll, owner=owner)
         check_bool(self.progress, "progress", owner=owner)
 
-    @checked_annotations
     @public
+    @checked_annotations
     def __call__(self, init: PyTree, xs: PyTree = None) -> tuple[PyTree, PyTree]:
         with closing_bars():  # a failed run's bar is closed, not left open
             return _scan_jit(self, init, xs)

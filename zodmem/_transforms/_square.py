@@ -25,8 +25,8 @@ class AbstractSquare(AbstractDerivative):
     made by a call of its own. A concrete one fills `_prepare` and `compute_share` as
     every derivative does, and builds its operator with `_square_operator`."""
 
-    @checked_annotations
     @public
+    @checked_annotations
     def __call__(
         self, x: PyTree, *args: Any, **kwargs: Any
     ) -> (

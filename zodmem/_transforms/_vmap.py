@@ -158,8 +158,8 @@ class ChunkedVmap(AbstractBlocked):
         check_axis_spec(self.out_axes, "out_axes")
         check_bool(self.progress, "progress", owner=_OWNER)
 
-    @checked_annotations
     @public
+    @checked_annotations
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
         return super().__call__(*args, **kwargs)
 
