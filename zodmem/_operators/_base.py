@@ -25,14 +25,17 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
-from jaxtyping import Array, PyTree, Shaped
+from jaxtyping import Array, Float, Inexact, PyTree, Shaped
 
-from .._checks import described, typechecked
+from .._checks import RealScalar, described, typechecked
 from .._pytree import ravel_leaves, split_leaves
 from .._sharding import leaf_sharding, pinned
 from .._traceback import public
 
-__all__ = ["AbstractOperator", "VariableLayout", "check_leaves", "variables_of"]
+__all__ = ["AbstractOperator", "Vector", "VariableLayout", "check_leaves", "variables_of"]
+
+# A vector over the variables: flat `(n,)`, or a pytree shaped like them.
+Vector = Shaped[Array | np.ndarray, " n"] | PyTree[Shaped[Array, "..."]]
 
 
 class VariableLayout(NamedTuple):
@@ -184,7 +187,7 @@ class AbstractOperator(lx.AbstractLinearOperator):
     solves_exactly: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def diagonal(self) -> Any:
+    def diagonal(self) -> Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]:
         """The diagonal, a flat `(n,)` array.
 
         !!! example
@@ -199,7 +202,9 @@ class AbstractOperator(lx.AbstractLinearOperator):
         """
 
     @abc.abstractmethod
-    def solve(self, b: Any, *, damping: Any = 0.0) -> Any:
+    def solve(
+        self, b: Vector | Shaped[Array | np.ndarray, "n k"], *, damping: RealScalar = 0.0
+    ) -> Vector | Inexact[Array, "n k"]:
         """`(A + damping I)^{-1} b`, shaped like `b` (flat, or like the variables).
 
         !!! example
@@ -215,7 +220,7 @@ class AbstractOperator(lx.AbstractLinearOperator):
         """
 
     @abc.abstractmethod
-    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+    def logdet(self, *, damping: RealScalar = 0.0) -> Float[Array, ""]:
         """`log det(A + damping I)`.
 
         !!! example
@@ -230,7 +235,7 @@ class AbstractOperator(lx.AbstractLinearOperator):
         """
 
     @abc.abstractmethod
-    def eigh(self) -> Any:
+    def eigh(self) -> tuple[Any, ...]:
         """The eigendecomposition, in the form of the operator's structure (for a
         block-diagonal operator, each block's eigenvalues and eigenvectors).
 

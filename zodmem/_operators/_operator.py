@@ -24,12 +24,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
+import numpy as np
+from jaxtyping import Array, Inexact, Shaped
 
-from .._checks import described
+from .._checks import RealScalar, described, typechecked
 from .._memo import memo_of, signature_of
 from .._pytree import ravel_leaves, split_leaves, variable_structure
+from .._traceback import public
 from ._arguments import check_dtype
-from ._base import AbstractOperator, check_leaves, variables_of
+from ._base import AbstractOperator, Vector, check_leaves, variables_of
 from ._dense import dense_diagonal, dense_eigh, dense_logdet, dense_solve
 from ._options import TransformOptions, options_of, unblocked, with_strategy
 from ._vector_blocks import ProductBlocks
@@ -279,7 +282,11 @@ class BlockedOperator(AbstractOperator):
         """The diagonal, flat `(n,)`, from the dense matrix (`zm.diagonal`: products)."""
         return dense_diagonal(self, f"{self._owner}.diagonal")
 
-    def solve(self, b: Any, *, damping: Any = 0.0) -> Any:
+    @public
+    @typechecked
+    def solve(
+        self, b: Vector | Shaped[Array | np.ndarray, "n k"], *, damping: RealScalar = 0.0
+    ) -> Vector | Inexact[Array, "n k"]:
         """`(A + damping I)^{-1} b`, `b` flat `(n,)`, `(n, k)` or like the variables
         (returned so), from the dense matrix (`zm.solve`: CG or GMRES from products)."""
         owner = f"{self._owner}.solve"
@@ -289,7 +296,9 @@ class BlockedOperator(AbstractOperator):
         solution = dense_solve(self, vector if is_flat else self._ravel(vector), damping, owner)
         return solution if is_flat else self._write(solution)
 
-    def logdet(self, *, damping: Any = 0.0) -> jax.Array:
+    @public
+    @typechecked
+    def logdet(self, *, damping: RealScalar = 0.0) -> jax.Array:
         """`log det(A + damping I)`, dense (`nan` where it is negative; `zm.logdet`)."""
         return dense_logdet(self, damping, f"{self._owner}.logdet")
 
