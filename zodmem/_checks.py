@@ -102,14 +102,15 @@ def typechecked(function: _Function) -> _Function:
     checked = checked_annotations(function)
     # The function itself, beneath `public` and any other checking wrapper.
     body = inspect.unwrap(function)
-    checking = f"the parameters of {body.__module__}.{body.__qualname__}"
+    name = f"{body.__module__}.{body.__qualname__}"
+    checking = (f"the parameters of {name}", f"the return value of {name}")
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return checked(*args, **kwargs)
         except TypeCheckError as error:
-            if checking not in str(error):
+            if not any(what in str(error) for what in checking):
                 raise
             found = _PARAMETER.search(str(error))
             explained = _explained(body, args, kwargs, found.group(1) if found else None)
@@ -124,7 +125,7 @@ def typechecked(function: _Function) -> _Function:
 
 def _explained(body: Callable, args: tuple, kwargs: dict, name: str | None) -> Exception | None:
     """The refusal that `body`'s own checks make of the arguments, where it names the
-    parameter `name`; `None` where they make none."""
+    parameter `name` (`None`: any of its parameters); `None` where they make none."""
     try:
         if body.__name__ == "__init__":
             # A constructor computes nothing: run, with what Equinox runs after it.
@@ -133,9 +134,11 @@ def _explained(body: Callable, args: tuple, kwargs: dict, name: str | None) -> E
         else:
             eqx.filter_eval_shape(body, *args, **kwargs)
     except Exception as error:
-        # The house's messages name a parameter as `name` (or an entry, `name[...]`); any
-        # other failure leaves beartype's words.
-        named = name is not None and re.search(rf"`{name}[`\[]", str(error))
+        # The house's messages name a parameter as `name` (or an entry, `name[...]`); where
+        # beartype's words name none (it checks one item of a container, drawn at random),
+        # any of the call's parameters. Any other failure leaves beartype's words.
+        names = [name] if name is not None else list(inspect.signature(body).parameters)
+        named = any(re.search(rf"`{n}[`\[]", str(error)) for n in names)
         if isinstance(error, (TypeError, ValueError)) and named:
             return error
     return None
