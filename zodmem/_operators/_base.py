@@ -46,7 +46,7 @@ class VariableLayout(NamedTuple):
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
-    shardings: tuple[Any, ...] = ()  # per leaf, where it is split over devices (or None)
+    shardings: tuple[Any, ...]  # per leaf, where it is split over devices (or None)
 
     @classmethod
     def of(cls, structure: Any) -> VariableLayout:
@@ -70,10 +70,9 @@ class VariableLayout(NamedTuple):
 
     def structure(self) -> Any:
         """The variables as `jax.ShapeDtypeStruct`s in their pytree, with their shardings."""
-        shardings = self.shardings or (None,) * len(self.shapes)
         structs = [
             jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            for shape, dtype, sharding in zip(self.shapes, self.dtypes, shardings, strict=True)
+            for shape, dtype, sharding in zip(self.shapes, self.dtypes, self.shardings, strict=True)
         ]
         return jax.tree_util.tree_unflatten(self.treedef, structs)
 
@@ -112,10 +111,9 @@ class VariableLayout(NamedTuple):
         leaf laid out like its variable."""
         if not is_tree:
             return self.join(pieces, dtype)
-        shardings = self.shardings or (None,) * len(pieces)
         leaves = [
             pinned(piece.reshape(shape).astype(dtype), sharding)
-            for piece, shape, sharding in zip(pieces, self.shapes, shardings, strict=True)
+            for piece, shape, sharding in zip(pieces, self.shapes, self.shardings, strict=True)
         ]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 

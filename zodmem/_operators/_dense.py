@@ -76,13 +76,12 @@ def dense_diagonal(operator: Any, owner: str) -> jax.Array:
 
 
 def dense_solve(operator: Any, b: Any, damping: Any, owner: str) -> jax.Array:
-    """`(A + damping I)^{-1} b` for a flat `(n,)` or `(n, k)` `b`, by an LU (Cholesky
-    where the operator is tagged positive semi-definite and `damping > 0`)."""
+    """`(A + damping I)^{-1} b` for a flat `(n,)` or `(n, k)` `b`, from one LU
+    factorisation, which also says whether the damped matrix is singular (a zero pivot)."""
     damped = _damped(operator, damping, owner)
-    b = jnp.asarray(b, damped.dtype)
-    solution = jnp.linalg.solve(damped, b)
-    singular = jnp.logical_not(jnp.all(jnp.isfinite(solution)))
-    singular = jnp.logical_or(singular, jnp.linalg.slogdet(damped)[0] == 0)
+    lu, pivots = jax.scipy.linalg.lu_factor(damped)
+    solution = jax.scipy.linalg.lu_solve((lu, pivots), jnp.asarray(b, damped.dtype))
+    singular = jnp.any(jnp.diagonal(lu) == 0) | jnp.logical_not(jnp.all(jnp.isfinite(solution)))
     return _refuse_singular(solution, singular, damping, owner)
 
 
