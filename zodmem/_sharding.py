@@ -66,10 +66,7 @@ def _explicit_split(leaf: Any) -> Any:
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty:
         return None
     split = any(axis is not None for axis in sharding.spec)
-    explicit = jax.sharding.AxisType.Explicit
-    if split and any(t == explicit for t in getattr(sharding.mesh, "axis_types", ())):
-        return sharding
-    return None
+    return sharding if split and is_explicit(sharding) else None
 
 
 def whole(leaf: Any) -> Any:
