@@ -198,7 +198,9 @@ def test_ekfac_runs_through_a_scan(gru):
 def test_a_fori_loop_is_its_steps_written_out():
     # A scan's steps are uses like those of the same layer written out three times.
     def looped(params, inputs, targets):
-        step = lambda i, h: jnp.tanh(h @ params["w"] + params["b"])
+        def step(i, h):
+            return jnp.tanh(h @ params["w"] + params["b"])
+
         return jax.lax.fori_loop(0, 3, step, inputs)
 
     def written(params, inputs, targets):

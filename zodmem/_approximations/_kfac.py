@@ -10,9 +10,10 @@ approximated by `B ⊗ A` with
 `R` the number of rows, in the weight's layout `(out, in)` (a bias a last column of
 the weight, its input a one); a weight used several times (tied, or in a `lax.scan`)
 has the rows of every use, or with `kfac_approx="reduce"` per example the inputs'
-mean and the gradients' sum over them (Eschenhagen et al., 2023). The gradients are those of the columns of a square root
-of the loss's Hessian (`fisher="type-2"`), of the loss at targets drawn from the model
-(`"mc"`) or at the true targets (`"empirical"`). These are curvlinops' factors
+mean and the gradients' sum over them (Eschenhagen et al., 2023). The gradients are
+those of the columns of a square root of the loss's Hessian (`fisher="type-2"`), of the
+loss at targets drawn from the model (`"mc"`) or at the true targets (`"empirical"`).
+These are curvlinops' factors
 (`KFACLinearOperator`, `kfac_approx="expand"`, `separate_weight_and_bias=False`).
 EKFAC keeps the factors' eigenvectors and replaces the eigenvalues by the second moments
 of the per-example gradients in that basis (George et al., 2018).
@@ -58,6 +59,8 @@ __all__ = ["EKFAC", "KFAC"]
 
 _FISHERS = ("type-2", "mc", "empirical")
 _APPROXIMATIONS = ("expand", "reduce")
+
+
 class _KroneckerCurvature(AbstractTransform):
     """What `KFAC` and `EKFAC` share: their options, checks, plan and call. They are
     transforms like the others: `zm.save`/`zm.load` write and read them, `plan()` says
@@ -336,7 +339,10 @@ class KFAC(_KroneckerCurvature):
 
     A row lookup of a matrix weight (`eqx.nn.Embedding`, `w[tokens]`) is a layer too,
     its input the one-hot rows of the indices (its input factor, diagonal, is held
-    dense: `vocabulary²` numbers).
+    dense: `vocabulary²` numbers). So is a table whose rows are added by position to
+    an activation (a learned positional embedding, `h + pos.weight[:T]`, all its rows
+    or a static slice of them, broadcast over the examples): a lookup of each row's
+    position, its rows every example's every position, its gradients those at the sum.
 
     **A weight used more than once** is one layer when every use is one of these: the
     same layer applied twice, a tied embedding (its lookup `w[tokens]` and its head
@@ -357,8 +363,8 @@ class KFAC(_KroneckerCurvature):
     a step, to keep each step's inputs and gradients): the compiled program grows with
     the number of steps, and the rows with steps times examples.
 
-    **Every other leaf** (a normalisation's scale, a weight used through a slice or as
-    a scan's carry) is a block of its own: its exact Gauss-Newton block `J^T H J`,
+    **Every other leaf** (a normalisation's scale, a weight used through another
+    operation or as a scan's carry) is a block of its own: its exact Gauss-Newton block `J^T H J`,
     whatever `fisher` says, from as many products as it has entries and held dense.
     Such a leaf may have at most 4096 entries: a larger one is refused with a
     `ValueError` naming it, as is one whose uses' layouts cannot be made to agree

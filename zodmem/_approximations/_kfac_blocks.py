@@ -40,9 +40,7 @@ def check_others(found: trace.Program, variables: Variables, owner: str) -> None
         size = variables.sizes[leaf]
         if size <= DENSE_LIMIT:
             continue
-        where = (
-            f"{owner}: the leaf x{variables.names[leaf]} of shape {variables.shapes[leaf]} "
-        )
+        where = f"{owner}: the leaf x{variables.names[leaf]} of shape {variables.shapes[leaf]} "
         if leaf in found.mixed:
             why = (
                 "is a weight used several times with layouts that cannot be made to agree: "

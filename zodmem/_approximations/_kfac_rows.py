@@ -48,7 +48,7 @@ def run(jaxpr: Any, consts: list, args: list, program: Program, perturbations: l
     of `program.layers`, with `perturbations[k]` added to use `k`'s output. A use inside
     scans has its inputs stacked over the steps `(steps..., *input)`, and its
     perturbation is laid out so too."""
-    at = {layer.path: (k, layer) for k, layer in enumerate(program.layers)}
+    at = {layer.output_path: (k, layer) for k, layer in enumerate(program.layers)}
     kept: list[dict] = [{} for _ in program.layers]
     steps: list[int] = []
 
@@ -62,9 +62,13 @@ def run(jaxpr: Any, consts: list, args: list, program: Program, perturbations: l
             return None
         k, layer = at[here]
         step = tuple(steps)
-        kept[k][step] = values[1 - layer.weight_operand]
+        answers = bind(eqn, values)
+        if layer.positions is None:
+            kept[k][step] = values[1 - layer.weight_operand]
+        else:
+            kept[k][step] = _position_indices(layer, answers[0].shape)
         perturbation = perturbations[k][step] if step else perturbations[k]
-        return [answer + perturbation for answer in bind(eqn, values)]
+        return [answer + perturbation for answer in answers]
 
     outputs = evaluate(jaxpr, consts, args, rule)
     inputs = []
@@ -78,11 +82,21 @@ def run(jaxpr: Any, consts: list, args: list, program: Program, perturbations: l
     return outputs, inputs
 
 
+def _position_indices(layer: Layer, shape: tuple) -> jax.Array:
+    """The rows' positions of a table added by position whose output has `shape`."""
+    rows = tuple(shape[d] for d in layer.output_axes[: layer.num_rows])
+    axis, start, stride = layer.positions
+    if axis < 0:
+        return jnp.full(rows, start, jnp.int32)
+    return start + stride * jax.lax.broadcasted_iota(jnp.int32, rows, axis)
+
+
 def output_shape(jaxpr: Any, layer: Layer) -> tuple[int, ...]:
     """The shape of a use's output in the program `jaxpr`, its steps in front."""
-    for index in layer.path[:-1]:
+    path = layer.output_path
+    for index in path[:-1]:
         jaxpr = call_program(jaxpr.eqns[index])[0]
-    return layer.steps + tuple(jaxpr.eqns[layer.path[-1]].outvars[0].aval.shape)
+    return layer.steps + tuple(jaxpr.eqns[path[-1]].outvars[0].aval.shape)
 
 
 def rows_shape(jaxpr: Any, layer: Layer) -> tuple[int, ...]:
@@ -101,6 +115,8 @@ def input_rows(layer: Layer, value: jax.Array, dtype: Any) -> jax.Array:
         flat = value.reshape((-1,) + value.shape[lead:])
         rows = jax.vmap(lambda one: input_rows(layer._replace(steps=()), one, dtype))(flat)
         return rows.reshape(layer.steps + rows.shape[1:])
+    if layer.positions is not None:  # the rows' positions, kept by `run`
+        value = jax.nn.one_hot(value, layer.in_size, dtype=dtype)
     if layer.lookup is not None:
         position, clip, kept = layer.lookup
         rows = value[..., position]

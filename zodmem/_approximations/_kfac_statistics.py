@@ -188,7 +188,10 @@ class Statistics(eqx.Module):
             return {"eigenvalues": [e / n for e in self._corrections(groups, num_columns)]}
         if self.settings.approx == "reduce":
             axes = [tuple(self.settings.reduced[k] for k in group) for group in found.groups]
-            factors = [_reduced(group, where, num_columns) for group, where in zip(groups, axes)]
+            factors = [
+                _reduced(group, where, num_columns)
+                for group, where in zip(groups, axes, strict=True)
+            ]
         else:
             factors = [_expanded(group, num_columns) for group in groups]
         return {

@@ -9,10 +9,8 @@ being the other operand. A layer is a weight every use of which is such a use, i
 program, in the calls it holds and in the bodies of the `lax.scan`s it holds (as a
 constant of the scan: one use a step), with the uses' layouts `(out, in)` the same or
 exchanged (a tied embedding's lookup and head). A bias leaf joins the layer when each
-use's output reaches, through layout operations only (transpose, reshape, squeeze, unit
-axes, a change of dtype) and no other use, an `add` whose other operand is the bias
-broadcast along the output's features: checked entry by entry on index arrays, so that
-any layout of the features is found as long as it is the same.
+use's output reaches its `add`, and a matrix leaf whose rows are added by position to an
+activation is a lookup of the positions (`_kfac_adds`).
 
 `find_layers` reads the program; `_kfac_rows.run` evaluates it and keeps each use's
 input and perturbs its output.
@@ -25,7 +23,8 @@ from collections import defaultdict
 from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
-import numpy as np
+
+from ._kfac_adds import bias_of, position_layer
 
 __all__ = [
     "Layer",
@@ -45,19 +44,6 @@ _CALLS = frozenset(
         "checkpoint",
         "custom_jvp_call",
         "custom_vjp_call",
-    }
-)
-# Operations that only move entries or change their dtype (a float32 bias beside float64
-# data is converted first): a layer's output, and its bias, may pass through them.
-_LAYOUT = frozenset(
-    {
-        "transpose",
-        "reshape",
-        "squeeze",
-        "broadcast_in_dim",
-        "copy",
-        "copy_p",
-        "convert_element_type",
     }
 )
 
@@ -86,6 +72,14 @@ class Layer(NamedTuple):
     lookup: tuple | None = None  # a row lookup's: (index position, clipped, row axis kept)
     steps: tuple[int, ...] = ()  # the lengths of the scans the use is inside
     swapped: bool = False  # whether its `(out, in)` is the layer's `(in, out)`
+    # A table added by position: `(rows axis, start, stride)` of the rows' indices.
+    positions: tuple | None = None
+    at: tuple[int, ...] | None = None  # where its output is, if not at `path`
+
+    @property
+    def output_path(self) -> tuple[int, ...]:
+        """The equation whose output is the use's output."""
+        return self.path if self.at is None else self.at
 
     @property
     def out_size(self) -> int:
@@ -131,35 +125,6 @@ def _consumers(jaxpr: Any) -> dict:
         if isinstance(var, jcore.Var):
             uses[var].append((-1, 0))
     return uses
-
-
-def _layout(eqn: Any, array: np.ndarray) -> np.ndarray:
-    """`array` through the layout operation `eqn`, in NumPy."""
-    name, params = eqn.primitive.name, eqn.params
-    if name == "transpose":
-        return np.transpose(array, params["permutation"])
-    if name == "reshape":
-        return np.reshape(array, params["new_sizes"])
-    if name == "squeeze":
-        return np.squeeze(array, axis=tuple(params["dimensions"]))
-    if name == "broadcast_in_dim":
-        shape = [1] * len(params["shape"])
-        for axis, size in zip(params["broadcast_dimensions"], array.shape, strict=True):
-            shape[axis] = size
-        return np.broadcast_to(array.reshape(shape), params["shape"])
-    return array
-
-
-def _is_layout(eqn: Any, *, moves_only: bool) -> bool:
-    """Whether `eqn` is a layout operation (with `moves_only`, one that neither copies
-    entries nor drops them)."""
-    if eqn.primitive.name not in _LAYOUT:
-        return False
-    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
-        return False
-    if moves_only and eqn.primitive.name == "broadcast_in_dim":
-        return math.prod(eqn.params["shape"]) == math.prod(eqn.invars[0].aval.shape)
-    return True
 
 
 def _dot_layer(
@@ -287,60 +252,6 @@ def _candidate(eqn: Any, leaf_of: dict, path: tuple, transposed: dict) -> Layer 
     return None
 
 
-def _bias(jaxpr: Any, index: int, layer: Layer, leaf_of: dict, uses: dict) -> tuple | None:
-    """`(bias leaf, index of the equation where the bias is first used)` where the output
-    of the layer's equation `index` reaches a bias's `add`, else None."""
-    eqns = jaxpr.eqns
-    var, chain = eqns[index].outvars[0], []
-    while len(uses[var]) == 1 and uses[var][0][0] >= 0:
-        user = eqns[uses[var][0][0]]
-        if not _is_layout(user, moves_only=True):
-            break
-        chain.append(user)
-        var = user.outvars[0]
-    if len(uses[var]) != 1 or uses[var][0][0] < 0 or eqns[uses[var][0][0]].primitive.name != "add":
-        return None
-    add_index, side = uses[var][0]
-    add = eqns[add_index]
-    if tuple(var.aval.shape) != tuple(add.outvars[0].aval.shape):
-        return None  # the output itself is broadcast: the add is not a bias's
-    producers = {out: (i, e) for i, e in enumerate(eqns) for out in e.outvars}
-    other, bias_chain, first = add.invars[1 - side], [], add_index
-    while isinstance(other, jcore.Var) and other not in leaf_of:
-        if other not in producers or len(uses[other]) != 1:
-            return None
-        first, producer = producers[other]
-        if not _is_layout(producer, moves_only=False):
-            return None
-        bias_chain.append(producer)
-        other = producer.invars[0]
-    if not isinstance(other, jcore.Var) or other not in leaf_of:
-        return None
-    # The layer's output as out-feature indices, and the bias as its own indices.
-    rows_shape = tuple(
-        eqns[index].outvars[0].aval.shape[d] for d in layer.output_axes[: layer.num_rows]
-    )
-    features = np.arange(layer.out_size).reshape(layer.out_shape)
-    canonical = np.broadcast_to(features, rows_shape + layer.out_shape)
-    output = np.transpose(canonical, np.argsort(layer.output_axes))
-    for eqn in chain:
-        output = _layout(eqn, output)
-    bias_shape = tuple(other.aval.shape)
-    if math.prod(bias_shape) != layer.out_size:
-        return None
-    bias = np.arange(layer.out_size).reshape(bias_shape)
-    for eqn in reversed(bias_chain):
-        bias = _layout(eqn, bias)
-    shape = tuple(add.outvars[0].aval.shape)
-    try:
-        bias = np.broadcast_to(bias, shape)
-    except ValueError:
-        return None
-    if not np.array_equal(np.broadcast_to(output, shape), bias):
-        return None
-    return leaf_of[other], first
-
-
 def _transposed(jaxpr: Any, leaf_of: dict, uses: dict) -> dict:
     """The transposes of a leaf whose only use is a `dot_general` (PyTorch's layout
     `x @ w.T`): their outputs, each as `(leaf, permutation)`."""
@@ -403,9 +314,16 @@ def _walk(
         for _, leaf in taken:
             used[leaf].append(here)
         layer = _candidate(eqn, leaf_of, here, transposed)
+        if layer is None and len(taken) == 1:
+            var = next((v for v in eqn.invars if isinstance(v, jcore.Var) and v in leaf_of), None)
+            fields = None if var is None else position_layer(jaxpr, i, var, uses, path)
+            if fields is not None:
+                layer = Layer(weight=taken[0][1], bias=None, steps=steps, **fields)
+                found.append((layer, None))
+            continue
         if layer is None:
             continue
-        bias = _bias(jaxpr, i, layer, leaf_of, uses)
+        bias = bias_of(jaxpr, i, layer, leaf_of, uses)
         claim = (path + (bias[1],), bias[0]) if bias is not None else None
         found.append((layer._replace(steps=steps), claim))
 
@@ -452,11 +370,16 @@ def find_layers(jaxpr: Any, num_leaves: int) -> Program:
     by_weight = defaultdict(list)
     for layer, claim in found:
         by_weight[layer.weight].append((layer, claim))
-    layers, groups, placed, mixed = [], [], set(), []
-    for weight, candidates in by_weight.items():
+    layers, groups, placed, mixed, outputs = [], [], set(), [], set()
+    # Tables added by position come last: a leaf that is a layer's bias is joined as one.
+    ordered = sorted(by_weight.items(), key=lambda item: item[1][0][0].positions is not None)
+    for weight, candidates in ordered:
         paths = sorted(layer.path for layer, _ in candidates)
         if sorted(used[weight]) != paths or weight in placed:
             continue
+        if any(layer.output_path in outputs for layer, _ in candidates):
+            continue  # two tables added at once: neither is a layer of its own
+        outputs.update(layer.output_path for layer, _ in candidates)
         uses = _agreed([layer for layer, _ in candidates])
         if uses is None:
             mixed.append(weight)
