@@ -81,3 +81,17 @@ def test_products_without_a_loop_keep_the_linearisation():
     weights, inputs, matrix = problem(64)
     operator = zm.BatchedHessian(mlp_loss, max_memory="2GB").operator(weights, inputs)
     assert ProductBlocks.of(operator).plan(matrix).strategy == "linearize"
+
+
+def test_a_loop_of_one_step_is_no_loop():
+    # The whole work in one block runs the blocks' loop once: what it holds decides.
+    weights, inputs, _ = problem(1)
+
+    def once(body):
+        def call(weights, inputs):
+            return jax.lax.scan(lambda c, _: (c, body(weights, inputs)), 0.0, None, length=1)[1]
+
+        return call
+
+    assert not compile_call(once(jax.grad(mlp_loss)), weights, inputs).loops
+    assert compile_call(once(jax.grad(recurrent_loss)), weights, inputs).loops

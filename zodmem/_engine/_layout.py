@@ -97,9 +97,16 @@ def jaxpr_holds(jaxpr: Jaxpr, primitives: tuple[Any, ...]) -> bool:
 
 def _holds(jaxpr: Jaxpr, primitives: tuple[Any, ...]) -> bool:
     return any(
-        eqn.primitive in primitives or any(_holds(sub, primitives) for sub in _nested(eqn.params))
+        (eqn.primitive in primitives and not _runs_once(eqn))
+        or any(_holds(sub, primitives) for sub in _nested(eqn.params))
         for eqn in jaxpr.eqns
     )
+
+
+def _runs_once(eqn: Any) -> bool:
+    """Whether `eqn` is a `scan` of one step or none (the loop over the blocks of work
+    done in one block): no loop, whatever its body holds."""
+    return eqn.primitive is lax.scan_p and eqn.params["length"] <= 1
 
 
 def _nested(params: dict[str, Any]) -> list[Jaxpr]:

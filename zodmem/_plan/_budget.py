@@ -345,7 +345,8 @@ class Planner:
 
     def loops(self) -> bool:
         """Whether the work's program runs a loop (a `scan`, a `while`), read from the
-        whole work of the first strategy, which holds no loop of the blocks' own."""
+        whole work of the first strategy (whose loop over its one block runs once, and
+        is none)."""
         return self.candidate(self.transform.strategies[0], self.work.total).loops
 
     def block_bytes(self) -> int | None:
