@@ -447,14 +447,16 @@ def eigenpairs(
     values, vectors, info, finite = _eigsh_jit(*inputs)
     values = _finite(values, finite, owner)
     if not return_info:
-        values = eqx.error_if(
-            values,
-            ~info.converged,
+        message = (
             f"{owner}: the {k} eigenpairs did not converge to tol={tol} within "
             f"max_steps={max_steps} Lanczos steps. Give a larger `max_steps` (at most "
             f"n = {n}) or `tol`, or pass `return_info=True` for the partial result and "
-            "its residual norms.",
+            "its residual norms."
         )
+        if is_traced(info.converged):
+            values = eqx.error_if(values, ~info.converged, message)
+        elif not bool(info.converged):  # concrete: raised here, with no program compiled
+            raise eqx.EquinoxRuntimeError(message)
     if space.sharded:
         pass  # already a pytree like the variables, each leaf laid out like its variable
     elif pytree:
