@@ -354,10 +354,11 @@ class KFAC(_KroneckerCurvature):
     (the steps, the tokens) before the outer products, `A = sum_n ā ā^T / N`,
     `B = sum_n ĝ ĝ^T`. Where the uses lay the weight out exchanged (the lookup reads
     `(V, D)` as `(in, out)`, the head as `(out, in)`), the weight takes the first use's
-    layout and the other's inputs join the gradients' side and its gradients the
-    inputs' side, each term (column of the square root, row) once on both sides: one
-    Kronecker product for both, approximate even where each use alone is exact; no bias
-    joins such a layer. The uses' blocks between them are summed into one factor pair
+    layout; the uses laid out so give one Kronecker product, the exchanged ones another
+    (their inputs' moment on the output side, their gradients' on the input side), and
+    the layer's block is the Kronecker product nearest their sum in the Frobenius norm
+    (Van Loan and Pitsianis, 1993), approximate even where each use alone is exact; no
+    bias joins such a layer. The uses' blocks between them are summed into one factor pair
     each, so the cross terms between uses are approximated like those between
     positions. A scan is unrolled in the traced statistics pass (its body evaluated once
     a step, to keep each step's inputs and gradients): the compiled program grows with

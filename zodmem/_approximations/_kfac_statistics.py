@@ -186,20 +186,34 @@ class Statistics(eqx.Module):
         groups = [[sides[k] for k in group] for group in found.groups]
         if self.bases is not None:
             return {"eigenvalues": [e / n for e in self._corrections(groups, num_columns)]}
-        if self.settings.approx == "reduce":
-            axes = [tuple(self.settings.reduced[k] for k in group) for group in found.groups]
-            factors = [
-                _reduced(group, where, num_columns)
-                for group, where in zip(groups, axes, strict=True)
-            ]
-        else:
-            factors = [_expanded(group, num_columns) for group in groups]
+        factors = [self._factors(found, group, sides, num_columns) for group in found.groups]
         return {
             "inputs": [a for a, _, _ in factors],
-            "rows": [jnp.asarray(n, dtype) for _, _, n in factors],
-            "gradients": [b / n for _, b, _ in factors],
+            "rows": [r for _, _, r in factors],
+            "gradients": [jax.tree_util.tree_map(lambda b: b / n, b) for _, b, _ in factors],
             "dense": self._dense(leaves, args),
         }
+
+    def _factors(self, found: trace.Program, group: tuple, sides: list, columns: int) -> tuple:
+        """A layer's sums `(inputs, gradients, rows)`, each one array where its uses lay
+        its weight out one way; where some lay it out exchanged, each a pair: the sums of
+        the uses laid out as the layer, then those of the others in their own layout
+        (`_kfac_blocks.layer_blocks` joins the two Kronecker products)."""
+        layouts = []
+        for swapped in (False, True):
+            uses = [k for k in group if found.layers[k].swapped == swapped]
+            if not uses:
+                continue
+            own = [sides[k][::-1] if swapped else sides[k] for k in uses]
+            if self.settings.approx == "reduce":
+                axes = tuple(self.settings.reduced[k] for k in uses)
+                a, b, rows = _reduced(own, axes, columns)
+            else:
+                a, b, rows = _expanded(own, columns)
+            layouts.append((a, b, jnp.asarray(rows, self.variables.dtype)))
+        if len(layouts) == 1:
+            return layouts[0]
+        return tuple(zip(*layouts, strict=True))
 
     def _corrections(self, groups: list, num_columns: int) -> list:
         """Per layer, the per-example gradients of its weight (summed over its uses)
