@@ -4,7 +4,8 @@ on the models of the benchmark of real architectures (`problems.py`).
 For each model, in a fresh process: the exact operator
 `zm.BatchedGGN(outputs, loss).operator(model, inputs, targets)` and, against it with
 `zm.approximation_error` (the relative error of products with random vectors, and of
-the top eigenvalues), KFAC and EKFAC (type-2 Fisher), the exact blocks per leaf
+the top eigenvalues), KFAC and EKFAC (type-2 Fisher, and the Monte Carlo Fisher of
+8 drawn targets an example), the exact blocks per leaf
 (`blocks="leaf"`, where every leaf's block is small enough to hold) and the top
 eigenpairs alone (`zm.low_rank(op, r)`). An approximation a model refuses is a row that
 says why.
@@ -26,6 +27,8 @@ import report
 
 # The largest leaf whose dense block `blocks="leaf"` is asked to hold here.
 LEAF_BLOCK_LIMIT = 4096
+# The targets drawn per example for the Monte Carlo Fisher's KFAC and EKFAC.
+MC_SAMPLES = 8
 
 
 def _errors(approx: Any, exact: Any, key: Any, k: int) -> dict[str, Any]:
@@ -56,6 +59,12 @@ def child(name: str, size: str, rank: int, k: int) -> dict[str, Any]:
     builders = {
         "KFAC": lambda: zm.KFAC(problem.outputs, problem.loss_object)(*data),
         "EKFAC": lambda: zm.EKFAC(problem.outputs, problem.loss_object)(*data),
+        f'KFAC, `fisher="mc"` ({MC_SAMPLES} draws)': lambda: zm.KFAC(
+            problem.outputs, problem.loss_object, fisher="mc", mc_samples=MC_SAMPLES, key=key
+        )(*data),
+        f'EKFAC, `fisher="mc"` ({MC_SAMPLES} draws)': lambda: zm.EKFAC(
+            problem.outputs, problem.loss_object, fisher="mc", mc_samples=MC_SAMPLES, key=key
+        )(*data),
         "blocks per leaf": lambda: _leaf_blocks(problem, data, leaves),
         f"low rank, r = {rank}": lambda: zm.low_rank(exact, rank),
     }
