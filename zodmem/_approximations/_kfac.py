@@ -366,7 +366,10 @@ class KFAC(_KroneckerCurvature):
 
     **Every other leaf** (a normalisation's scale, a weight used through another
     operation or as a scan's carry) is a block of its own: its exact Gauss-Newton block `J^T H J`,
-    whatever `fisher` says, from as many products as it has entries and held dense.
+    whatever `fisher` says, held dense: where each example's outputs are one loss term,
+    `sum g g^T` over the examples' gradients of the leaf from the columns of the loss's
+    Hessian's square root (`fn` vmapped over the examples, each data array of their
+    length cut: pass a shared one as EKFAC asks, below); else from one product an entry.
     Such a leaf may have at most 4096 entries: a larger one is refused with a
     `ValueError` naming it, as is one whose uses' layouts cannot be made to agree
     (neither the same `(out, in)` nor exchanged). Blocks of different layers are not

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from .._jaxpr import bind, evaluate
 from ._kfac_trace import Layer, Program, call_program
 
-__all__ = ["input_rows", "output_rows", "output_shape", "rows_shape", "run"]
+__all__ = ["input_rows", "output_rows", "output_shape", "rows_shape", "run", "second_moment"]
 
 
 def _unrolled(eqn: Any, values: list, rule: Any, here: tuple, steps: list) -> list:
@@ -145,3 +145,12 @@ def output_rows(layer: Layer, value: jax.Array) -> jax.Array:
     axes = tuple(range(lead)) + tuple(lead + d for d in layer.output_axes)
     value = jnp.transpose(value, axes)
     return value.reshape(value.shape[: lead + layer.num_rows] + (layer.out_size,))
+
+
+def second_moment(rows: jax.Array) -> jax.Array:
+    """`sum(r r^T)` over the rows `(..., size)`; replicated, as the type must say, where
+    the rows are sharded over Explicit mesh axes (a batch split over devices)."""
+    mesh = jax.typeof(rows).sharding.mesh
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    layout = jax.sharding.PartitionSpec() if explicit and not mesh.empty else None
+    return jnp.einsum("...i,...j->ij", rows, rows, out_sharding=layout)

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from .._pytree import Variables
-from .._sharding import laid_out_like
 from . import _kfac_rows as rows_of, _kfac_trace as trace
+from ._kfac_dense import dense_blocks
+from ._kfac_rows import second_moment
 
 __all__ = ["Settings", "Statistics", "traced", "variable_leaves"]
 
@@ -107,8 +108,8 @@ def _expanded(sides: list, columns: int) -> tuple:
     """`kfac_approx="expand"`: every use's every row a term: the input side's and the
     output side's sums of outer products, and the number of terms."""
     mixed = any(a.shape[0] != 1 for a, _ in sides)
-    inputs = sum(_second_moment(a) * (columns // a.shape[0] if mixed else 1) for a, _ in sides)
-    gradients = sum(_second_moment(b) * (columns // b.shape[0]) for _, b in sides)
+    inputs = sum(second_moment(a) * (columns // a.shape[0] if mixed else 1) for a, _ in sides)
+    gradients = sum(second_moment(b) * (columns // b.shape[0]) for _, b in sides)
     count = sum(math.prod(a.shape[1:-1]) for a, _ in sides) * (columns if mixed else 1)
     return inputs, gradients, count
 
@@ -122,16 +123,7 @@ def _reduced(sides: list, axes: tuple, columns: int) -> tuple:
         a_sum, b_sum, positions = a_sum + a.sum(2), b_sum + b.sum(2), positions + a.shape[2]
     mean = a_sum / positions
     count = mean.shape[1] * mean.shape[0]
-    return _second_moment(mean), _second_moment(b_sum) * (columns // b_sum.shape[0]), count
-
-
-def _second_moment(rows: jax.Array) -> jax.Array:
-    """`sum(r r^T)` over the rows; replicated, as the type must say, where the rows are
-    sharded over Explicit mesh axes (a batch split over devices)."""
-    mesh = jax.typeof(rows).sharding.mesh
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-    layout = jax.sharding.PartitionSpec() if explicit and not mesh.empty else None
-    return jnp.einsum("...i,...j->ij", rows, rows, out_sharding=layout)
+    return second_moment(mean), second_moment(b_sum) * (columns // b_sum.shape[0]), count
 
 
 class Statistics(eqx.Module):
@@ -191,7 +183,12 @@ class Statistics(eqx.Module):
             "inputs": [a for a, _, _ in factors],
             "rows": [r for _, _, r in factors],
             "gradients": [jax.tree_util.tree_map(lambda b: b / n, b) for _, b, _ in factors],
-            "dense": self._dense(leaves, args),
+            "dense": [
+                block.astype(dtype)
+                for block in dense_blocks(
+                    program, self.loss, leaves, args, self.kwargs, self.settings.program.others
+                )
+            ],
         }
 
     def _factors(self, found: trace.Program, group: tuple, sides: list, columns: int) -> tuple:
@@ -240,35 +237,3 @@ class Statistics(eqx.Module):
                 moments = moments + jnp.sum(summed**2, axis=(0, 1))
             eigenvalues.append(moments)
         return eigenvalues
-
-    def _dense(self, leaves: list, args: tuple) -> list:
-        """The exact Gauss-Newton block `J^T H J` of each leaf in no layer, from as many
-        products as the leaf has entries."""
-        others = self.settings.program.others
-        if not others:
-            return []
-        program = traced(self.fn, self.variables, self.kwargs)
-
-        def outputs_of(chosen: tuple) -> Any:
-            values = list(leaves)
-            for index, value in zip(others, chosen, strict=True):
-                values[index] = value
-            return program(values, args)
-
-        chosen = tuple(leaves[index] for index in others)
-        outputs, tangent = jax.linearize(outputs_of, chosen)
-        cotangent = jax.linear_transpose(tangent, chosen)
-        zeros = [jnp.zeros_like(leaf) for leaf in chosen]
-
-        def block(k: int) -> jax.Array:
-            def column(unit: jax.Array) -> jax.Array:
-                direction = list(zeros)
-                direction[k] = laid_out_like(unit.reshape(chosen[k].shape), chosen[k])
-                tangents = tangent(tuple(direction))
-                product = self.loss.hessian_product(outputs, tangents, *args, **self.kwargs)
-                return jnp.ravel(cotangent(product)[0][k])
-
-            units = jnp.eye(chosen[k].size, dtype=chosen[k].dtype)
-            return jax.vmap(column)(units).astype(self.variables.dtype)
-
-        return [block(k) for k in range(len(chosen))]
