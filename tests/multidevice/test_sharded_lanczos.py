@@ -145,3 +145,29 @@ def test_eigsh_compiled_bytes_per_device():
     n = sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     assert one >= 40 * n * 4  # the basis, at least
     assert many <= 0.3 * one, (one, many)
+
+
+@pytest.mark.parametrize(
+    "model_fn, features, layout",
+    [
+        (mlp, 8, "fsdp"),
+        (mlp, 8, "tensor"),
+        (lambda: CNN(jax.random.key(0)), 16, "fsdp"),
+    ],
+    ids=["mlp-fsdp-auto", "mlp-tensor-auto", "cnn-fsdp-auto"],
+)
+def test_diagonal_and_solve_in_the_variables_structure_are_laid_out_like_them(
+    model_fn, features, layout
+):
+    single, op, variables, mesh = operators(model_fn, features, layout, AxisType.Auto)
+    expected = zm.diagonal(single, pytree=True)
+    rhs = jax.tree.map(jnp.ones_like, eqx.filter(model_fn(), eqx.is_inexact_array))
+    expected_step = zm.solve(single, rhs, damping=10.0)
+    with jax.sharding.set_mesh(mesh):
+        diagonal = zm.diagonal(op, pytree=True, batch_size=8)
+        laid = jax.tree.map(jnp.ones_like, eqx.filter(variables, eqx.is_inexact_array))
+        step = zm.solve(op, laid, damping=10.0)
+    for result, reference in ((diagonal, expected), (step, expected_step)):
+        check_laid_out(result, variables, block=False)
+        for a, b in zip(*map(jax.tree.leaves, (result, reference)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

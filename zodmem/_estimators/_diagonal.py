@@ -218,7 +218,7 @@ Diagonal = Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]
 
 
 def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
-    return view.unflatten(vector) if pytree else vector
+    return view.laid_out(vector) if pytree else vector
 
 
 # -- the public functions ------------------------------------------------------------------

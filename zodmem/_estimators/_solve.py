@@ -315,7 +315,7 @@ def solve(
     rhs, form = _read_rhs(operator, view, b, owner=owner)
     options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
     value = _solve(operator, rhs, damping, rtol, atol, max_steps, solver, view, options)
-    return view.unflatten(value) if form == "tree" else value
+    return view.laid_out(value) if form == "tree" else value
 
 
 def _exactly(operator: AbstractOperator, b: Any, damping: Any) -> Any:

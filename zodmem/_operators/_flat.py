@@ -18,6 +18,8 @@ import equinox as eqx
 import jax
 
 from .._pytree import ravel_leaves, split_leaves
+from .._sharding import leaf_sharding, pinned
+from ._base import AbstractOperator
 from ._operator import BlockedOperator
 from ._vectors import check_symmetric, square_input
 
@@ -32,7 +34,8 @@ class FlatView(eqx.Module):
     - `linear()`: one product as a function of flat vectors (traceable, unchecked),
       built once: inside a loop, take it outside the loop and call it there.
     - `unflatten(v)`: a flat vector as a pytree shaped like the input structure (for a
-      zodmem operator, like the variables of `x`).
+      zodmem operator, like the variables of `x`); `laid_out(v)` the same, each leaf
+      laid out like its variable where those are spread over devices.
     """
 
     operator: Any
@@ -60,6 +63,26 @@ class FlatView(eqx.Module):
         leaves, treedef = jax.tree_util.tree_flatten(self.structure)
         shapes, dtypes = [leaf.shape for leaf in leaves], [leaf.dtype for leaf in leaves]
         return jax.tree_util.tree_unflatten(treedef, split_leaves(vector, shapes, dtypes))
+
+    def laid_out(self, vector: jax.Array) -> Any:
+        """`unflatten(vector)` (a flat vector, or a `(k, size)` block of them), each leaf
+        laid out as its variable is where the operator's variables are spread over
+        devices (a zodmem operator of a sharded model): an estimator's result in the
+        variables' structure, split like the weights rather than whole on each device."""
+        tree = self.unflatten(vector)
+        if vector.ndim > 2:
+            return tree
+        if isinstance(self.operator, AbstractOperator):
+            shardings = self.operator.variable_shardings()
+        else:  # a lineax operator's input structure may say its leaves' shardings
+            shardings = tuple(map(leaf_sharding, jax.tree_util.tree_leaves(self.structure)))
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if len(shardings) != len(leaves) or all(s is None for s in shardings):
+            return tree
+        block = vector.ndim == 2
+        return jax.tree_util.tree_unflatten(
+            treedef, [pinned(leaf, s, block) for leaf, s in zip(leaves, shardings, strict=True)]
+        )
 
 
 def flat_view(operator: Any, owner: str) -> FlatView:
