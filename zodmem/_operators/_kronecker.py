@@ -64,12 +64,6 @@ class KroneckerEigen(NamedTuple):
     input_basis: jax.Array
 
 
-def _eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Eigenvalues (clipped at 0: the factors are sums of squares) and eigenvectors."""
-    values, vectors = jnp.linalg.eigh((matrix + matrix.T) / 2)
-    return jnp.maximum(values, 0), vectors
-
-
 class KroneckerFactored(AbstractOperator):
     """A Kronecker-factored curvature: block-diagonal over the layers, each block
     `B ⊗ A` (KFAC) or `Q_B diag(E) Q_B^T ⊗ Q_A (...) Q_A^T` with corrected eigenvalues
@@ -121,9 +115,9 @@ class KroneckerFactored(AbstractOperator):
     blocks: tuple[KroneckerBlock, ...] = eqx.field(static=True)
     input_factors: tuple[jax.Array, ...]
     gradient_factors: tuple[jax.Array, ...]
-    input_bases: tuple[jax.Array, ...]
-    gradient_bases: tuple[jax.Array, ...]
-    eigenvalues: tuple[jax.Array, ...]
+    # The bases and eigenvalues, `None` for KFAC's own: the factors' eigendecompositions,
+    # taken on first use (`compiled.decomposition`), as a product with the factors needs none.
+    eigen: tuple | None
     corrected: bool = eqx.field(static=True)
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
@@ -165,20 +159,27 @@ class KroneckerFactored(AbstractOperator):
         self.input_factors = own(input_factors)
         self.gradient_factors = own(gradient_factors)
         self.corrected = eigenvalues is not None
+        self.eigen = None
         if eigenvalues is not None:
-            eigenvalues = own(eigenvalues)
-        if bases is not None:
-            self.input_bases, self.gradient_bases = (own(q) for q in bases)
-        if eigenvalues is None or bases is None:
-            inputs = [_eigh(factor) for factor in self.input_factors]
-            gradients = [_eigh(factor) for factor in self.gradient_factors]
-            self.input_bases = tuple(vectors for _, vectors in inputs)
-            self.gradient_bases = tuple(vectors for _, vectors in gradients)
-        if eigenvalues is None:
-            eigenvalues = [
-                jnp.outer(b, a) for (b, _), (a, _) in zip(gradients, inputs, strict=True)
-            ]
-        self.eigenvalues = tuple(jnp.maximum(values, 0) for values in eigenvalues)
+            if bases is None:
+                bases = compiled.decompose(self.input_factors, self.gradient_factors)[:2]
+            values = tuple(jnp.maximum(values, 0) for values in own(eigenvalues))
+            self.eigen = (*(own(q) for q in bases), values)
+
+    @property
+    def input_bases(self) -> tuple[jax.Array, ...]:
+        """Per block, the eigenvectors of `A` (or EKFAC's basis), as columns."""
+        return compiled.decomposition(self)[0]
+
+    @property
+    def gradient_bases(self) -> tuple[jax.Array, ...]:
+        """Per block, the eigenvectors of `B` (or EKFAC's basis), as columns."""
+        return compiled.decomposition(self)[1]
+
+    @property
+    def eigenvalues(self) -> tuple[jax.Array, ...]:
+        """Per block, its `(out, in)` eigenvalues: `outer(b, a)` (KFAC) or EKFAC's."""
+        return compiled.decomposition(self)[2]
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -337,7 +338,7 @@ class KroneckerFactored(AbstractOperator):
             assert jnp.allclose(F.diagonal(), jnp.diag(F.as_matrix()), atol=1e-5)
             ```
         """
-        return compiled.diagonal(self)
+        return compiled.diagonal(compiled.decomposed(self))
 
     def _damping(self, damping: Any, owner: str) -> jax.Array:
         """`damping` checked: a finite real scalar with every eigenvalue plus it `> 0`
@@ -345,7 +346,7 @@ class KroneckerFactored(AbstractOperator):
         runs)."""
         damping = check_real(damping, "damping", owner=owner, minimum=None)
         value = jnp.asarray(damping, self.dtype)
-        least = compiled.least(self) + value
+        least = compiled.least(compiled.decomposed(self)) + value
         message = (
             f"{owner}: every eigenvalue plus `damping` must be > 0 (the damped operator is "
             "then positive definite); give damping > 0"
@@ -403,10 +404,10 @@ class KroneckerFactored(AbstractOperator):
         n = self._size
         if eqx.is_array(b) and jnp.ndim(b) == 2 and jnp.shape(b)[0] == n:
             columns = jnp.asarray(b, self.dtype)
-            return compiled.solve(self, columns, self._damping(damping, owner))
+            return compiled.solve(compiled.decomposed(self), columns, self._damping(damping, owner))
         read = dict(name="b", owner=owner, dtype=self.dtype, columns=True)
         pieces, is_tree = self.layout.read(b, **read)
-        out = compiled.solve(self, pieces, self._damping(damping, owner))
+        out = compiled.solve(compiled.decomposed(self), pieces, self._damping(damping, owner))
         return self.layout.write(out, is_tree, self.dtype)
 
     @public
@@ -429,7 +430,8 @@ class KroneckerFactored(AbstractOperator):
             assert jnp.allclose(F.logdet(damping=0.1), jnp.linalg.slogdet(dense)[1], rtol=1e-4)
             ```
         """
-        return compiled.logdet(self, self._damping(damping, f"{_OWNER}.logdet"))
+        damping = self._damping(damping, f"{_OWNER}.logdet")
+        return compiled.logdet(compiled.decomposed(self), damping)
 
     def eigh(self) -> tuple[KroneckerEigen, ...]:
         """Each block's eigenvalues and eigenvectors, as a `KroneckerEigen`: the

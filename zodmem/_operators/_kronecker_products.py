@@ -9,7 +9,62 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dense", "diagonal", "least", "logdet", "products", "solve"]
+from .._memo import memo_of
+
+__all__ = [
+    "decompose",
+    "decomposed",
+    "decomposition",
+    "dense",
+    "diagonal",
+    "least",
+    "logdet",
+    "products",
+    "solve",
+]
+
+
+def _eigh(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Eigenvalues (clipped at 0: the factors are sums of squares) and eigenvectors."""
+    values, vectors = jnp.linalg.eigh((matrix + matrix.T) / 2)
+    return jnp.maximum(values, 0), vectors
+
+
+@eqx.filter_jit
+def decompose(input_factors: tuple, gradient_factors: tuple) -> tuple:
+    """The factors' eigendecompositions: `(input bases, gradient bases, eigenvalues)`,
+    a block's eigenvalues `outer(b, a)` of its factors' `b` and `a`."""
+    inputs = [_eigh(factor) for factor in input_factors]
+    gradients = [_eigh(factor) for factor in gradient_factors]
+    eigenvalues = [jnp.outer(b, a) for (b, _), (a, _) in zip(gradients, inputs, strict=True)]
+    return (
+        tuple(vectors for _, vectors in inputs),
+        tuple(vectors for _, vectors in gradients),
+        tuple(jnp.maximum(values, 0) for values in eigenvalues),
+    )
+
+
+def decomposition(operator: Any) -> tuple:
+    """`(input bases, gradient bases, eigenvalues)` of `operator`: given (EKFAC's), or
+    its factors' eigendecompositions, taken once and kept beside the operator where they
+    are concrete (under a trace, they are taken in the program traced)."""
+    if operator.eigen is not None:
+        return operator.eigen
+    memo = memo_of(operator)
+    if "eigen" in memo:
+        return memo["eigen"]
+    eigen = decompose(operator.input_factors, operator.gradient_factors)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(eigen)):
+        memo["eigen"] = eigen
+    return eigen
+
+
+def decomposed(operator: Any) -> Any:
+    """`operator` holding its eigendecompositions: what its solves and spectra take."""
+    if operator.eigen is not None:
+        return operator
+    eigen = decomposition(operator)
+    return eqx.tree_at(lambda op: op.eigen, operator, eigen, is_leaf=lambda node: node is None)
 
 
 def _rotated(operator: Any, pieces: list, spectrum: Any) -> list:
