@@ -988,9 +988,11 @@ def report_text(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             _kfac_table(results),
             "",
             "kfac-build: the factors over the data (zm: `zm.KFAC(...)(model, inputs, "
-            "targets)` with the factors' eigendecompositions; curvlinops: a new operator and "
-            "`compute_kronecker_factors()`); kfac-mv, kfac-solve, kfac-logdet: `F.mv(v)`, "
-            "`F.solve(v, damping)`, `F.logdet(damping)` (curvlinops: `@ v`, "
+            "targets)`; curvlinops: a new operator and `compute_kronecker_factors()`; "
+            "neither eigendecomposes them); kfac-mv, kfac-solve, kfac-logdet: `F.mv(v)`, "
+            "`F.solve(v, damping)`, `F.logdet(damping)` (zm: the factors' "
+            "eigendecompositions in the first solve or logdet, kept for the others; "
+            "curvlinops: `@ v`, "
             "`KFACInverseLinearOperator(F, damping, use_exact_damping=True) @ v` with the "
             "eigendecompositions in its first call, and its undamped `logdet`) on the built "
             "operator, the peak started afresh after building (held factors included); "
