@@ -12,7 +12,7 @@ pass a column, for all those leaves at once, `fn` vmapped over the examples (its
 arguments whose leading axis has the examples' length cut, the others passed whole).
 Otherwise (several terms an example, whose columns the square root shares, or `fn` that
 does not take one example), each block is taken column by column from the Hessian's
-products (`loss.hessian_product`) with the outputs' tangents of the leaf's unit
+products (`loss.hessian_product`) with the outputs' tangents of the leaves' unit
 directions: a forward and a backward pass an entry.
 """
 
@@ -43,7 +43,7 @@ def dense_blocks(
     examples = _examples_of(program, leaves, args, outputs)
     if examples is not None:
         return _from_examples(program, loss, leaves, args, kwargs, others, examples)
-    return [_from_products(program, loss, leaves, args, kwargs, others, k) for k in others]
+    return _from_products(program, loss, leaves, args, kwargs, others)
 
 
 def _examples_of(program: Callable, leaves: list, args: tuple, outputs: Any) -> Any:
@@ -126,24 +126,31 @@ def _from_examples(
 
 
 def _from_products(
-    program: Callable, loss: Any, leaves: list, args: tuple, kwargs: dict, others: tuple, k: int
-) -> jax.Array:
-    """Leaf `k`'s block from as many products as it has entries: its columns
+    program: Callable, loss: Any, leaves: list, args: tuple, kwargs: dict, others: tuple
+) -> list:
+    """The blocks from as many products as the leaves have entries: leaf `k`'s columns
     `J^T H J e_i`, each from the outputs' tangent of a unit direction."""
-    leaf = leaves[k]
 
-    def outputs_of(value: Any) -> Any:
+    def outputs_of(chosen: tuple) -> Any:
         values = list(leaves)
-        values[k] = value
+        for index, value in zip(others, chosen, strict=True):
+            values[index] = value
         return program(values, args)
 
-    outputs, tangent = jax.linearize(outputs_of, leaf)
-    cotangent = jax.linear_transpose(tangent, leaf)
+    chosen = tuple(leaves[index] for index in others)
+    outputs, tangent = jax.linearize(outputs_of, chosen)
+    cotangent = jax.linear_transpose(tangent, chosen)
+    zeros = [jnp.zeros_like(leaf) for leaf in chosen]
 
-    def column(unit: jax.Array) -> jax.Array:
-        tangents = tangent(laid_out_like(unit.reshape(leaf.shape), leaf))
-        product = loss.hessian_product(outputs, tangents, *args, **kwargs)
-        return jnp.ravel(cotangent(product)[0])
+    def block(k: int) -> jax.Array:
+        def column(unit: jax.Array) -> jax.Array:
+            direction = list(zeros)
+            direction[k] = laid_out_like(unit.reshape(chosen[k].shape), chosen[k])
+            tangents = tangent(tuple(direction))
+            product = loss.hessian_product(outputs, tangents, *args, **kwargs)
+            return jnp.ravel(cotangent(product)[0][k])
 
-    units = jnp.eye(leaf.size, dtype=leaf.dtype)
-    return jax.vmap(column)(units)
+        units = jnp.eye(chosen[k].size, dtype=chosen[k].dtype)
+        return jax.vmap(column)(units)
+
+    return [block(k) for k in range(len(chosen))]
