@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
+from ._eager import one_program
 from ._sharding import leaf_sharding, whole
 
 __all__ = [
@@ -43,13 +44,25 @@ def ravel_leaves(leaves: Any, dtype: Any, *, batch: int = 0) -> jax.Array:
     leaves = list(leaves)
     if not leaves:
         return jnp.zeros((0,), dtype)
-    pieces = [jnp.reshape(whole(leaf), jnp.shape(leaf)[:batch] + (-1,)) for leaf in leaves]
+    return _joined([whole(leaf) for leaf in leaves], jnp.dtype(dtype), batch)
+
+
+@one_program(static=("dtype", "batch"))
+def _joined(leaves: Any, dtype: Any, batch: int) -> Any:
+    pieces = [jnp.reshape(leaf, jnp.shape(leaf)[:batch] + (-1,)) for leaf in leaves]
     return jnp.concatenate([piece.astype(dtype) for piece in pieces], axis=batch)
 
 
 def split_leaves(flat: jax.Array, shapes: Any, dtypes: Any = None) -> list[jax.Array]:
     """The inverse of `ravel_leaves`: `flat`'s last axis cut into pieces of these `shapes`
     (its leading axes kept), each cast to its dtype in `dtypes` where given."""
+    shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
+    dtypes = None if dtypes is None else tuple(jnp.dtype(dtype) for dtype in dtypes)
+    return _cut(flat, shapes, dtypes)
+
+
+@one_program(static=("shapes", "dtypes"))
+def _cut(flat: Any, shapes: Any, dtypes: Any) -> Any:
     pieces, start, batch = [], 0, flat.shape[:-1]
     for index, shape in enumerate(shapes):
         size = math.prod(shape)
@@ -125,13 +138,7 @@ class Variables(eqx.Module):
 
     def unravel(self, flat: jax.Array) -> Any:
         """The pytree with its variables read from `flat` and every other leaf restored."""
-        leaves = [
-            jax.lax.slice_in_dim(flat, offset, offset + size).reshape(shape).astype(dtype)
-            for offset, size, shape, dtype in zip(
-                self.offsets, self.sizes, self.shapes, self.dtypes, strict=True
-            )
-        ]
-        return self.fill(leaves)
+        return self.fill(self.leaves_of(flat))
 
     def fill(self, leaves: list[Any], *, keep_fixed: bool = True) -> Any:
         """Put `leaves` (one per variable, in leaf order) back into the pytree's structure.
@@ -148,19 +155,24 @@ class Variables(eqx.Module):
     def leaves_of(self, flat: jax.Array) -> list[jax.Array]:
         """The flat vector `flat` cut into the variables' leaves, each in its own dtype
         (the variables of `unravel`, not yet put back into the pytree)."""
-        pieces = self.split_per_leaf(flat)
-        return [piece.astype(dtype) for piece, dtype in zip(pieces, self.dtypes, strict=True)]
+        return split_leaves(flat, self.shapes, self.dtypes)
 
     def split_per_leaf(self, flat_axis_array: jax.Array, axis: int = -1) -> list[jax.Array]:
         """Cut `flat_axis_array` along its `axis` of size `n` into one piece per variable
         leaf, that axis reshaped to the leaf's shape."""
-        axis = axis % flat_axis_array.ndim
-        pieces = []
-        for offset, size, shape in zip(self.offsets, self.sizes, self.shapes, strict=True):
-            piece = jax.lax.slice_in_dim(flat_axis_array, offset, offset + size, axis=axis)
-            new_shape = piece.shape[:axis] + shape + piece.shape[axis + 1 :]
-            pieces.append(piece.reshape(new_shape))
-        return pieces
+        return _cut_along(flat_axis_array, self.shapes, axis % flat_axis_array.ndim)
+
+
+@one_program(static=("shapes", "axis"))
+def _cut_along(array: Any, shapes: Any, axis: int) -> Any:
+    """`array`'s `axis` cut into one piece per shape in `shapes`, reshaped to it."""
+    pieces, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        piece = jax.lax.slice_in_dim(array, start, start + size, axis=axis)
+        pieces.append(piece.reshape(piece.shape[:axis] + shape + piece.shape[axis + 1 :]))
+        start += size
+    return pieces
 
 
 def _describe(leaf: Any) -> str:

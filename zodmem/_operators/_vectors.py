@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from .._checks import described
+from .._pytree import split_leaves
 from .._sharding import is_explicit, leaf_sharding, pinned
 from ._base import AbstractOperator
 
@@ -169,11 +170,7 @@ class VectorSpace(eqx.Module):
 
     def from_flat(self, flat: jax.Array) -> Any:
         """A flat `(..., n)` array as a vector (a block) of the space, leaves in `dtype`."""
-        lead, pieces = flat.shape[:-1], []
-        for shape, start in zip(self.shapes, self.offsets, strict=True):
-            piece = flat[..., start : start + math.prod(shape)]
-            pieces.append(piece.reshape(lead + shape))
-        return self.tree(pieces)
+        return self.tree(split_leaves(flat, self.shapes))
 
     def as_input(self, vector: Any) -> Any:
         """A vector with each leaf in its own dtype, as the operator takes it."""
