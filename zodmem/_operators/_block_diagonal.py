@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, Float, Inexact, PyTree, Shaped
 
 from .._checks import Number, RealScalar, check_bool, typechecked
+from .._eager import one_program
 from .._pytree import is_traced
 from .._traceback import public
 from ._arguments import check_real
@@ -153,13 +154,13 @@ class BlockDiagonal(AbstractOperator):
 
     def _pieces(self, vector: Any, name: str, owner: str) -> tuple[list[jax.Array], bool, Any]:
         """`(pieces, is_tree, dtype)`: `vector`, flat or shaped like `structure`, as one
-        flat piece per block in the dtype of the result."""
+        piece per block (raveled by the products) in the dtype of the result."""
         leaves = jax.tree_util.tree_leaves(vector)
         if not eqx.is_array(vector) and leaves and all(isinstance(v, Number) for v in leaves):
             vector = jnp.asarray(vector)  # a list of numbers, a flat vector
         dtype = jnp.result_type(*jax.tree_util.tree_leaves(vector), self._dtype)
         pieces, is_tree = self.layout.read(vector, name=name, owner=owner, dtype=dtype)
-        return [jnp.ravel(piece) for piece in pieces], is_tree, dtype
+        return pieces, is_tree, dtype
 
     def _written(self, pieces: list[jax.Array], is_tree: bool, dtype: Any) -> Any:
         shaped = [p.reshape(shape) for p, shape in zip(pieces, self.layout.shapes, strict=True)]
@@ -185,8 +186,7 @@ class BlockDiagonal(AbstractOperator):
             ```
         """
         pieces, is_tree, dtype = self._pieces(vector, "vector", f"{_OWNER}.mv")
-        out = [b @ p for b, p in zip(self.blocks, pieces, strict=True)]
-        return self._written(out, is_tree, dtype)
+        return self._written(_products(self.blocks, pieces), is_tree, dtype)
 
     def as_matrix(self) -> jax.Array:
         """The dense `(n, n)` matrix, zeros off the blocks.
@@ -286,45 +286,37 @@ class BlockDiagonal(AbstractOperator):
     def _spectra(self) -> list[tuple[jax.Array, jax.Array]]:
         """Each block's eigenvalues, those within rounding of zero set to zero (and, where
         the blocks are positive semi-definite, those below), and its eigenvectors."""
-        pairs = []
-        for block in self.blocks:
-            values, vectors = jnp.linalg.eigh(_symmetric(block))
-            rounding = block.shape[0] * jnp.finfo(block.dtype).eps * jnp.max(jnp.abs(values))
-            zero = values <= rounding if self.positive_semidefinite else jnp.abs(values) <= rounding
-            pairs.append((jnp.where(zero, 0, values), vectors))
-        return pairs
+        return _spectra(self.blocks, self.positive_semidefinite)
 
     def _damped(self, damping: Any, owner: str) -> tuple[list[jax.Array], list[jax.Array], Any]:
         """Per block, its eigenvalues plus `damping` and its eigenvectors, with a function
         that refuses a singular damped operator: at once where the values are concrete,
         or, traced, as the program runs, by the result it is given."""
         damping = check_real(damping, "damping", owner=owner, minimum=None)
-        pairs = self._spectra()
-        shifted = [values + jnp.asarray(damping, self._dtype) for values, _ in pairs]
-        every = jnp.concatenate(shifted)
+        shifted, bases, bad, least = _damped_spectra(
+            self.blocks, jnp.asarray(damping, self._dtype), self.positive_semidefinite
+        )
         if self.positive_semidefinite:
             allowed, advice = "> 0 (the damped operator is then positive definite)", "damping > 0"
             fault = "not positive definite"
-            bad, least = every <= 0, jnp.min(every)
         else:
             allowed, advice = "nonzero (the damped operator is then invertible)", "another damping"
             fault = "singular"
-            bad, least = every == 0, jnp.min(jnp.abs(every))
         message = f"{owner}: every eigenvalue plus `damping` must be {allowed}"
         rounding = "eigenvalues within rounding of zero count as zeros"
 
         def refuse_singular(result: Any) -> Any:
-            if is_traced(every):
-                return eqx.error_if(result, jnp.any(bad), f"{message} ({rounding}).")
+            if is_traced(bad):
+                return eqx.error_if(result, bad, f"{message} ({rounding}).")
             return result
 
-        if not is_traced(every) and bool(jnp.any(bad)):
+        if not is_traced(bad) and bool(bad):
             what = "least" if self.positive_semidefinite else "least in magnitude"
             raise ValueError(
                 f"{message}, but the {what} is {float(least)!r} with damping={damping!r} "
                 f"({rounding}): the damped operator is {fault}. Give {advice}."
             )
-        return shifted, [vectors for _, vectors in pairs], refuse_singular
+        return shifted, bases, refuse_singular
 
     @public
     @typechecked
@@ -352,11 +344,7 @@ class BlockDiagonal(AbstractOperator):
         """
         pieces, is_tree, dtype = self._pieces(b, "b", f"{_OWNER}.solve")
         shifted, bases, refuse_singular = self._damped(damping, f"{_OWNER}.solve")
-        out = [
-            vectors @ ((vectors.T @ piece) / values)
-            for values, vectors, piece in zip(shifted, bases, pieces, strict=True)
-        ]
-        return refuse_singular(self._written(out, is_tree, dtype))
+        return refuse_singular(self._written(_solved(shifted, bases, pieces), is_tree, dtype))
 
     @public
     @typechecked
@@ -378,16 +366,62 @@ class BlockDiagonal(AbstractOperator):
             ```
         """
         shifted, _, refuse_singular = self._damped(damping, f"{_OWNER}.logdet")
-        every = jnp.concatenate(shifted)
-        negative = jnp.count_nonzero(every < 0) % 2 == 1
-        total = jnp.where(negative, jnp.nan, jnp.sum(jnp.log(jnp.abs(every))))
-        return refuse_singular(total.astype(self._dtype))
+        return refuse_singular(_logdet(shifted))
 
 
-def _symmetric(block: jax.Array) -> jax.Array:
-    # Rounding leaves a computed Hessian block a little off symmetric; eigh reads one
-    # triangle, so the two are averaged first.
-    return (block + block.T) / 2
+# Each of these runs as one compiled program where it is called eagerly (a block's
+# eigendecomposition and what is read from it are otherwise a dozen programs of their own).
+
+
+@one_program(static=("positive_semidefinite",))
+def _spectra(blocks: Any, positive_semidefinite: bool) -> list[tuple[Any, Any]]:
+    pairs = []
+    for block in blocks:
+        # Rounding leaves a computed Hessian block a little off symmetric; eigh reads one
+        # triangle, so the two are averaged first.
+        values, vectors = jnp.linalg.eigh((block + block.T) / 2)
+        rounding = block.shape[0] * jnp.finfo(block.dtype).eps * jnp.max(jnp.abs(values))
+        zero = values <= rounding if positive_semidefinite else jnp.abs(values) <= rounding
+        pairs.append((jnp.where(zero, 0, values), vectors))
+    return pairs
+
+
+@one_program(static=("positive_semidefinite",))
+def _damped_spectra(blocks: Any, damping: Any, positive_semidefinite: bool) -> tuple:
+    """Each block's eigenvalues plus `damping`, its eigenvectors, whether the damped
+    operator is singular (not positive definite, where the blocks are semi-definite),
+    and its least eigenvalue (in magnitude, where they are not)."""
+    pairs = _spectra(blocks, positive_semidefinite)
+    shifted = [values + damping for values, _ in pairs]
+    every = jnp.concatenate(shifted)
+    if positive_semidefinite:
+        bad, least = jnp.any(every <= 0), jnp.min(every)
+    else:
+        bad, least = jnp.any(every == 0), jnp.min(jnp.abs(every))
+    return shifted, [vectors for _, vectors in pairs], bad, least
+
+
+@one_program()
+def _products(blocks: Any, pieces: Any) -> list[Any]:
+    return [
+        (block @ jnp.ravel(piece)).reshape(piece.shape)
+        for block, piece in zip(blocks, pieces, strict=True)
+    ]
+
+
+@one_program()
+def _solved(shifted: Any, bases: Any, pieces: Any) -> list[Any]:
+    return [
+        (vectors @ ((vectors.T @ jnp.ravel(piece)) / values)).reshape(piece.shape)
+        for values, vectors, piece in zip(shifted, bases, pieces, strict=True)
+    ]
+
+
+@one_program()
+def _logdet(shifted: Any) -> Any:
+    every = jnp.concatenate(shifted)
+    negative = jnp.count_nonzero(every < 0) % 2 == 1
+    return jnp.where(negative, jnp.nan, jnp.sum(jnp.log(jnp.abs(every)))).astype(every.dtype)
 
 
 register_symmetric(
