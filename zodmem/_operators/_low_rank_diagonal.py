@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._checks import Integer, Number, RealScalar, check_key, described, typechecked
 from .._traceback import public
-from . import _low_rank_leaves as leaves
+from . import _low_rank_leaves as leaves, _woodbury as woodbury
 from ._arguments import check_entries, check_real, check_shape
 from ._base import AbstractOperator
 from ._dense import dense_eigh
@@ -152,10 +152,6 @@ class LowRankDiagonal(AbstractOperator):
     # -- the operator --------------------------------------------------------------------
 
     @property
-    def _size(self) -> int:
-        return self._space.size if self.leafwise else self.d.shape[0]
-
-    @property
     def _space(self) -> leaves.VectorSpace:
         return leaves.leaves_space(self.d)
 
@@ -222,7 +218,7 @@ class LowRankDiagonal(AbstractOperator):
         vector = self._read(vector, "vector", f"{_OWNER}.mv", columns=False)
         if self.leafwise:
             return leaves.mv(self._space, self.U, self.s, self.d, vector)
-        return self.U @ (self.s * (self.U.T @ vector)) + self.d * vector
+        return woodbury.product(self.U, self.s, self.d, vector)
 
     @public
     def as_matrix(self) -> jax.Array:
@@ -241,7 +237,7 @@ class LowRankDiagonal(AbstractOperator):
         if self.leafwise:  # gathered: for small models and tests
             U, d = leaves.gathered(self._space, self.U).T, leaves.gathered(self._space, self.d)
             return (U * self.s) @ U.T + jnp.diag(d)
-        return (self.U * self.s) @ self.U.T + jnp.diag(self.d)
+        return woodbury.dense(self.U, self.s, self.d)
 
     def transpose(self) -> LowRankDiagonal:
         """`A` itself: it is symmetric.
@@ -273,7 +269,7 @@ class LowRankDiagonal(AbstractOperator):
         """
         if self.leafwise:
             return leaves.diagonal(self._space, self.U, self.s, self.d)
-        return self.d + jnp.sum(self.U * self.U * self.s, axis=1)
+        return woodbury.diagonal(self.U, self.s, self.d)
 
     # -- the damped operator: inverse, determinant, samples --------------------------------
 
@@ -284,10 +280,7 @@ class LowRankDiagonal(AbstractOperator):
         shifted = leaves.check_shift(self.d, damping, owner)
         if self.leafwise:
             return leaves.whitened(self._space, self.U, self.s, shifted)
-        root = jnp.sqrt(shifted)
-        scaled = self.U * jnp.sqrt(self.s) / root[:, None]
-        basis, singular, _ = jnp.linalg.svd(scaled, full_matrices=False)
-        return leaves.Damped(root, basis, singular * singular)
+        return woodbury.damped(self.U, self.s, shifted)
 
     @public
     @typechecked
@@ -332,13 +325,7 @@ class LowRankDiagonal(AbstractOperator):
         b = self._read(b, "b", owner, columns=True)
         if self.leafwise:
             return leaves.solve(self._space, self._damped(damping, owner), b)
-        root, basis, spectrum = self._damped(damping, owner)
-        rows = root if b.ndim == 1 else root[:, None]
-        whitened = b / rows
-        shrink = spectrum / (1 + spectrum)
-        inner = basis.T @ whitened
-        inner = shrink * inner if b.ndim == 1 else shrink[:, None] * inner
-        return (whitened - basis @ inner) / rows
+        return woodbury.solve(self._damped(damping, owner), b)
 
     @public
     @typechecked
@@ -370,8 +357,7 @@ class LowRankDiagonal(AbstractOperator):
         """
         if self.leafwise:
             return leaves.logdet(self._space, self._damped(damping, f"{_OWNER}.logdet"))
-        root, _, spectrum = self._damped(damping, f"{_OWNER}.logdet")
-        return 2 * jnp.sum(jnp.log(root)) + jnp.sum(jnp.log1p(spectrum))
+        return woodbury.logdet(self._damped(damping, f"{_OWNER}.logdet"))
 
     def eigh(self) -> tuple[jax.Array, jax.Array]:
         """`jnp.linalg.eigh` of the dense `A`, `O(n^3)` (`s`, `U`: the low rank's alone).
@@ -421,12 +407,7 @@ class LowRankDiagonal(AbstractOperator):
         damped = self._damped(damping, f"{_OWNER}.marginal_variances")
         if self.leafwise:
             return leaves.marginal_variances(self._space, damped)
-        root, basis, spectrum = damped
-        squares = basis * basis
-        # Clipped: rounding can leave a row of Q with a norm a little above 1.
-        outside = jnp.maximum(1 - jnp.sum(squares, axis=1), 0)
-        inside = squares @ (1 / (1 + spectrum))
-        return (outside + inside) / (root * root)
+        return woodbury.marginal_variances(damped)
 
     @public
     @typechecked
@@ -474,12 +455,7 @@ class LowRankDiagonal(AbstractOperator):
         shape = check_shape(shape, owner)
         if self.leafwise:
             return leaves.sample(self._space, self._damped(damping, owner), key, shape)
-        root, basis, spectrum = self._damped(damping, owner)
-        normals = jax.random.normal(key, (*shape, self._size), self.d.dtype)
-        grown = jnp.sqrt(1 + spectrum)
-        # 1 - 1 / sqrt(1 + t), written so that a small t loses nothing to cancellation.
-        pull = spectrum / (grown * (1 + grown))
-        return (normals - ((normals @ basis) * pull) @ basis.T) / root
+        return woodbury.sample(self._damped(damping, owner), key, shape)
 
 
 # With no low-rank part, the operator is its diagonal.
