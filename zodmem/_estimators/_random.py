@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._eager import one_program
 from .._operators._vectors import GOLDEN, hashed_words, key_seed, mix_words, words
 
 __all__ = ["hashed_bits", "key_seed", "probe_seeds", "sign_probes"]
@@ -35,6 +36,7 @@ def probe_seeds(key: jax.Array, indices: Any) -> jax.Array:
     return mix_words(lax.bitwise_xor(key_seed(key), mix_words(lax.add(words(indices), GOLDEN))))
 
 
+@one_program(static=("n", "dtype"))
 def sign_probes(key: jax.Array, indices: Any, n: int, dtype: Any) -> jax.Array:
     """Probes `indices` of `key` (an array of probe numbers, any shape), each `n` random
     signs (+1 or -1, each with probability 1/2) in `dtype`, along a last axis of `n`.

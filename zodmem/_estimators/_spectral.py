@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, PRNGKeyArray, Real
 
 from .._checks import Integer, Memory, Number, check_int, described, typechecked
+from .._eager import one_program
 from .._engine._layout import canonical_body
 from .._operators._arguments import check_positive, key_or_default
 from .._operators._flat import FlatView
@@ -198,7 +199,17 @@ def probe_block(space: VectorSpace, num_steps: int, num_probes: int, options: Pr
 def _density(
     nodes: jax.Array, weights: jax.Array, grid: Any, sigma: Any
 ) -> tuple[jax.Array, jax.Array]:
-    """The rules' mean, each node a Gaussian of width `sigma`, on the grid."""
+    """The rules' mean, each node a Gaussian of width `sigma`, on the grid (its points,
+    or their number), one program where it is called eagerly."""
+    if isinstance(grid, int):
+        return _density_on(nodes, weights, None, sigma, grid)
+    return _density_on(nodes, weights, grid, sigma, None)
+
+
+@one_program(static=("points",))
+def _density_on(
+    nodes: Any, weights: Any, grid: Any, sigma: Any, points: int | None
+) -> tuple[Any, Any]:
     dtype = nodes.dtype
     lower, upper = jnp.min(nodes), jnp.max(nodes)
     if sigma is None:
@@ -211,8 +222,8 @@ def _density(
         )
         # Every node zero: no scale to go by, so that of a spread of 1.
         sigma = jnp.where(sigma > 0, sigma, _SIGMA_FRACTION)
-    if isinstance(grid, int):
-        grid = jnp.linspace(lower - 3 * sigma, upper + 3 * sigma, grid, dtype=dtype)
+    if grid is None:
+        grid = jnp.linspace(lower - 3 * sigma, upper + 3 * sigma, points, dtype=dtype)
     # The mean over probes of each rule's weights on Gaussians at its nodes.
     offsets = (grid[:, None] - nodes.reshape(-1)[None, :]) / sigma
     kernel = jnp.exp(-0.5 * offsets**2) / (sigma * math.sqrt(2 * math.pi))
