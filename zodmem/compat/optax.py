@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._checks import as_index
+from .._eager import one_program
 from .._transforms._accumulate import aggregate_stacked
 from .._transforms._microbatch import AccumulationType, Accumulator, Microbatcher
 
@@ -85,13 +86,15 @@ def reshape_batch_axis(tree: PyTree, microbatch_size: int, axis: int = 0) -> Any
     `j + k * num_microbatches`: row `j` is optax's microbatch `j`.
     """
 
-    def split(x):
-        x = jnp.asarray(x)
-        ax = axis % x.ndim
-        by_column = x.reshape(x.shape[:ax] + (microbatch_size, -1) + x.shape[ax + 1 :])
-        return jnp.swapaxes(by_column, ax, ax + 1)
+    return jax.tree_util.tree_map(lambda x: _split_batch_axis(x, microbatch_size, axis), tree)
 
-    return jax.tree_util.tree_map(split, tree)
+
+@one_program(static=("microbatch_size", "axis"))
+def _split_batch_axis(x: Any, microbatch_size: int, axis: int) -> Any:
+    x = jnp.asarray(x)
+    ax = axis % x.ndim
+    by_column = x.reshape(x.shape[:ax] + (microbatch_size, -1) + x.shape[ax + 1 :])
+    return jnp.swapaxes(by_column, ax, ax + 1)
 
 
 def _is_accumulator_leaf(node: Any) -> bool:
@@ -116,12 +119,15 @@ def _convert(accumulator: Any) -> Any:
     return jax.tree_util.tree_map(convert, accumulator, is_leaf=_is_accumulator_leaf)
 
 
+# These run as one program each where called eagerly, rather than one per operation.
+@one_program(static=("microbatch_size", "axis"))
 def _in_strided_order(x: Any, microbatch_size: int, axis: int) -> Any:
     """Reorder the batch axis so that optax's microbatches are contiguous blocks."""
     x = jnp.asarray(x)
-    return reshape_batch_axis(x, microbatch_size, axis).reshape(x.shape)
+    return _split_batch_axis(x, microbatch_size, axis).reshape(x.shape)
 
 
+@one_program(static=("num_microbatches",))
 def _in_batch_order(x: Any, num_microbatches: int) -> Any:
     """Undo `_in_strided_order` on a concatenation of per-microbatch results."""
     rows = x.shape[0] // num_microbatches
