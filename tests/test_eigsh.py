@@ -332,6 +332,12 @@ def test_a_progress_bar_of_the_steps(capfd):
     assert "zm.eigsh steps" in bar and "40/40" in bar
 
 
+# Compiled once for both bad values of a dtype (a lambda jitted inside the test would be
+# compiled again for each).
+_eigsh_of_matrix = jax.jit(lambda m: eigsh(operator_of(m), 2))
+_low_rank_of_matrix = jax.jit(lambda m: zm.low_rank(operator_of(m), 2).as_matrix())
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_an_operator_of_nan_or_inf_products_is_refused_in_words(bad, dtype):
@@ -347,9 +353,9 @@ def test_an_operator_of_nan_or_inf_products_is_refused_in_words(bad, dtype):
         zm.low_rank(operator_of(matrix), 2)
     # Under jit, when the program runs, through `eqx.error_if`.
     with pytest.raises(RuntimeError, match=message):
-        jax.block_until_ready(jax.jit(lambda m: eigsh(operator_of(m), 2))(matrix))
+        jax.block_until_ready(_eigsh_of_matrix(matrix))
     with pytest.raises(RuntimeError, match=r"not finite \(NaN or inf\)"):
-        jax.block_until_ready(jax.jit(lambda m: zm.low_rank(operator_of(m), 2).as_matrix())(matrix))
+        jax.block_until_ready(_low_rank_of_matrix(matrix))
 
 
 def test_a_hessian_at_a_nan_parameter_is_refused_in_words():

@@ -23,7 +23,8 @@ def reference(fn, in_axes, out_axes, args, kwargs=None):
     vectorised = eqx.filter_vmap(
         lambda a, k: fn(*a, **k), in_axes=(in_axes, kwarg_axes), out_axes=out_axes
     )
-    return vectorised(args, kwargs)
+    # Compiled: one program rather than one per operation.
+    return eqx.filter_jit(vectorised)(args, kwargs)
 
 
 def values(shape, dtype, seed=0):
@@ -103,10 +104,12 @@ def test_pytrees_dtypes_and_axes(batch, chunk, dtype, u_axis, scale_mapped, out_
     out = transform(tree, scale)
     close(out, reference(pytree_fn, in_axes, out_axes, (tree, scale)))
     # Against plain jax.vmap, for the array outputs.
-    plain = jax.vmap(
-        lambda t, s: {k: v for k, v in pytree_fn(t, s).items() if k != "count"},
-        in_axes=in_axes,
-        out_axes={"scaled": out_axis, "pair": (0, 1)},
+    plain = jax.jit(
+        jax.vmap(
+            lambda t, s: {k: v for k, v in pytree_fn(t, s).items() if k != "count"},
+            in_axes=in_axes,
+            out_axes={"scaled": out_axis, "pair": (0, 1)},
+        )
     )(tree, scale)
     close({k: v for k, v in out.items() if k != "count"}, plain)
     assert out["count"] == 3
@@ -266,7 +269,7 @@ def test_inside_vmap_and_nested():
     ws = values((4, 2), jnp.float64, seed=2)
     close(
         jax.vmap(inner, in_axes=(None, 0))(x[0], ws),
-        jax.vmap(jax.vmap(loss_terms, in_axes=(0, None)), in_axes=(None, 0))(x[0], ws),
+        jax.jit(jax.vmap(jax.vmap(loss_terms, in_axes=(0, None)), in_axes=(None, 0)))(x[0], ws),
     )
 
 
@@ -274,7 +277,7 @@ def test_equinox_model_as_fn():
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     x = values((10, 3), jnp.float32)
     transform = zm.ChunkedVmap(model, chunk_size=4)
-    close(transform(x), jax.vmap(model)(x))
+    close(transform(x), eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(model, x))
     # The model's arrays are leaves of the transform, and are not mapped.
     leaves = jax.tree_util.tree_leaves(transform)
     assert len(leaves) == len(jax.tree_util.tree_leaves(model))
@@ -284,6 +287,7 @@ def test_equinox_model_as_fn():
     def grads(transform):
         return jnp.sum(transform(x) ** 2)
 
+    @eqx.filter_jit
     @eqx.filter_grad
     def plain_grads(model):
         return jnp.sum(jax.vmap(model)(x) ** 2)
