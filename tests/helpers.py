@@ -162,3 +162,16 @@ def check_init(cls, fn=jnp.sin, **config):
         if "__check_init__" in vars(klass):
             vars(klass)["__check_init__"](instance)
     return instance
+
+
+def built_kfac_factors(operator, params):
+    """A built curvlinops `KFACLinearOperator`'s factors, per module in its order, and
+    its dense matrix over the `params` it was given: `(inputs, gradients, matrix)`."""
+    import torch
+
+    operator.compute_kronecker_factors()
+    names = list(operator._mapping)
+    inputs = [operator._input_covariances[name].numpy() for name in names]
+    gradients = [operator._gradient_covariances[name].numpy() for name in names]
+    n = sum(p.numel() for p in params)
+    return inputs, gradients, (operator @ torch.eye(n, dtype=torch.float64)).numpy()

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import close
+from helpers import built_kfac_factors, close
 
 import zodmem as zm
 
@@ -236,13 +236,7 @@ def curvlinops_kfac(torch_model, params, loss, inputs, targets, fisher):
         separate_weight_and_bias=False,
         check_deterministic=False,
     )
-    operator.compute_kronecker_factors()
-    names = list(operator._mapping)
-    inputs_ = [operator._input_covariances[name].numpy() for name in names]
-    gradients = [operator._gradient_covariances[name].numpy() for name in names]
-    n = sum(p.numel() for p in params)
-    matrix = (operator @ torch.eye(n, dtype=torch.float64)).numpy()
-    return inputs_, gradients, matrix
+    return built_kfac_factors(operator, params)
 
 
 def copy_into(torch_layers, eqx_layers):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import built_kfac_factors
 
 import zodmem as zm
 
@@ -264,12 +265,7 @@ def curvlinops_factors(torch_model, inputs, targets, approx):
         separate_weight_and_bias=False,
         check_deterministic=False,
     )
-    operator.compute_kronecker_factors()
-    names = list(operator._mapping)
-    A = [operator._input_covariances[name].numpy() for name in names]
-    B = [operator._gradient_covariances[name].numpy() for name in names]
-    n = sum(p.numel() for p in params)
-    return A, B, (operator @ torch.eye(n, dtype=torch.float64)).numpy()
+    return built_kfac_factors(operator, params)
 
 
 def torch_copy(ours):
