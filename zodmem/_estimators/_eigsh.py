@@ -453,10 +453,7 @@ def eigenpairs(
             f"n = {n}) or `tol`, or pass `return_info=True` for the partial result and "
             "its residual norms."
         )
-        if is_traced(info.converged):
-            values = eqx.error_if(values, ~info.converged, message)
-        elif not bool(info.converged):  # concrete: raised here, with no program compiled
-            raise eqx.EquinoxRuntimeError(message)
+        values = _refused_unless(values, info.converged, message, eqx.EquinoxRuntimeError)
     if space.sharded:
         pass  # already a pytree like the variables, each leaf laid out like its variable
     elif pytree:
@@ -474,8 +471,14 @@ def _finite(values: jax.Array, finite: jax.Array, owner: str) -> jax.Array:
         "it has no eigenpairs to find. Check the operator's parameters and data (the point "
         "`x` and the arguments of its function) for NaN or inf values."
     )
-    if is_traced(finite):
-        return eqx.error_if(values, ~finite, message)
-    if not bool(finite):
-        raise ValueError(message)
+    return _refused_unless(values, finite, message, ValueError)
+
+
+def _refused_unless(values: jax.Array, ok: jax.Array, message: str, error: type) -> jax.Array:
+    """`values` where `ok`; else `error(message)`, raised here where `ok` is concrete (no
+    program compiled for the check), or by `eqx.error_if` when a traced program runs."""
+    if is_traced(ok):
+        return eqx.error_if(values, ~ok, message)
+    if not bool(ok):
+        raise error(message)
     return values
