@@ -81,8 +81,8 @@ def check_others(found: trace.Program, variables: Variables, owner: str) -> None
         else:
             why = (
                 "is in no layer KFAC recognises (a weight every use of which is an operand "
-                "of a dot_general, a convolution's kernel or a row lookup, in the program, "
-                "its calls or the bodies of its lax.scans)"
+                "of a dot_general, a convolution's kernel, a row lookup or a table added "
+                "by position, in the program, its calls or the bodies of its lax.scans)"
             )
         raise ValueError(
             f"{where}{why}, and its exact block would hold {size}^2 numbers; leaves in no "
