@@ -87,13 +87,7 @@ def placed(vectors, variables, block=False):
 
 @pytest.mark.parametrize("name", TRANSFORMS)
 @pytest.mark.parametrize("model_fn, features, layout, kind", CASES)
-def test_products_laid_out(name, model_fn, features, layout, kind, request):
-    if name == "microbatched" and kind == AxisType.Explicit:
-        # The microbatches' shard_map closes over the flat vector sharded on Explicit axes.
-        reason = "Microbatcher's products on Explicit axes"
-        request.applymarker(
-            pytest.mark.xfail(raises=NotImplementedError, strict=True, reason=reason)
-        )
+def test_products_laid_out(name, model_fn, features, layout, kind):
     (model, x, y), (sharded, xs, ys), mesh = setting(model_fn, features, layout, kind)
     params = eqx.filter(model, eqx.is_inexact_array)
     variables = eqx.filter(sharded, eqx.is_inexact_array)

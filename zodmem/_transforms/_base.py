@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 from jax.sharding import PartitionSpec
 
 from .._engine._block_plans import OutputSink
@@ -189,16 +190,26 @@ def in_shares(
         args, kwargs = replicate((args, kwargs), split.mesh)
         split = None
 
+    # The transform's own arrays (a vector a product is taken with, say) are inputs of
+    # the devices' map, whole on each, never values its trace closes over: on explicit
+    # mesh axes a closed-over sharded array could not enter the map.
+    own, rest = eqx.partition(transform, eqx.is_array)
+
     def compute(share, split, inputs):
-        args, kwargs = inputs
-        return transform.compute_share(sink, share, split, *args, **kwargs)
+        own, args, kwargs = inputs
+        return eqx.combine(own, rest).compute_share(sink, share, split, *args, **kwargs)
+
+    def specs(arrays):
+        own, args, kwargs = arrays
+        whole = jax.tree_util.tree_map(lambda _: PartitionSpec(), own)
+        return (whole, *in_specs((args, kwargs)))
 
     return dispatch(
         compute,
-        (args, kwargs),
+        (own, args, kwargs),
         split,
         here=sink is not None,
-        in_specs=in_specs,
+        in_specs=None if in_specs is None else specs,
         out_specs=_WHOLE if out_specs is None else out_specs,
     )
 
