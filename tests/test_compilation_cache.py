@@ -29,11 +29,13 @@ SCRIPT = textwrap.dedent(
 
     x = jnp.linspace(0.1, 1.0, 40)
     H = zm.BatchedHessian(f, max_memory="40kB")(x)
+    planned = zm.BatchedHessian(f, max_memory="40kB").plan(x)
     vals, _ = zm.eigsh(zm.BatchedHessian(f).operator(x), 3)
     written = zm.to_file(sys.argv[2], zm.BatchedHessian(f, batch_size=16), x)
     assert float(jnp.abs(H - jax.hessian(f)(x)).max()) < 1e-4
     assert float(abs(written - H).max()) < 1e-4
-    print(json.dumps({k: v for k, v in counts.items() if "compilation_cache" in k}))
+    counts = {k: v for k, v in counts.items() if "compilation_cache" in k}
+    print(json.dumps({**counts, "plan": [planned.block_size, planned.compiles]}))
     """
 )
 
@@ -57,9 +59,13 @@ def test_a_second_process_compiles_nothing_again(tmp_path):
     first = _run(tmp_path, "first")
     assert first.get(cached + "cache_misses", 0) > 0
     second = _run(tmp_path, "second")
-    # Every program the first process compiled is read back; the programs holding a
-    # host callback (eigsh's Ritz step, the file's writes) JAX caches in no process.
+    # Nothing the first process compiled is compiled again: the programs holding a host
+    # callback (eigsh's Ritz step, the file's writes) JAX caches in no process, and the
+    # planning of the budget is read from the plan the first process kept, with the one
+    # program it chose, from the cache.
     assert cached + "cache_misses" not in second
-    assert second[cached + "cache_hits"] == first[cached + "cache_misses"] + first.get(
+    assert 0 < second[cached + "cache_hits"] < first[cached + "cache_misses"] + first.get(
         cached + "cache_hits", 0
     )
+    assert first["plan"][1] > 1
+    assert second["plan"] == [first["plan"][0], 1]

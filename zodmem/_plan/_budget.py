@@ -61,6 +61,7 @@ from ._compiled import (
 from ._memory import budget_of
 from ._plans import MemoryBudgetError, Plan, refusal
 from ._search import CPU_BLOCK_BYTES, largest_made_from, search
+from ._stored import StoredPlan, stored_plans
 
 __all__ = [
     "CPU_BLOCK_BYTES",
@@ -232,10 +233,18 @@ class Planner:
             chosen = (self.transform.strategies[0], None)
             final = self.candidate(*chosen)
         else:
-            try:
-                chosen, final = self.choose(self.policy.usable(self.budget))
-            except _NoFit as nofit:
-                raise self.refusal(nofit) from None
+            usable = self.policy.usable(self.budget)
+            stored = stored_plans((self.transform, self.args, self.kwargs), self.budget, self.run)
+            kept = None if stored is None else self.kept(stored, usable)
+            if kept is not None:
+                chosen, final = kept
+            else:
+                try:
+                    chosen, final = self.choose(usable)
+                except _NoFit as nofit:
+                    raise self.refusal(nofit) from None
+                if stored is not None:
+                    stored.keep(*chosen, final.program)
         plan = Plan(
             owner=self.owner,
             what=self.work.what,
@@ -250,6 +259,20 @@ class Planner:
             compile_bytes=self.compile_bytes,
         )
         return plan, final.executable
+
+    def kept(self, stored: StoredPlan, usable: int) -> tuple[tuple[Any, int], Compiled] | None:
+        """The plan another process kept for this call, where its program is this call's
+        and its peak still fits: one compile, for the call. `None` otherwise (the
+        candidate compiled stays measured for the search)."""
+        choice = stored.choice(self.transform.strategies)
+        if choice is None or not 1 <= choice[1] <= self.work.total:
+            return None
+        strategy, size, digest = choice
+        self.for_call.add((strategy, size))
+        final = self.candidate(strategy, size)
+        if final.peak_bytes > usable or not stored.matches(final.program, digest):
+            return None
+        return (strategy, size), final
 
     # -- 1. candidates ------------------------------------------------------------------
 

@@ -40,6 +40,8 @@ class Compiled(NamedTuple):
     executable: Any
     # Whether the program runs a loop (a `scan` or a `while`, nested anywhere in it).
     loops: bool = False
+    # The traced program (a `ClosedJaxpr`), which a plan kept on disk is checked against.
+    program: Any = None
 
 
 # A probe is compiled only for its memory: without the backend's code optimisations
@@ -106,7 +108,9 @@ def compile_call(
     analysis = executable.memory_analysis()
     output = int(analysis.output_size_in_bytes)
     loops = jaxpr_holds(traced.jaxpr.jaxpr, LOOPS)
-    return Compiled(int(analysis.temp_size_in_bytes) + output, output, executable, loops)
+    return Compiled(
+        int(analysis.temp_size_in_bytes) + output, output, executable, loops, traced.jaxpr
+    )
 
 
 def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
