@@ -1,11 +1,14 @@
 """The checks that every transform and compat function makes on what it is given.
 
-One convention for every message: it starts with the owner (the transform's class
-name, or the compat function's name), names the argument, shows the value and says
-what is allowed. Integer options are read with `operator.index`, so NumPy integers
-are welcome and floats and bools are refused. A value is shown by its `repr` and its
-type's full name (`numpy.float64`, not `float64`), so that NumPy's scalars, whose short
-names repeat Python's (`numpy.bool` is not `bool`), are told apart.
+One convention for every message: it starts with the owner, names the argument, shows
+the value and says what is allowed. The owner is what the user called: a class gives its
+name through `_owner` (`NamedInMessages`; `f"{self._owner}.solve"` for a method) and a
+public function its `zm.` name, set once at its top (a compat function, the peer's
+name); either passes it on to the checks and helpers as `owner=`. Integer options are
+read with `operator.index`, so NumPy integers are welcome and floats and bools are
+refused. A value is shown by its `repr` and its type's full name (`numpy.float64`, not
+`float64`), so that NumPy's scalars, whose short names repeat Python's (`numpy.bool`
+is not `bool`), are told apart.
 
 The public functions and methods of the estimators and operators declare their
 arguments' types (`Integer`, `Number`, `RealScalar`, `Memory`, jaxtyping's arrays) and
@@ -32,6 +35,7 @@ from jaxtyping import Array, Real, TypeCheckError, jaxtyped
 from ._traceback import public
 
 __all__ = [
+    "NamedInMessages",
     "Integer",
     "Memory",
     "Number",
@@ -53,6 +57,16 @@ __all__ = [
     "refuses_forward_mode",
     "taking_jvps_of_fn",
 ]
+
+
+class NamedInMessages(eqx.Module):
+    """A class whose messages name it: `_owner`, its class's name, which its methods
+    give the checks and helpers they call as `owner=` (`f"{self._owner}.solve"` for a
+    method's). The planned work of `zodmem._plan` names itself the same way."""
+
+    @property
+    def _owner(self) -> str:
+        return type(self).__name__
 
 
 # -- the types of public arguments, checked at every call ----------------------------------

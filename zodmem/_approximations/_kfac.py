@@ -36,6 +36,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._checks import (
     Integer,
     Memory,
+    NamedInMessages,
     as_index,
     check_choice,
     check_int,
@@ -61,7 +62,7 @@ _FISHERS = ("type-2", "mc", "empirical")
 _APPROXIMATIONS = ("expand", "reduce")
 
 
-class _KroneckerCurvature(AbstractTransform):
+class _KroneckerCurvature(AbstractTransform, NamedInMessages):
     """What `KFAC` and `EKFAC` share: their options, checks, plan and call. They are
     transforms like the others: `zm.save`/`zm.load` write and read them, `plan()` says
     how their passes over the data will be cut into microbatches, `progress` draws a bar
@@ -83,7 +84,6 @@ class _KroneckerCurvature(AbstractTransform):
     kfac_approx: str = eqx.field(default="expand", static=True, kw_only=True)
 
     _corrected: ClassVar[bool]
-    _owner: ClassVar[str]
 
     @public
     @typechecked
@@ -183,7 +183,7 @@ class _KroneckerCurvature(AbstractTransform):
         first = self._first_pass(x, args, kwargs)
         batched = self._batched(first.statistics, first.accumulator, first.keys, args)
         plan = batched.plan(first.leaves, first.keys, *args)
-        return dataclasses.replace(plan, owner=self._owner.removeprefix("zm."))
+        return dataclasses.replace(plan, owner=self._owner)
 
     def _first_pass(self, x: Any, args: tuple, kwargs: dict) -> _Pass:
         """What the pass that gathers the factors needs: the layers found in the
@@ -205,9 +205,8 @@ class _KroneckerCurvature(AbstractTransform):
                 program, leaves, args, found, jaxpr, variables, owner, terms=True
             )
         mean = getattr(self.loss, "reduction", "sum") == "mean"
-        settings = Settings(
-            self.fisher, self.mc_samples, mean, found, examples, self.kfac_approx, reduced
-        )
+        options = (self.fisher, self.mc_samples, mean, found, examples, self.kfac_approx)
+        settings = Settings(*options, reduced, owner=owner)
         keys = None
         if self.fisher == "mc":
             keys = jax.random.split(self.key, batch_size(args, owner))
@@ -444,7 +443,6 @@ class KFAC(_KroneckerCurvature):
     """
 
     _corrected: ClassVar[bool] = False
-    _owner: ClassVar[str] = "zm.KFAC"
 
 
 class EKFAC(_KroneckerCurvature):
@@ -493,4 +491,3 @@ class EKFAC(_KroneckerCurvature):
     """
 
     _corrected: ClassVar[bool] = True
-    _owner: ClassVar[str] = "zm.EKFAC"

@@ -38,6 +38,7 @@ class Settings(eqx.Module):
     examples: tuple = eqx.field(static=True)  # per use, its rows' examples axis or None
     approx: str = eqx.field(default="expand", static=True)
     reduced: tuple = eqx.field(default=(), static=True)  # per use, for "reduce": as examples
+    owner: str = eqx.field(static=True, kw_only=True)  # the transform, for messages
 
 
 def traced(fn: Any, variables: Variables, kwargs: dict) -> Callable:
@@ -148,8 +149,8 @@ class Statistics(eqx.Module):
         found = trace.find_layers(closed.jaxpr, len(leaves))
         if found != self.settings.program:
             raise ValueError(
-                "zm.KFAC: `fn` is a different program on a microbatch than on the whole "
-                "batch (its layers differ); it must not depend on the batch's size."
+                f"{self.settings.owner}: `fn` is a different program on a microbatch than on "
+                "the whole batch (its layers differ); it must not depend on the batch's size."
             )
         perturbations = [
             jnp.zeros(rows_of.output_shape(closed.jaxpr, layer), dtype) for layer in found.layers

@@ -76,11 +76,11 @@ def lanczos_tridiagonal(
     `space` (by default, a flat vector)."""
     if space is None:
         space = flat_space(probe.shape[-1], probe.dtype)
-    n = space.size
-    num_steps = check_int(num_steps, "num_steps", owner="lanczos_quadrature", minimum=1)
+    n, owner = space.size, "lanczos_quadrature"
+    num_steps = check_int(num_steps, "num_steps", owner=owner, minimum=1)
     if num_steps > n:
         raise ValueError(
-            f"lanczos_quadrature: `num_steps` must be at most the probe's size {n}, got "
+            f"{owner}: `num_steps` must be at most the probe's size {n}, got "
             f"num_steps={num_steps}."
         )
     dtype = space.dtype

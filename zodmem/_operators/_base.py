@@ -27,7 +27,7 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Float, Inexact, PyTree, Shaped
 
-from .._checks import RealScalar, described, typechecked
+from .._checks import NamedInMessages, RealScalar, described, typechecked
 from .._pytree import ravel_leaves, split_leaves
 from .._sharding import leaf_sharding, pinned
 from .._traceback import public
@@ -149,7 +149,7 @@ def check_leaves(vector: Any, expected: list, name: str, *, owner: str) -> None:
             )
 
 
-class AbstractOperator(lx.AbstractLinearOperator):
+class AbstractOperator(lx.AbstractLinearOperator, NamedInMessages):
     """The base of zodmem's operators: a `lineax` linear operator over the variables of a
     model that declares what it can do exactly.
 

@@ -30,8 +30,6 @@ from ._tags import register_symmetric
 
 __all__ = ["BlockDiagonal"]
 
-_OWNER = "zm.BlockDiagonal"
-
 
 class BlockDiagonal(AbstractOperator):
     """The symmetric operator `diag(B_1, ..., B_k)` of square blocks along the diagonal,
@@ -112,25 +110,25 @@ class BlockDiagonal(AbstractOperator):
         positive_semidefinite: bool = False,
         structure: PyTree[jax.ShapeDtypeStruct | Array] | None = None,
     ):
-        check_bool(positive_semidefinite, "positive_semidefinite", owner=_OWNER)
+        check_bool(positive_semidefinite, "positive_semidefinite", owner=self._owner)
         blocks = tuple(jnp.asarray(block) for block in blocks)
         if not blocks:
-            raise ValueError(f"{_OWNER}: `blocks` is empty; give at least one square block.")
+            raise ValueError(f"{self._owner}: `blocks` is empty; give at least one square block.")
         for index, block in enumerate(blocks):
             if block.ndim != 2 or block.shape[0] != block.shape[1]:
                 raise ValueError(
-                    f"{_OWNER}: every block must be a square matrix, but blocks[{index}] has "
+                    f"{self._owner}: every block must be a square matrix, but blocks[{index}] has "
                     f"shape {block.shape}."
                 )
             if not jnp.issubdtype(block.dtype, jnp.floating):
                 raise TypeError(
-                    f"{_OWNER}: the blocks must be real floating-point matrices, but "
+                    f"{self._owner}: the blocks must be real floating-point matrices, but "
                     f"`blocks[{index}]` has dtype {block.dtype}."
                 )
         dtypes = {block.dtype for block in blocks}
         if len(dtypes) > 1:
             raise TypeError(
-                f"{_OWNER}: the blocks must share one dtype, got {sorted(map(str, dtypes))}; "
+                f"{self._owner}: the blocks must share one dtype, got {sorted(map(str, dtypes))}; "
                 "cast them to one."
             )
         self.blocks = blocks
@@ -143,7 +141,7 @@ class BlockDiagonal(AbstractOperator):
             sizes = tuple(math.prod(shape) for shape in self.layout.shapes)
             if sizes != self.sizes:
                 raise ValueError(
-                    f"{_OWNER}: `structure` must have one leaf per block, of the block's "
+                    f"{self._owner}: `structure` must have one leaf per block, of the block's "
                     f"size: the blocks have sizes {list(self.sizes)}, the leaves of "
                     f"`structure` {list(sizes)}."
                 )
@@ -185,7 +183,7 @@ class BlockDiagonal(AbstractOperator):
             assert jnp.allclose(A.mv(jnp.ones(3)), jnp.array([3.0, 3.0, 4.0]))
             ```
         """
-        pieces, is_tree, dtype = self._pieces(vector, "vector", f"{_OWNER}.mv")
+        pieces, is_tree, dtype = self._pieces(vector, "vector", f"{self._owner}.mv")
         return self._written(_products(self.blocks, pieces), is_tree, dtype)
 
     def as_matrix(self) -> jax.Array:
@@ -342,8 +340,8 @@ class BlockDiagonal(AbstractOperator):
             assert jnp.allclose(A.mv(x) + x, jnp.ones(3), atol=1e-6)
             ```
         """
-        pieces, is_tree, dtype = self._pieces(b, "b", f"{_OWNER}.solve")
-        shifted, bases, refuse_singular = self._damped(damping, f"{_OWNER}.solve")
+        pieces, is_tree, dtype = self._pieces(b, "b", f"{self._owner}.solve")
+        shifted, bases, refuse_singular = self._damped(damping, f"{self._owner}.solve")
         return refuse_singular(self._written(_solved(shifted, bases, pieces), is_tree, dtype))
 
     @public
@@ -365,7 +363,7 @@ class BlockDiagonal(AbstractOperator):
             assert jnp.allclose(A.logdet(), jnp.log(3.0 * 4.0))
             ```
         """
-        shifted, _, refuse_singular = self._damped(damping, f"{_OWNER}.logdet")
+        shifted, _, refuse_singular = self._damped(damping, f"{self._owner}.logdet")
         return refuse_singular(_logdet(shifted))
 
 

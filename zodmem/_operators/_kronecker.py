@@ -35,8 +35,6 @@ from ._tags import register_symmetric
 
 __all__ = ["KroneckerBlock", "KroneckerEigen", "KroneckerFactored"]
 
-_OWNER = "zm.KroneckerFactored"
-
 
 # A factor, a basis or a block's eigenvalues: a matrix, cast to the operator's dtype.
 Factor = Real[Array | np.ndarray, "_ _"]
@@ -146,7 +144,7 @@ class KroneckerFactored(AbstractOperator):
             self.layout = VariableLayout.of(structure)
             if self.layout.shapes != self.shapes:
                 raise ValueError(
-                    f"{_OWNER}: the leaves of `structure` must have the `shapes` "
+                    f"{self._owner}: the leaves of `structure` must have the `shapes` "
                     f"{list(self.shapes)}, got {list(self.layout.shapes)}."
                 )
 
@@ -280,7 +278,7 @@ class KroneckerFactored(AbstractOperator):
             ```
         """
         pieces, is_tree = self.layout.read(
-            vector, name="vector", owner=f"{_OWNER}.mv", dtype=self.dtype
+            vector, name="vector", owner=f"{self._owner}.mv", dtype=self.dtype
         )
         return self.layout.write(compiled.products(self, pieces), is_tree, self.dtype)
 
@@ -400,7 +398,7 @@ class KroneckerFactored(AbstractOperator):
             assert jnp.allclose(F.mv(y) + 0.1 * y, b, rtol=1e-3, atol=1e-3)
             ```
         """
-        owner = f"{_OWNER}.solve"
+        owner = f"{self._owner}.solve"
         n = self._size
         if eqx.is_array(b) and jnp.ndim(b) == 2 and jnp.shape(b)[0] == n:
             columns = jnp.asarray(b, self.dtype)
@@ -430,7 +428,7 @@ class KroneckerFactored(AbstractOperator):
             assert jnp.allclose(F.logdet(damping=0.1), jnp.linalg.slogdet(dense)[1], rtol=1e-4)
             ```
         """
-        damping = self._damping(damping, f"{_OWNER}.logdet")
+        damping = self._damping(damping, f"{self._owner}.logdet")
         return compiled.logdet(compiled.decomposed(self), damping)
 
     def eigh(self) -> tuple[KroneckerEigen, ...]:

@@ -38,8 +38,6 @@ from ._tags import register_symmetric
 
 __all__ = ["LowRankDiagonal"]
 
-_OWNER = "zm.LowRankDiagonal"
-
 # A vector of an operator held leaf by leaf: in the variables' structure.
 Vector = PyTree[Float[Array, "..."]]
 
@@ -120,17 +118,19 @@ class LowRankDiagonal(AbstractOperator):
         for name in ("s",) if self.leafwise else ("U", "s", "d"):
             value = getattr(self, name)
             if not isinstance(value, jax.Array):
-                raise TypeError(f"{_OWNER}: `{name}` must be an array, got {described(value)}.")
+                raise TypeError(
+                    f"{self._owner}: `{name}` must be an array, got {described(value)}."
+                )
             if not jnp.issubdtype(value.dtype, jnp.floating):
                 raise TypeError(
-                    f"{_OWNER}: `{name}` must be a real floating array (float32 or float64), "
+                    f"{self._owner}: `{name}` must be a real floating array (float32 or float64), "
                     f"got dtype {value.dtype}."
                 )
         if self.leafwise:
-            return leaves.check_leaves(self.U, self.s, self.d, _OWNER)
+            return leaves.check_leaves(self.U, self.s, self.d, self._owner)
         if self.U.ndim != 2:
             raise ValueError(
-                f"{_OWNER}: `U` must be a 2-d array of shape (n, r), one direction a column, "
+                f"{self._owner}: `U` must be a 2-d array of shape (n, r), one direction a column, "
                 f"got shape {self.U.shape}."
             )
         n, r = self.U.shape
@@ -138,16 +138,16 @@ class LowRankDiagonal(AbstractOperator):
             value = getattr(self, name)
             if value.shape != shape:
                 raise ValueError(
-                    f"{_OWNER}: `{name}` must have shape {shape} for `U` of shape {(n, r)}, "
+                    f"{self._owner}: `{name}` must have shape {shape} for `U` of shape {(n, r)}, "
                     f"got shape {value.shape}."
                 )
             if value.dtype != self.U.dtype:
                 raise TypeError(
-                    f"{_OWNER}: `{name}` has dtype {value.dtype}, but `U` has {self.U.dtype}; "
+                    f"{self._owner}: `{name}` has dtype {value.dtype}, but `U` has {self.U.dtype}; "
                     f"give all three in one dtype."
                 )
-        check_entries(self.s, "s", "the low-rank part's eigenvalues", owner=_OWNER)
-        check_entries(self.d, "d", "the diagonal part", owner=_OWNER)
+        check_entries(self.s, "s", "the low-rank part's eigenvalues", owner=self._owner)
+        check_entries(self.d, "d", "the diagonal part", owner=self._owner)
 
     # -- the operator --------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ class LowRankDiagonal(AbstractOperator):
             assert jnp.allclose(A.mv(jnp.ones(3)), jnp.array([3.0, 1.0, 1.0]))
             ```
         """
-        vector = self._read(vector, "vector", f"{_OWNER}.mv", columns=False)
+        vector = self._read(vector, "vector", f"{self._owner}.mv", columns=False)
         if self.leafwise:
             return leaves.mv(self._space, self.U, self.s, self.d, vector)
         return woodbury.product(self.U, self.s, self.d, vector)
@@ -321,7 +321,7 @@ class LowRankDiagonal(AbstractOperator):
             assert jnp.allclose(y, jnp.array([1 / 3, 1.0, 1.0]))
             ```
         """
-        owner = f"{_OWNER}.solve"
+        owner = f"{self._owner}.solve"
         b = self._read(b, "b", owner, columns=True)
         if self.leafwise:
             return leaves.solve(self._space, self._damped(damping, owner), b)
@@ -356,8 +356,8 @@ class LowRankDiagonal(AbstractOperator):
             ```
         """
         if self.leafwise:
-            return leaves.logdet(self._space, self._damped(damping, f"{_OWNER}.logdet"))
-        return woodbury.logdet(self._damped(damping, f"{_OWNER}.logdet"))
+            return leaves.logdet(self._space, self._damped(damping, f"{self._owner}.logdet"))
+        return woodbury.logdet(self._damped(damping, f"{self._owner}.logdet"))
 
     def eigh(self) -> tuple[jax.Array, jax.Array]:
         """`jnp.linalg.eigh` of the dense `A`, `O(n^3)` (`s`, `U`: the low rank's alone).
@@ -372,7 +372,7 @@ class LowRankDiagonal(AbstractOperator):
             assert jnp.allclose(A.eigh()[0], jnp.array([1.0, 1.0, 3.0]))
             ```
         """
-        return dense_eigh(self, f"{_OWNER}.eigh")
+        return dense_eigh(self, f"{self._owner}.eigh")
 
     @public
     @typechecked
@@ -404,7 +404,7 @@ class LowRankDiagonal(AbstractOperator):
             assert jnp.allclose(variances, jnp.array([1 / 3, 1.0, 1.0]))
             ```
         """
-        damped = self._damped(damping, f"{_OWNER}.marginal_variances")
+        damped = self._damped(damping, f"{self._owner}.marginal_variances")
         if self.leafwise:
             return leaves.marginal_variances(self._space, damped)
         return woodbury.marginal_variances(damped)
@@ -450,7 +450,7 @@ class LowRankDiagonal(AbstractOperator):
             assert jnp.allclose(jnp.var(draws, axis=0), jnp.array([1 / 9, 1, 1]), rtol=0.05)
             ```
         """
-        owner = f"{_OWNER}.sample"
+        owner = f"{self._owner}.sample"
         key = check_key(key, owner=owner)
         shape = check_shape(shape, owner)
         if self.leafwise:
@@ -469,8 +469,8 @@ def _(operator):
     U, s = operator.U, operator.s
     if operator.leafwise:
         raise ValueError(
-            f"{_OWNER}: a tridiagonal part of an operator held leaf by leaf has no order of "
-            "its entries across the variables; use it on one device."
+            f"{operator._owner}: a tridiagonal part of an operator held leaf by leaf has no "
+            "order of its entries across the variables; use it on one device."
         )
     beside = jnp.sum(U[:-1] * U[1:] * s, axis=1)  # entries (i, i + 1), in O(n r)
     return operator.diagonal(), beside, beside

@@ -95,7 +95,8 @@ class BlockedOperator(AbstractOperator):
 
     @property
     def _owner(self) -> str:
-        return f"{type(self.transform).__name__}.operator"
+        # The user called the transform's `operator`, not this class.
+        return f"{self.transform._owner}.operator"
 
     @property
     def _options(self) -> TransformOptions:

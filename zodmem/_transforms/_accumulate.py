@@ -12,11 +12,10 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._checks import check_callable
+from .._checks import NamedInMessages, check_callable
 from .._engine._block_plans import BlockPlan
 from .._traceback import public
 
@@ -32,7 +31,6 @@ __all__ = [
 ]
 
 # Accumulators are an option of `Microbatcher`, so their errors speak for it.
-_OWNER = "Microbatcher"
 
 
 class AccumulationType(enum.Enum):
@@ -65,7 +63,7 @@ class AccumulationType(enum.Enum):
     CONCAT = "concat"
 
 
-class Accumulator(eqx.Module):
+class Accumulator(NamedInMessages):
     """A user-defined way to combine the results of microbatches.
 
     Given the results `r_0, ..., r_{k-1}` of the microbatches evaluated, in order, it
@@ -121,9 +119,9 @@ class Accumulator(eqx.Module):
     @public
     def __check_init__(self):
         for name in ("init", "update", "finalize"):
-            check_callable(getattr(self, name), name, owner="Accumulator")
+            check_callable(getattr(self, name), name, owner=self._owner)
         if self.aggregate is not None:
-            check_callable(self.aggregate, "aggregate", owner="Accumulator")
+            check_callable(self.aggregate, "aggregate", owner=self._owner)
 
 
 # ----------------------------------------------------------------------------------
@@ -137,7 +135,7 @@ def is_accumulator_leaf(node: Any) -> bool:
     return node is None or isinstance(node, (str, AccumulationType, Accumulator))
 
 
-def resolve(leaf: Any) -> AccumulationType | Accumulator:
+def resolve(leaf: Any, *, owner: str) -> AccumulationType | Accumulator:
     """The accumulator a leaf of the `accumulator` option names (refuse unknown ones)."""
     if isinstance(leaf, (AccumulationType, Accumulator)):
         return leaf
@@ -147,22 +145,22 @@ def resolve(leaf: Any) -> AccumulationType | Accumulator:
         except ValueError:
             pass
     raise ValueError(
-        f"{_OWNER}: `accumulator` holds the unknown accumulator {leaf!r}. An accumulator "
+        f"{owner}: `accumulator` holds the unknown accumulator {leaf!r}. An accumulator "
         f"is one of {_KNOWN}, an AccumulationType member or an Accumulator (or a pytree of "
         "these)."
     )
 
 
-def check_accumulator(tree: Any) -> None:
+def check_accumulator(tree: Any, *, owner: str) -> None:
     """Refuse an `accumulator` option that names no accumulator, or an unknown one."""
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_accumulator_leaf)
     if not leaves:
         raise ValueError(
-            f"{_OWNER}: `accumulator` must be one of {_KNOWN}, an AccumulationType, an "
+            f"{owner}: `accumulator` must be one of {_KNOWN}, an AccumulationType, an "
             f"Accumulator, or a pytree of these; got {tree!r}, which holds none."
         )
     for leaf in leaves:
-        resolve(leaf)
+        resolve(leaf, owner=owner)
 
 
 # ----------------------------------------------------------------------------------
@@ -193,7 +191,7 @@ def lift(leaf: Accumulator, last: Any = None) -> Accumulator:
     return Accumulator(init, update, finalize, aggregate)
 
 
-def compose(accumulators: Any) -> Accumulator:
+def compose(accumulators: Any, *, owner: str) -> Accumulator:
     """One accumulator from a pytree of them, each combining its part of the results.
 
     The pytree of accumulators is a prefix of the results: each accumulator gets the
@@ -210,7 +208,7 @@ def compose(accumulators: Any) -> Accumulator:
     def aggregate(accumulator, values):
         if accumulator.aggregate is None:
             raise ValueError(
-                f"{_OWNER}: this Accumulator has no `aggregate`, which combining "
+                f"{owner}: this Accumulator has no `aggregate`, which combining "
                 "stacked results needs; give one when building it."
             )
         return accumulator.aggregate(values)
@@ -231,10 +229,10 @@ def compose(accumulators: Any) -> Accumulator:
 # shape of the last microbatch's result when that microbatch is smaller than the others.
 
 
-def _check_one_shape(kind: str, shape: Any, last: Any, plan: BlockPlan) -> None:
+def _check_one_shape(kind: str, shape: Any, last: Any, plan: BlockPlan, owner: str) -> None:
     if last is not None and shape.shape != last.shape:
         raise ValueError(
-            f"{_OWNER}: accumulator {kind!r} needs results of one shape from every "
+            f"{owner}: accumulator {kind!r} needs results of one shape from every "
             f"microbatch, but an output leaf has shape {shape.shape} for a microbatch of "
             f"{plan.block_size} examples and {last.shape} for the last microbatch of "
             f"{plan.remainder}. Use 'concat' for results with one entry per example, or a "
@@ -242,10 +240,10 @@ def _check_one_shape(kind: str, shape: Any, last: Any, plan: BlockPlan) -> None:
         )
 
 
-def _check_inexact(kind: str, shape: Any) -> None:
+def _check_inexact(kind: str, shape: Any, owner: str) -> None:
     if not jnp.issubdtype(shape.dtype, jnp.inexact):
         raise ValueError(
-            f"{_OWNER}: accumulator {kind!r} needs floating-point (or complex) results, but "
+            f"{owner}: accumulator {kind!r} needs floating-point (or complex) results, but "
             f"an output leaf has dtype {shape.dtype} and shape {shape.shape}. Use 'sum' for "
             "integer results, or return floats."
         )
@@ -258,9 +256,9 @@ def _size_of(plan: BlockPlan, index: Any) -> Any:
     return jnp.where(index < plan.num_full_blocks, plan.block_size, plan.remainder)
 
 
-def _sum(plan: BlockPlan | None) -> Accumulator:
+def _sum(plan: BlockPlan | None, owner: str) -> Accumulator:
     def init(shape, *, last=None):
-        _check_one_shape("sum", shape, last, plan)
+        _check_one_shape("sum", shape, last, plan, owner)
         return jnp.zeros(shape.shape, shape.dtype)
 
     return Accumulator(
@@ -271,10 +269,10 @@ def _sum(plan: BlockPlan | None) -> Accumulator:
     )
 
 
-def _mean(plan: BlockPlan | None, kind: str = "mean") -> Accumulator:
+def _mean(plan: BlockPlan | None, owner: str, kind: str = "mean") -> Accumulator:
     def init(shape, *, last=None):
-        _check_inexact(kind, shape)
-        _check_one_shape(kind, shape, last, plan)
+        _check_inexact(kind, shape, owner)
+        _check_one_shape(kind, shape, last, plan, owner)
         return jnp.zeros(shape.shape, shape.dtype)
 
     def update(carry, value, index):
@@ -293,29 +291,29 @@ def _mean(plan: BlockPlan | None, kind: str = "mean") -> Accumulator:
     return Accumulator(init, update, finalize, lambda values: jnp.mean(values, axis=0))
 
 
-def _running_mean(plan: BlockPlan | None) -> Accumulator:
+def _running_mean(plan: BlockPlan | None, owner: str) -> Accumulator:
     def update(carry, value, index):
         seen = index * plan.block_size
         keep = (seen / (seen + _size_of(plan, index))).astype(jnp.finfo(carry.dtype).dtype)
         return (carry * keep + value * (1 - keep)).astype(carry.dtype)
 
-    mean = _mean(plan, "running_mean")
+    mean = _mean(plan, owner, "running_mean")
     return Accumulator(mean.init, update, lambda carry: carry, mean.aggregate)
 
 
-def _concat(plan: BlockPlan | None) -> Accumulator:
+def _concat(plan: BlockPlan | None, owner: str) -> Accumulator:
     def init(shape, *, last=None):
         if shape.ndim == 0:
             if last is not None and last.ndim != 0:
                 raise ValueError(
-                    f"{_OWNER}: accumulator 'concat' got a scalar result from a full "
+                    f"{owner}: accumulator 'concat' got a scalar result from a full "
                     f"microbatch and shape {last.shape} from the last one."
                 )
             rows = 1
         else:
             if last is not None and (last.ndim == 0 or last.shape[1:] != shape.shape[1:]):
                 raise ValueError(
-                    f"{_OWNER}: accumulator 'concat' joins results along axis 0, so they "
+                    f"{owner}: accumulator 'concat' joins results along axis 0, so they "
                     f"must agree on the other axes, but an output leaf has shape "
                     f"{shape.shape} for a microbatch of {plan.block_size} examples and "
                     f"{last.shape} for the last microbatch of {plan.remainder}."
@@ -338,21 +336,25 @@ def _concat(plan: BlockPlan | None) -> Accumulator:
     return Accumulator(init, update, lambda buffer: buffer, lambda values: values)
 
 
-def _built_in(kind: AccumulationType | Accumulator, plan: BlockPlan | None, last: Any) -> Any:
+def _built_in(
+    kind: AccumulationType | Accumulator, plan: BlockPlan | None, last: Any, owner: str
+) -> Any:
     match kind:
         case Accumulator():
             return kind
         case AccumulationType.SUM:
-            return lift(_sum(plan), last)
+            return lift(_sum(plan, owner), last)
         case AccumulationType.MEAN:
-            return lift(_mean(plan), last)
+            return lift(_mean(plan, owner), last)
         case AccumulationType.RUNNING_MEAN:
-            return lift(_running_mean(plan), last)
+            return lift(_running_mean(plan, owner), last)
         case AccumulationType.CONCAT:
-            return lift(_concat(plan), last)
+            return lift(_concat(plan, owner), last)
 
 
-def accumulator_for(tree: Any, plan: BlockPlan | None = None, last: Any = None) -> Accumulator:
+def accumulator_for(
+    tree: Any, plan: BlockPlan | None = None, last: Any = None, *, owner: str
+) -> Accumulator:
     """The one accumulator that an `accumulator` option stands for.
 
     - `tree`: the option, a pytree of names, `AccumulationType` members and
@@ -360,15 +362,21 @@ def accumulator_for(tree: Any, plan: BlockPlan | None = None, last: Any = None) 
     - `plan`: the plan of the microbatches to combine (not needed for `aggregate`).
     - `last`: the shapes of the last microbatch's result when it is smaller than the
       others, else None.
+    - `owner`: the name its messages give, the transform's.
     """
     kinds, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_accumulator_leaf)
     lasts = [None] * len(kinds) if last is None else treedef.flatten_up_to(last)
-    parts = [_built_in(resolve(k), plan, s) for k, s in zip(kinds, lasts, strict=True)]
-    return compose(treedef.unflatten(parts))
+    parts = [
+        _built_in(resolve(k, owner=owner), plan, s, owner)
+        for k, s in zip(kinds, lasts, strict=True)
+    ]
+    return compose(treedef.unflatten(parts), owner=owner)
 
 
-def aggregate_stacked(accumulator: Any, values: Any) -> Any:
+def aggregate_stacked(accumulator: Any, values: Any, *, owner: str = "Microbatcher") -> Any:
     """Combine results stacked along axis 0 in one go, the way `accumulator` combines
     the results of microbatches: `"sum"` sums axis 0, `"mean"` and `"running_mean"`
-    average it, `"concat"` keeps it, an `Accumulator` applies its `aggregate`."""
-    return accumulator_for(accumulator).aggregate(values)
+    average it, `"concat"` keeps it, an `Accumulator` applies its `aggregate`. `owner`
+    names the call in messages: by default the `Microbatcher` that the functions of
+    `zodmem.compat.optax` stand for."""
+    return accumulator_for(accumulator, owner=owner).aggregate(values)

@@ -133,7 +133,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
 
     @public
     def __check_init__(self):
-        owner = type(self).__name__
+        owner = self._owner
         check_sharding(self.sharding, owner=owner)
         check_callable(self.fn, "fn", owner=owner)
         check_block_options(self.nbatches, self.batch_size, owner=owner)
@@ -202,7 +202,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
         """Refuse to plan or stream one call where `blocks="leaf"` makes one per leaf."""
         if self.blocks == "leaf":
             raise ValueError(
-                f"{type(self).__name__}: with blocks='leaf' every leaf's block is planned "
+                f"{self._owner}: with blocks='leaf' every leaf's block is planned "
                 "and made by a call of its own, so there is no one call to plan or to "
                 "stream: call the transform (or its .operator) for the blocks, or use "
                 "blocks='full' with plan(), zm.to_host and zm.to_file."
@@ -264,7 +264,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
     def result_specs(self, spec: PartitionSpec) -> Any:
         if self._square is not None and len(spec) > 2:
             raise ValueError(
-                f"{type(self).__name__}: `sharding` has the spec {spec}, for {len(spec)} axes, "
+                f"{self._owner}: `sharding` has the spec {spec}, for {len(spec)} axes, "
                 f"but the {self._square} has 2: split its rows, PartitionSpec('d', None), or "
                 "its columns, PartitionSpec(None, 'd')."
             )
@@ -277,7 +277,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
             made = "rows" if self.mode == "rev" else "columns"
             split = "rows" if mode == "rev" else "columns"
             raise ValueError(
-                f"{type(self).__name__}: mode={self.mode!r} makes the {self._result} in "
+                f"{self._owner}: mode={self.mode!r} makes the {self._result} in "
                 f"blocks of {made}, but `sharding` ({self.sharding.spec}) splits its {split} "
                 f"over the devices, and each device makes whole {split} of its share. Use "
                 f"mode={mode!r} or 'auto' with this sharding."
@@ -299,7 +299,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
         """`(flat, variables)`: the variables of `x` raveled, and how; refused where their
         dtypes do not go with `holomorphic`, as `jax.jacfwd`/`jax.jacrev`/`jax.hessian`
         refuse them."""
-        owner = type(self).__name__
+        owner = self._owner
         flat, variables = split_variables(x, owner=owner)
         for name, dtype in zip(variables.names, variables.dtypes, strict=True):
             is_complex = jnp.issubdtype(dtype, jnp.complexfloating)
@@ -349,7 +349,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
         if self.has_aux:
             if not (isinstance(outputs, tuple) and len(outputs) == 2):
                 raise TypeError(
-                    f"{type(self).__name__}: with has_aux=True, `fn` must return a pair "
+                    f"{self._owner}: with has_aux=True, `fn` must return a pair "
                     f"({what}, aux), but it returned {outputs}."
                 )
             outputs = outputs[0]
@@ -365,7 +365,7 @@ class AbstractDerivative(AbstractBlocked, OperatorSource):
             where = f"output{jax.tree_util.keystr(path)}"
             if not isinstance(leaf, jax.ShapeDtypeStruct):
                 raise TypeError(
-                    f"{type(self).__name__}: `fn` must return arrays, but its {where} is "
+                    f"{self._owner}: `fn` must return arrays, but its {where} is "
                     f"{leaf!r}. Return it in `aux` (has_aux=True) or close over it."
                 )
             leaves.append((where, leaf))

@@ -30,8 +30,6 @@ from ._square import AbstractSquare
 
 __all__ = ["BatchedGGN", "ggn_products"]
 
-_OWNER = "BatchedGGN"
-
 
 @typechecked_constructor
 class BatchedGGN(AbstractSquare):
@@ -140,10 +138,10 @@ class BatchedGGN(AbstractSquare):
 
     @public
     def __check_init__(self):
-        check_callable(self.loss, "loss", owner=_OWNER)
+        check_callable(self.loss, "loss", owner=self._owner)
         if self.holomorphic:
             raise ValueError(
-                "BatchedGGN: holomorphic=True is not supported: the Gauss-Newton matrix is "
+                f"{self._owner}: holomorphic=True is not supported: the Gauss-Newton matrix is "
                 "built for real variables and real outputs. Split complex variables into "
                 "their real and imaginary parts."
             )
@@ -169,17 +167,17 @@ class BatchedGGN(AbstractSquare):
 
     def _prepare(self, x: Any, args: tuple, kwargs: dict, split: Split | None) -> Prepared:
         # The mode does not follow `split`: a block of columns is a block of rows transposed.
-        flat, variables = split_variables(x, owner=_OWNER)
-        _check_variables(variables)
+        flat, variables = split_variables(x, owner=self._owner)
+        _check_variables(variables, self._owner)
         fn, outputs, restore_aux = self._function(flat, variables, args, kwargs, "outputs")
         _check_outputs(self, outputs)
 
         def loss_of(outputs):
             return self.loss(outputs, *args, **kwargs)
 
-        _check_loss(loss_of, outputs)
+        _check_loss(loss_of, outputs, self._owner)
         if isinstance(self.loss, AbstractLoss):
-            _check_hessian_product(self.loss, outputs, args, kwargs)
+            _check_hessian_product(self.loss, outputs, args, kwargs, self._owner)
         mode = _mode_of(self.mode, variables, fn, variables.leaves_of(flat))
         return Prepared(flat, variables, fn, outputs, restore_aux, mode)
 
@@ -227,11 +225,11 @@ class BatchedGGN(AbstractSquare):
         return self._square_operator(ggn_products, x, args, kwargs, positive_semidefinite=True)
 
 
-def _check_variables(variables: Variables) -> None:
+def _check_variables(variables: Variables, owner: str) -> None:
     for name, dtype in zip(variables.names, variables.dtypes, strict=True):
         if jnp.issubdtype(dtype, jnp.complexfloating):
             raise TypeError(
-                f"BatchedGGN: x{name} has the complex dtype {dtype}; the Gauss-Newton "
+                f"{owner}: x{name} has the complex dtype {dtype}; the Gauss-Newton "
                 "matrix is built for real variables only (jax.jacrev refuses complex "
                 "outputs likewise). Split the variable into its real and imaginary parts."
             )
@@ -252,20 +250,20 @@ def _check_outputs(transform: BatchedGGN, shapes: Any) -> None:
     for where, leaf in transform._output_leaves(shapes):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(
-                f"BatchedGGN: `fn` must return real floating-point arrays, but its {where} "
+                f"{transform._owner}: `fn` must return real floating-point arrays, but its {where} "
                 f"has dtype {leaf.dtype} and shape {leaf.shape}. Integer outputs have no "
                 "derivative, and complex ones are not supported (split them into real and "
                 "imaginary parts)."
             )
 
 
-def _check_loss(loss_of: Callable[[Any], Any], shapes: Any) -> None:
+def _check_loss(loss_of: Callable[[Any], Any], shapes: Any, owner: str) -> None:
     """Refuse a loss that cannot take the outputs, or does not return a real scalar."""
     try:
         value = eqx.filter_eval_shape(loss_of, shapes)
     except Exception as error:
         raise TypeError(
-            f"BatchedGGN: `loss` cannot take the outputs of `fn`, {_described(shapes)}, with "
+            f"{owner}: `loss` cannot take the outputs of `fn`, {_described(shapes)}, with "
             f"the call's data arguments: {type(error).__name__}: {error}"
         ) from error
     if eqx.is_array_like(value) and not isinstance(value, jax.ShapeDtypeStruct):
@@ -279,17 +277,19 @@ def _check_loss(loss_of: Callable[[Any], Any], shapes: Any) -> None:
             else repr(value)
         )
         raise TypeError(
-            f"BatchedGGN: `loss` must return a scalar (shape ()), but it returned {got}. "
+            f"{owner}: `loss` must return a scalar (shape ()), but it returned {got}. "
             "Reduce it to a scalar, e.g. with jnp.sum."
         )
     if not jnp.issubdtype(value.dtype, jnp.floating):
         raise TypeError(
-            f"BatchedGGN: `loss` must return a real floating-point scalar, but it returned "
+            f"{owner}: `loss` must return a real floating-point scalar, but it returned "
             f"dtype {value.dtype}."
         )
 
 
-def _check_hessian_product(loss: AbstractLoss, shapes: Any, args: tuple, kwargs: dict) -> None:
+def _check_hessian_product(
+    loss: AbstractLoss, shapes: Any, args: tuple, kwargs: dict, owner: str
+) -> None:
     """Refuse a closed-form product that does not return a tangent of the outputs."""
 
     def product(outputs):
@@ -303,7 +303,7 @@ def _check_hessian_product(loss: AbstractLoss, shapes: Any, args: tuple, kwargs:
         )
     ):
         raise TypeError(
-            f"BatchedGGN: `{type(loss).__name__}.hessian_product` must return a tangent "
+            f"{owner}: `{loss._owner}.hessian_product` must return a tangent "
             f"shaped and typed like the outputs of `fn`, {_described(shapes)}, but it "
             f"returned {_described(returned)}."
         )
@@ -333,12 +333,12 @@ def _mode_of(mode: str, variables: Variables, fn: Callable, primal: list) -> str
     return "fwd"
 
 
-def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool) -> tuple:
+def _linearised(fn: Callable, primal: list, mode: str, has_aux: bool, owner: str) -> tuple:
     """`(outputs, aux, jvp, vjp)` from one linearisation of `fn` at `primal`, in `mode`
     (`"fwd"` or `"rev"`): `jvp(v)` is `J v` and `vjp(u)` is `J^T u`, one of them the
     transpose of the other."""
     if mode == "fwd":
-        with taking_jvps_of_fn("BatchedGGN"):
+        with taking_jvps_of_fn(owner):
             if has_aux:
                 outputs, jvp, aux = jax.linearize(fn, primal, has_aux=True)
             else:
@@ -404,7 +404,7 @@ def _products(
         return one(vectors) if single else jax.vmap(one)(vectors)
 
     def linearised():
-        return _linearised(prepared.fn, primal, prepared.mode, transform.has_aux)
+        return _linearised(prepared.fn, primal, prepared.mode, transform.has_aux, transform._owner)
 
     if transform.strategy != "recompute":
         kept = linearised()

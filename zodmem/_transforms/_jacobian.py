@@ -288,11 +288,11 @@ def _forward(transform: BatchedJacobian, prepared: Prepared, sink, share, split)
         nbatches=transform.nbatches,
         batch_size=transform.batch_size,
         what="variables",
-        owner="BatchedJacobian",
+        owner=transform._owner,
         context=" (mode 'fwd' makes one column per variable)",
     )
     plan, offset = share_of(
-        n, plan, share, split, owner="BatchedJacobian", what="columns (variables)"
+        n, plan, share, split, owner=transform._owner, what="columns (variables)"
     )
     out, jvp, aux = transform._products(prepared.of_flat, flat, reverse=False)
     if n == 0:  # only empty variables: nothing to run, the Jacobian is empty
@@ -328,7 +328,7 @@ def _reverse(transform: BatchedJacobian, prepared: Prepared, sink, share, split)
         nbatches=transform.nbatches,
         batch_size=transform.batch_size,
         what="output elements",
-        owner="BatchedJacobian",
+        owner=transform._owner,
         context=why,
     )
     out, vjp, aux = transform._products(prepared.of_flat, flat, reverse=True)
@@ -340,7 +340,7 @@ def _reverse(transform: BatchedJacobian, prepared: Prepared, sink, share, split)
         rows_shape, offset = leaf.shape, 0
         if sharded:
             check_divides(
-                leaf.shape[0], split, owner="BatchedJacobian", what=f"rows of output leaf {k}"
+                leaf.shape[0], split, owner=transform._owner, what=f"rows of output leaf {k}"
             )
             size //= split.count
             rows_shape = (leaf.shape[0] // split.count, *leaf.shape[1:])

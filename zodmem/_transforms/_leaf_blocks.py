@@ -47,7 +47,7 @@ def leaf_blocks(transform: Any, args: tuple, kwargs: dict) -> Any:
     x, *rest = args
     leaves = [value for value in jax.tree_util.tree_leaves(x) if eqx.is_inexact_array(value)]
     if not leaves:
-        split_variables(x, owner=type(transform).__name__)  # refused there, in its words
+        split_variables(x, owner=transform._owner)  # refused there, in its words
     # The whole matrix's dtype, read from the leaves: raveling them all is not needed.
     dtype = jnp.result_type(*(leaf.dtype for leaf in leaves))
     budget = transform.max_memory
@@ -103,7 +103,7 @@ def _refusal(
     """The refusal of a budget that leaf `index`'s call does not fit beside the blocks
     made before it: the whole budget named, and the least that holds every leaf's block
     and call from it on (the leaves before it fit a smaller one)."""
-    owner = type(transform).__name__
+    owner = transform._owner
     budget = budget_bytes(transform.max_memory)
     least = held[index] + error.suggested_bytes
     binding, need = index, error.suggested_bytes  # the leaf whose call sets `least`

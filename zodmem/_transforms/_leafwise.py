@@ -127,7 +127,7 @@ def curvature_matrix(
     - `in_leaf`: `None`, or as for `by_leaf`, the same of unit vectors of one leaf alone.
     - `columns`: write each block as columns rather than rows.
     """
-    owner = type(transform).__name__
+    owner = transform._owner
     flat, n = prepared.flat, prepared.n
     plan = plan_blocks(
         n,

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._checks import check_choice, described
+from .._checks import NamedInMessages, check_choice, described
 from .._operators._arguments import is_traced
 
 __all__ = ["AbstractLoss"]
 
 
-class AbstractLoss(eqx.Module):
+class AbstractLoss(NamedInMessages):
     """A loss of a model's outputs with the product of its Hessian (or Fisher
     information) on the outputs in closed form.
 
@@ -83,7 +83,7 @@ class AbstractLoss(eqx.Module):
             assert jnp.allclose(jnp.einsum("kni,knj->ij", S, S), H[:, 0], atol=1e-6)
             ```
         """
-        outputs = one_array(outputs, type(self).__name__, "for the default `hessian_sqrt`")
+        outputs = one_array(outputs, self._owner, "for the default `hessian_sqrt`")
         if outputs.ndim == 0:
             value = self.hessian_product(outputs, jnp.ones_like(outputs), *args, **kwargs)
             return jnp.sqrt(jnp.maximum(value, 0))[None]
@@ -105,7 +105,7 @@ class AbstractLoss(eqx.Module):
         fisher="mc")`. The built-in losses define one; this default refuses.
         """
         raise TypeError(
-            f"{type(self).__name__} defines no distribution to draw targets from: give it "
+            f"{self._owner} defines no distribution to draw targets from: give it "
             "a `sample(outputs, key)` method, or use fisher='type-2' or 'empirical'."
         )
 
@@ -164,7 +164,7 @@ def diagonal_sqrt(diagonal: Any) -> Any:
 def check_loss_options(loss: AbstractLoss, *, optional_targets: bool = False) -> None:
     """Refuse a built-in loss's `targets` (`None` only where `optional_targets`) and
     `reduction` that it cannot read, in words that name the loss."""
-    owner, targets = type(loss).__name__, loss.targets
+    owner, targets = loss._owner, loss.targets
     if targets is None and not optional_targets:
         raise TypeError(f"{owner}: `targets` must be an int or a str, got None.")
     if not (targets is None or isinstance(targets, str)) and (

@@ -56,8 +56,6 @@ from ._microbatch_run import (
 
 __all__ = ["Microbatcher", "Accumulator", "AccumulationType"]
 
-_OWNER = "Microbatcher"
-
 
 @typechecked_constructor
 class Microbatcher(AbstractBlocked, OperatorSource):
@@ -192,28 +190,29 @@ class Microbatcher(AbstractBlocked, OperatorSource):
 
     @public
     def __check_init__(self):
-        check_callable(self.fn, "fn", owner=_OWNER)
+        check_callable(self.fn, "fn", owner=self._owner)
         check_size_or_memory(self, "microbatch_size", "the examples per microbatch", "microbatches")
-        check_argnums(self.argnums)
-        check_argnames(self.argnames)
+        check_argnums(self.argnums, owner=self._owner)
+        check_argnames(self.argnames, owner=self._owner)
         if not self.batch_argnums and not self.batch_argnames:
             raise ValueError(
-                f"{_OWNER}: there must be at least one batch argument, but argnums="
+                f"{self._owner}: there must be at least one batch argument, but argnums="
                 f"{self.argnums!r} and argnames={self.argnames!r} are both empty."
             )
-        check_in_axes(self.in_axes, len(self.batch_argnums) + len(self.batch_argnames))
-        check_accumulator(self.accumulator)
-        check_num_real_microbatches(self.num_real_microbatches)
+        count = len(self.batch_argnums) + len(self.batch_argnames)
+        check_in_axes(self.in_axes, count, owner=self._owner)
+        check_accumulator(self.accumulator, owner=self._owner)
+        check_num_real_microbatches(self.num_real_microbatches, owner=self._owner)
         if self.max_memory is not None and self.num_real_microbatches is not None:
-            count = self.num_real_microbatches
-            shown = count if isinstance(count, int) else "(an array)"
+            real = self.num_real_microbatches
+            shown = real if isinstance(real, int) else "(an array)"
             raise ValueError(
-                f"{_OWNER}: num_real_microbatches={shown} counts microbatches of a size that "
+                f"{self._owner}: num_real_microbatches={shown} counts microbatches of a size that "
                 f"max_memory={self.max_memory!r} would choose, so the examples evaluated would "
                 "change with the budget. To evaluate only the first examples of a batch, "
                 "give `microbatch_size` with `num_real_microbatches` (and no max_memory)."
             )
-        check_bool(self.progress, "progress", owner=_OWNER)
+        check_bool(self.progress, "progress", owner=self._owner)
 
     @property
     def batch_argnums(self) -> tuple[int, ...]:
@@ -251,7 +250,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
         batch = batch_of(self, args, kwargs)
-        total = common_batch_size(batch)
+        total = common_batch_size(batch, owner=self._owner)
         size = total if self.microbatch_size is None else min(self.microbatch_size, total)
         split = batch_split_of(batch, planned=True)
         return Work(total, "examples", "result", size).per_device(split)
@@ -320,7 +319,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
         """
         if not args:
             raise TypeError(
-                f"{_OWNER}.operator: give the point `x` as the first positional argument "
+                f"{self._owner}.operator: give the point `x` as the first positional argument "
                 "(the variables of the operator), then the arguments of `fn`."
             )
         x, rest = args[0], args[1:]
@@ -338,7 +337,7 @@ class Microbatcher(AbstractBlocked, OperatorSource):
 
 def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) -> Any:
     """`fn`'s operator at the whole batch, for its shapes and tags, after the checks."""
-    owner = f"{_OWNER}.operator"
+    owner = f"{transform._owner}.operator"
     if not callable(getattr(transform.fn, "operator", None)):
         raise TypeError(
             f"{owner}: `fn` must have an operator (a zm.BatchedHessian or "
@@ -358,7 +357,7 @@ def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) 
         )
     kinds = jax.tree_util.tree_leaves(transform.accumulator, is_leaf=is_accumulator_leaf)
     allowed = (AccumulationType.SUM, AccumulationType.MEAN, AccumulationType.RUNNING_MEAN)
-    if not all(resolve(kind) in allowed for kind in kinds):
+    if not all(resolve(kind, owner=owner) in allowed for kind in kinds):
         raise ValueError(
             f"{owner}: accumulator={transform.accumulator!r} does not combine the "
             "microbatches' matrices into one; use 'sum', 'mean' or 'running_mean'."
@@ -366,7 +365,8 @@ def _inner_operator(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) 
     # At one microbatch's shapes, placed nowhere: as each microbatch will be seen.
     call_args, call_kwargs = [x, *args], dict(kwargs)
     size = min(
-        transform.microbatch_size, common_batch_size(batch_of(transform, (x, *args), kwargs))
+        transform.microbatch_size,
+        common_batch_size(batch_of(transform, (x, *args), kwargs), owner=owner),
     )
     positions = [*transform.batch_argnums, *transform.batch_argnames]
     for position, axis in zip(positions, transform.batch_in_axes, strict=True):
@@ -424,7 +424,7 @@ def _leaf_blocks_operator(
 def _microbatch_products(transform: Microbatcher, x: Any, args: tuple, kwargs: dict) -> tuple:
     """`(flat, variables, mv)`: `mv(v)` reduces `fn`'s product with `v` over the
     microbatches, one microbatch at a time."""
-    flat, variables = split_variables(x, owner=f"{_OWNER}.operator")
+    flat, variables = split_variables(x, owner=f"{transform._owner}.operator")
 
     def mv(vector):
         per_microbatch = dataclasses.replace(transform, fn=_ProductAt(transform.fn, vector))

@@ -30,8 +30,6 @@ __all__ = [
     "split_of_batch",
 ]
 
-_OWNER = "Microbatcher"
-
 
 def batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
     """`(where, value, axes)` for each batch argument of the call, checked."""
@@ -40,17 +38,17 @@ def batch_of(transform: Microbatcher, args: tuple, kwargs: dict) -> list:
     for position, axis in zip(positions, transform.batch_in_axes, strict=True):
         if isinstance(position, int) and position >= len(args):
             raise ValueError(
-                f"{_OWNER}: argnums={transform.argnums!r} names positional argument "
+                f"{transform._owner}: argnums={transform.argnums!r} names positional argument "
                 f"{position}, but the call passed {len(args)} positional argument(s)."
             )
         if isinstance(position, str) and position not in kwargs:
             raise ValueError(
-                f"{_OWNER}: argnames={transform.argnames!r} names keyword argument {position!r}, "
-                f"but the call passed keyword arguments {sorted(kwargs)}."
+                f"{transform._owner}: argnames={transform.argnames!r} names keyword argument "
+                f"{position!r}, but the call passed keyword arguments {sorted(kwargs)}."
             )
         value = args[position] if isinstance(position, int) else kwargs[position]
         where = describe_position(position)
-        batch.append((where, value, leaf_batch_axes(value, axis, where)))
+        batch.append((where, value, leaf_batch_axes(value, axis, where, owner=transform._owner)))
 
     return batch
 
@@ -80,7 +78,9 @@ def _kinds_per_leaf(transform: Microbatcher, output: Any) -> list:
     kinds, treedef = jax.tree_util.tree_flatten(transform.accumulator, is_leaf=is_accumulator_leaf)
     per_leaf = []
     for kind, subtree in zip(kinds, treedef.flatten_up_to(output), strict=True):
-        per_leaf.extend([resolve(kind)] * len(jax.tree_util.tree_leaves(subtree)))
+        per_leaf.extend(
+            [resolve(kind, owner=transform._owner)] * len(jax.tree_util.tree_leaves(subtree))
+        )
     return per_leaf
 
 
@@ -91,15 +91,20 @@ def split_of_batch(transform: Microbatcher, batch: list) -> Split | None:
     split = batch_split_of(batch)
     if split is None:
         return None
-    check_divides(common_batch_size(batch), split, owner=_OWNER, what="examples of the batch")
-    local = common_batch_size(batch) // split.count
+    check_divides(
+        common_batch_size(batch, owner=transform._owner),
+        split,
+        owner=transform._owner,
+        what="examples of the batch",
+    )
+    local = common_batch_size(batch, owner=transform._owner) // split.count
     size = transform.microbatch_size
     # Each device reduces its own part of the batch, then the parts are combined once;
     # that gives the same result when the accumulators are built in and each device's
     # microbatches are the batch's own: `fn` need not be additive over examples (a mean
     # per microbatch changes with how the examples are grouped).
     options = [
-        resolve(kind)
+        resolve(kind, owner=transform._owner)
         for kind in jax.tree_util.tree_leaves(transform.accumulator, is_leaf=is_accumulator_leaf)
     ]
     local_ok = (
@@ -166,14 +171,14 @@ def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any
     batch = batch_of(transform, args, kwargs)
     positions: list[int | str] = [*transform.batch_argnums, *transform.batch_argnames]
     plan = plan_blocks(
-        common_batch_size(batch),
+        common_batch_size(batch, owner=transform._owner),
         batch_size=transform.microbatch_size,
         batch_size_name="microbatch_size",
     )
     num_blocks = transform.num_real_microbatches
     if isinstance(num_blocks, int) and num_blocks > plan.num_blocks:
         raise ValueError(
-            f"{_OWNER}: num_real_microbatches={num_blocks} is more than the "
+            f"{transform._owner}: num_real_microbatches={num_blocks} is more than the "
             f"{plan.num_blocks} microbatch(es) of a batch of {plan.total} in microbatches "
             f"of {transform.microbatch_size}."
         )
@@ -208,12 +213,12 @@ def _microbatch_local(transform: Microbatcher, args: tuple, kwargs: dict) -> Any
             acc_def.flatten_up_to(last)
     except (ValueError, TypeError) as error:
         raise ValueError(
-            f"{_OWNER}: `accumulator` must be a pytree prefix of the output of `fn`, but "
+            f"{transform._owner}: `accumulator` must be a pytree prefix of the output of `fn`, but "
             f"the accumulator has structure {acc_def} and the output has structure "
             f"{jax.tree_util.tree_structure(full)}."
         ) from error
 
-    accumulator = accumulator_for(transform.accumulator, plan, last)
+    accumulator = accumulator_for(transform.accumulator, plan, last, owner=transform._owner)
 
     def update(carry, result, index, size):
         return accumulator.update(carry, result, index)

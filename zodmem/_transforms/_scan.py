@@ -15,6 +15,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._checks import (
+    NamedInMessages,
     as_int_or_bool,
     check_bool,
     check_callable,
@@ -92,7 +93,7 @@ def _outer_unroll(unroll: int | bool, block_size: int) -> int | bool:
     return unroll if isinstance(unroll, bool) else max(1, unroll // block_size)
 
 
-class AbstractScan(AbstractTransform):
+class AbstractScan(AbstractTransform, NamedInMessages):
     """What `SlicedScan` and `CheckpointedScan` share: a step function `fn(carry, x) ->
     (carry, y)` run as `lax.scan` runs it, `length` steps (or one per entry of `xs`),
     in reverse with `reverse`, `unroll` steps unrolled at most, and a progress bar with
@@ -106,7 +107,7 @@ class AbstractScan(AbstractTransform):
 
     @public
     def __check_init__(self):
-        owner = type(self).__name__
+        owner = self._owner
         check_callable(self.fn, "fn", owner=owner)
         _check_length(self.length, owner=owner)
         check_bool(self.reverse, "reverse", owner=owner)
@@ -128,7 +129,7 @@ class AbstractScan(AbstractTransform):
 
 
 def _scan(transform: AbstractScan, init: Any, xs: Any) -> tuple[Any, Any]:
-    length = scan_length(xs, transform.length, owner=type(transform).__name__)
+    length = scan_length(xs, transform.length, owner=transform._owner)
 
     def fn(carry, x):
         # A plain function: lax.scan hashes its `fn`, and a module holding traced
@@ -218,7 +219,7 @@ class SlicedScan(AbstractScan):
 
     @public
     def __check_init__(self):
-        owner = "SlicedScan"
+        owner = self._owner
         for name in ("start", "stop", "step"):
             check_int(getattr(self, name), name, owner=owner, optional=True)
         if self.step == 0:
@@ -418,7 +419,7 @@ class CheckpointedScan(AbstractScan):
 
     @public
     def __check_init__(self):
-        check_int(self.chunk_size, "chunk_size", owner="CheckpointedScan", minimum=1, optional=True)
+        check_int(self.chunk_size, "chunk_size", owner=self._owner, minimum=1, optional=True)
 
     def _scan(
         self, fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, length: int

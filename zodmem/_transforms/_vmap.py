@@ -41,8 +41,6 @@ from ._vmap_axes import (
 
 __all__ = ["ChunkedVmap"]
 
-_OWNER = "ChunkedVmap"
-
 
 @typechecked_constructor
 class ChunkedVmap(AbstractBlocked):
@@ -144,19 +142,19 @@ class ChunkedVmap(AbstractBlocked):
 
     @public
     def __check_init__(self):
-        check_callable(self.fn, "fn", owner=_OWNER)
+        check_callable(self.fn, "fn", owner=self._owner)
         check_size_or_memory(self, "chunk_size", "the elements mapped at once", "chunks")
         if isinstance(self.in_axes, dict):
             for name in self.in_axes:
                 if not isinstance(name, str):
                     raise TypeError(
-                        f"{_OWNER}: a dict `in_axes` maps argument names to axes, but it has "
+                        f"{self._owner}: a dict `in_axes` maps argument names to axes, but it has "
                         f"the key {name!r} of type {type(name).__name__}; got "
                         f"in_axes={self.in_axes!r}."
                     )
-        check_axis_spec(self.in_axes, "in_axes")
-        check_axis_spec(self.out_axes, "out_axes")
-        check_bool(self.progress, "progress", owner=_OWNER)
+        check_axis_spec(self.in_axes, "in_axes", owner=self._owner)
+        check_axis_spec(self.out_axes, "out_axes", owner=self._owner)
+        check_bool(self.progress, "progress", owner=self._owner)
 
     @public
     @checked_annotations
@@ -165,18 +163,18 @@ class ChunkedVmap(AbstractBlocked):
 
     def split(self, *args: Any, **kwargs: Any) -> Split | None:
         # A batch sharded along its mapped axis is mapped where it lies.
-        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs, owner=self._owner)
         return batch_split(mapped.leaves, mapped.axes) if mapped.total else None
 
     def specs(self, split: Split, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         # Each device maps its own part of the batch, chunk by chunk, and keeps its results.
-        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
-        check_divides(mapped.total, split, owner=_OWNER, what="elements of the batch")
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs, owner=self._owner)
+        check_divides(mapped.total, split, owner=self._owner, what="elements of the batch")
         leaf_specs = [
             PartitionSpec() if axis is None else split.spec(jnp.ndim(leaf), axis)
             for leaf, axis in zip(mapped.leaves, mapped.axes, strict=True)
         ]
-        axes_of_output = output_axes(self.fn, self.out_axes, mapped)
+        axes_of_output = output_axes(self.fn, self.out_axes, mapped, owner=self._owner)
 
         def in_specs(arrays):
             leaves = mapped.input_def.flatten_up_to(arrays)
@@ -203,14 +201,14 @@ class ChunkedVmap(AbstractBlocked):
         return _chunked_vmap_local(self, args, kwargs, sink)
 
     def work(self, *args: Any, **kwargs: Any) -> Work:
-        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs, owner=self._owner)
         total = mapped.total or 0
         size = total if self.chunk_size is None else min(self.chunk_size, total)
         split = batch_split(mapped.leaves, mapped.axes, planned=True)
         return Work(total, "elements", "output", size).per_device(split)
 
     def item_bytes(self, *args: Any, **kwargs: Any) -> int | None:
-        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs)
+        mapped = mapped_inputs(self.fn, self.in_axes, args, kwargs, owner=self._owner)
         if not mapped.total:
             return None
 
@@ -246,9 +244,10 @@ def _chunked_vmap_local(
     """The chunked map of the batch on this device."""
     fn, out_axes, progress = transform.fn, transform.out_axes, label(transform)
     inputs = (args, kwargs)
-    mapped = mapped_inputs(fn, transform.in_axes, args, kwargs)
+    mapped = mapped_inputs(fn, transform.in_axes, args, kwargs, owner=transform._owner)
     input_axes, input_def, leaves, axes, total = mapped
-    axes_of_output = output_axes(fn, out_axes, mapped)  # checked before any map is traced
+    # Checked before any map is traced.
+    axes_of_output = output_axes(fn, out_axes, mapped, owner=transform._owner)
 
     def one_element(inputs):
         element_args, element_kwargs = inputs
