@@ -367,3 +367,30 @@ def test_a_hessian_at_a_nan_parameter_is_refused_in_words():
         eigsh(op, 2)
     with pytest.raises(ValueError, match=r"zm\.low_rank: the operator's products .* not finite"):
         zm.low_rank(op, 2)
+
+
+def _spread_loss(w):
+    return jnp.sum(jnp.arange(1.0, w.size + 1) ** 2 * w**2) + jnp.sum(w) ** 2
+
+
+def test_a_basis_over_the_operators_budget_is_refused_before_it_runs():
+    # 100 vectors of 400 numbers: a basis of 160 kB (float32) or 320 kB, over 100 kB.
+    x = jnp.linspace(0.1, 1.0, 400)
+    basis = 100 * 400 * x.dtype.itemsize
+    op = zm.BatchedHessian(_spread_loss, max_memory="100kB").operator(x)
+    with pytest.raises(zm.MemoryBudgetError, match=r"max_steps=100 vectors of n=400") as error:
+        zm.eigsh(op, 3, max_steps=100)
+    message = str(error.value)
+    assert "by XLA's count" in message and "per device" in message
+    suggested = error.value.suggested_bytes
+    assert error.value.budget_bytes == 100_000 and suggested > basis
+    # The budget it names holds the iteration, which returns what it does without one.
+    fits = zm.BatchedHessian(_spread_loss, max_memory=suggested).operator(x)
+    values, vectors = zm.eigsh(fits, 3, max_steps=100)
+    expected, _ = zm.eigsh(zm.BatchedHessian(_spread_loss).operator(x), 3, max_steps=100)
+    np.testing.assert_allclose(values, expected, rtol=1e-5)
+    assert vectors.shape == (400, 3) and vectors.dtype == x.dtype
+    # The same refusal under jax.jit, at trace time.
+    with pytest.raises(zm.MemoryBudgetError):
+        jax.jit(lambda x: zm.eigsh(zm.BatchedHessian(_spread_loss, max_memory="100kB")
+                                   .operator(x), 3, max_steps=100)[0])(x)

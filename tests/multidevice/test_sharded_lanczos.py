@@ -171,3 +171,28 @@ def test_diagonal_and_solve_in_the_variables_structure_are_laid_out_like_them(
         check_laid_out(result, variables, block=False)
         for a, b in zip(*map(jax.tree.leaves, (result, reference)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_eigsh_budget_counts_each_devices_share():
+    """A budget bounds what one device holds: the same iteration that one device cannot
+    hold within it runs with the model sharded over D devices."""
+    model = eqx.nn.MLP(32, 8, 256, 2, key=jax.random.key(0))
+    x, y = jax.random.normal(jax.random.key(1), (D, 32)), jnp.zeros((D, 8))
+    mesh = jax.make_mesh((D,), ("d",), axis_types=(AxisType.Auto,))
+    sharded, xs, ys = laid_out(mesh, model, x, y, "fsdp")
+
+    def needs(model, x, y):
+        op = zm.BatchedHessian(loss, max_memory=1000).operator(model, x, y)
+        with pytest.raises(zm.MemoryBudgetError, match="per device") as error:
+            zm.eigsh(op, 3, max_steps=40)
+        return error.value.suggested_bytes
+
+    one, many = needs(model, x, y), needs(sharded, xs, ys)
+    assert many <= 0.5 * one, (one, many)
+    with pytest.raises(zm.MemoryBudgetError):
+        zm.eigsh(zm.BatchedHessian(loss, max_memory=many).operator(model, x, y), 3, max_steps=40)
+    op = zm.BatchedHessian(loss, max_memory=many).operator(sharded, xs, ys)
+    values, vectors = zm.eigsh(op, 3, max_steps=40, pytree=True)
+    expected, _ = zm.eigsh(zm.BatchedHessian(loss).operator(model, x, y), 3, max_steps=40)
+    np.testing.assert_allclose(values, expected, rtol=1e-4)
+    check_laid_out(vectors, sharded, block=True)

@@ -28,7 +28,9 @@ from .._engine._progress import progress_bar
 from .._operators._arguments import check_positive, is_traced, key_or_default
 from .._operators._flat import FlatView
 from .._operators._vectors import VectorSpace
+from .._plan._memory import format_bytes
 from .._traceback import public
+from ._held import operator_budget, run_within_budget
 from ._lanczos import lanczos_step, normal_start, projection, space_product, symmetric_space
 from ._random import key_seed
 from ._ritz import ritz_pairs
@@ -444,7 +446,14 @@ def eigenpairs(
 
     sign = jnp.asarray(1 if which == "LA" else -1, view.dtype)
     inputs = (view, space, key, jnp.asarray(tol, view.dtype), sign, k, max_steps, progress)
-    values, vectors, info, finite = _eigsh_jit(*inputs)
+    held = (
+        f"a basis of max_steps={max_steps} vectors of n={n:,}, "
+        f"{format_bytes(space.bytes_per_device(max_steps))} of it"
+    )
+    budget = operator_budget(view.operator)
+    values, vectors, info, finite = run_within_budget(
+        _eigsh, _eigsh_jit, inputs, budget=budget, owner=owner, held=held
+    )
     values = _finite(values, finite, owner)
     if not return_info:
         message = (
