@@ -373,7 +373,10 @@ def eigsh(
     for a few outliers), up to about as many as the first run where it lies in a dense
     part of the spectrum, and a run more for each missed copy it finds. One compiled
     program per operator type, shapes, `k` and `max_steps` (not per `which`, `tol` or
-    `key`).
+    `key`). Where the operator's transform has a `max_memory`, that program is compiled
+    first and, where XLA counts it over the budget on a device (the basis, each device's
+    share of it where the variables are sharded, beside a product), refused before it
+    runs with a `zm.MemoryBudgetError` naming the least budget that holds it.
 
     !!! example
 
