@@ -390,6 +390,13 @@ def test_a_basis_over_the_operators_budget_is_refused_before_it_runs():
     expected, _ = zm.eigsh(zm.BatchedHessian(_spread_loss).operator(x), 3, max_steps=100)
     np.testing.assert_allclose(values, expected, rtol=1e-5)
     assert vectors.shape == (400, 3) and vectors.dtype == x.dtype
+    # A second call of the same shapes runs the executable compiled for the check.
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if "backend_compile" in name else None
+    )
+    again, _ = zm.eigsh(fits, 3, max_steps=100)
+    assert compiles == [] and np.array_equal(again, values)
     # The same refusal under jax.jit, at trace time.
     with pytest.raises(zm.MemoryBudgetError):
         jax.jit(lambda x: zm.eigsh(zm.BatchedHessian(_spread_loss, max_memory="100kB")

@@ -18,12 +18,17 @@ import jax
 
 from .._operators._operator import BlockedOperator
 from .._operators._options import options_of
-from .._plan._budget import least_budget, usable_bytes
+from .._plan._budget import call_key, least_budget, usable_bytes
 from .._plan._compiled import abstract, compile_call, run_compiled, runs_compiled
 from .._plan._memory import budget_of, format_bytes, format_bytes_up
 from .._plan._plans import MemoryBudgetError
 
 __all__ = ["operator_budget", "run_within_budget"]
+
+# The iterations compiled for a check, by their call's key: a later call of the same
+# shapes runs the same executable (as `jax.jit`'s own cache would).
+_COMPILED: dict[Any, Any] = {}
+_MAX_COMPILED = 16
 
 
 def operator_budget(operator: Any) -> Any:
@@ -50,7 +55,14 @@ def run_within_budget(
     budget_bytes, _ = budget_of(budget)
     if budget_bytes is None:
         return jitted(*inputs)
-    compiled = compile_call(program, *abstract(inputs))
+    key = call_key((program, inputs), budget_bytes)
+    compiled = _COMPILED.get(key) if key is not None else None
+    if compiled is None:
+        compiled = compile_call(program, *abstract(inputs))
+        if key is not None:
+            if len(_COMPILED) >= _MAX_COMPILED:
+                _COMPILED.pop(next(iter(_COMPILED)))
+            _COMPILED[key] = compiled
     platform = jax.default_backend()
     if compiled.peak_bytes > usable_bytes(budget_bytes, platform):
         least = least_budget(compiled.peak_bytes, platform)

@@ -67,6 +67,7 @@ __all__ = [
     "CPU_BLOCK_BYTES",
     "Policy",
     "abstract",
+    "call_key",
     "compiled_plan",
     "largest_made_from",
     "least_budget",
@@ -145,7 +146,9 @@ _PLANS: dict[Any, tuple[Plan, Any]] = {}
 _MAX_PLANS = 64
 
 
-def _cache_key(tree: Any, budget: Any) -> Any:
+def call_key(tree: Any, budget: Any) -> Any:
+    """A hashable key of a call on `tree` (its structure, its arrays' shapes, dtypes and
+    placements, its other leaves) at `budget`; `None` where a leaf is unhashable."""
     # An array's placement is part of it: a batch split over explicit mesh axes is
     # planned per device, the same batch on one device as a whole.
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -188,7 +191,7 @@ def compiled_plan(
     candidate, args, kwargs)` runs the planned call without compiling it again, on
     arguments placed as these were (`runs_compiled`)."""
     run = _run if run is None else run
-    key = _cache_key((transform, args, kwargs, run), transform.max_memory)
+    key = call_key((transform, args, kwargs, run), transform.max_memory)
     if key is not None and key in _PLANS:
         return _PLANS[key]
     with collector_paused():
