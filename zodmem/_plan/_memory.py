@@ -104,7 +104,7 @@ def check_size_or_memory(transform: Any, size_name: str, meaning: str, blocks: s
     """A map's block size option (its field `size_name`, a positive int that means
     `meaning`) or its budget `max_memory`, which its `blocks` are planned to fit: exactly
     one of the two, each checked."""
-    owner = type(transform).__name__
+    owner = transform._owner
     size, max_memory = getattr(transform, size_name), transform.max_memory
     check_int(size, size_name, owner=owner, minimum=1, optional=True)
     check_memory(max_memory, owner=owner)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 
+from .._checks import NamedInMessages
 from .._engine._progress import closing_bars
 from .._traceback import public
 from ._budget import compiled_plan, make_plan
@@ -42,7 +43,7 @@ class Planned(NamedTuple):
     bound: Callable[..., Any] | None
 
 
-class AbstractPlanned(eqx.Module):
+class AbstractPlanned(NamedInMessages):
     """Work cut into blocks, sized by a count option or by a memory budget, `max_memory`.
 
     A subclass declares `max_memory` and `progress` and fills `work`, `with_block_size`
@@ -52,12 +53,6 @@ class AbstractPlanned(eqx.Module):
 
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
-
-    @property
-    def _owner(self) -> str:
-        """The name the planner's messages and refusals give this work: the class's, or
-        for work a transform runs on a user's behalf, the call the user made."""
-        return type(self).__name__
 
     @abc.abstractmethod
     def work(self, *args: Any, **kwargs: Any) -> Work:

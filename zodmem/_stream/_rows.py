@@ -36,7 +36,7 @@ def rows_split(transform: Any, name: str) -> Split:
     """The split of a sharded transform whose result is streamed: its rows (the first
     axis) over every device of its mesh, so each device writes contiguous rows."""
     spec = transform.sharding.spec
-    split = split_of(transform.sharding, owner=type(transform).__name__)
+    split = split_of(transform.sharding, owner=transform._owner)
     if split.dim != 0:
         what = "splits nothing" if split.dim is None else "splits the columns of the result"
         raise ValueError(

@@ -138,7 +138,7 @@ class AbstractBlocked(AbstractPlanned, AbstractTransform):
         sharding = getattr(self, "sharding", None)  # a transform may have no such option
         if sharding is None:
             return None
-        return split_of(sharding, owner=type(self).__name__)
+        return split_of(sharding, owner=self._owner)
 
     def specs(self, split: Split, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """`(in_specs, out_specs)`: how the call's inputs and its result lie on the
