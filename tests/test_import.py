@@ -17,3 +17,21 @@ def test_import_leaves_the_checker_and_scipy_for_the_first_call():
     ).stdout.split("\n")
     assert out[0] == "[]", out
     assert out[1] == "True"  # a checked call imports it, and checks its arguments
+
+
+def test_public_names_are_imported_when_first_used():
+    code = (
+        "import sys, zodmem\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.startswith('zodmem.'))\n"
+        "print(loaded())\n"
+        "zodmem.ChunkedVmap\n"
+        "print(any(m.startswith(('zodmem._estimators', 'zodmem._approximations')) "
+        "for m in loaded()), 'zodmem._transforms._vmap' in loaded())\n"
+        "print(sorted(set(zodmem.__all__) - set(dir(zodmem))), zodmem.eigsh.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[0] == "['zodmem._traceback']", out
+    assert out[1] == "False True", out  # a map needs neither the estimators nor KFAC
+    assert out[2] == "[] zodmem._estimators._eigsh", out
