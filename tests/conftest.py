@@ -26,7 +26,12 @@ os.environ["XLA_FLAGS"] = " ".join(
 from jaxtyping import install_import_hook  # noqa: E402
 
 with install_import_hook("zodmem", "beartype.beartype"):
-    import zodmem  # noqa: F401
+    import zodmem
+
+    # The public names are imported when first used: import them all here, where the
+    # hook checks the types of every function they define.
+    for _name in [*zodmem.__all__, "losses"]:
+        getattr(zodmem, _name)
 
 from pathlib import Path
 
