@@ -96,7 +96,9 @@ def test_per_example_hessians_at_shared_parameters():
     expected = eqx.filter_jit(jax.vmap(jax.hessian(fn), in_axes=(None, 0, 0)))(flat, xs, ys)
     close(stack(params, xs, ys), expected)
     # The per-example Hessians average to the Hessian of the mean loss.
-    mean_hessian = jax.hessian(lambda f: jnp.mean(jax.vmap(fn, (None, 0, 0))(f, xs, ys)))(flat)
+    mean_hessian = jax.jit(jax.hessian(lambda f: jnp.mean(jax.vmap(fn, (None, 0, 0))(f, xs, ys))))(
+        flat
+    )
     close(jnp.mean(stack(params, xs, ys), axis=0), mean_hessian)
 
 
@@ -369,7 +371,7 @@ def test_microbatched_per_example_jacobians_concatenate():
     xs = normal(1, (11, 3))
     per_example = zm.ChunkedVmap(zm.BatchedJacobian(model), chunk_size=3)
     stacked = zm.Microbatcher(per_example, microbatch_size=4, accumulator="concat")(xs)
-    close(stacked, jax.vmap(jax.jacrev(model))(xs))
+    close(stacked, eqx.filter_jit(jax.vmap(jax.jacrev(model)))(xs))
 
 
 # ----------------------------------------------------------------------------------

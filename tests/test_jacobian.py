@@ -542,7 +542,7 @@ def test_forward_mode_refuses_a_custom_vjp_function_in_words():
         return squash(inputs @ w)
 
     w, inputs = jnp.asarray([0.5, -0.25, 1.0]), jnp.asarray(np.cos(np.arange(12.0).reshape(4, 3)))
-    expected = jax.jacrev(lambda w: jnp.tanh(inputs @ w))(w)
+    expected = jax.jit(jax.jacrev(lambda w: jnp.tanh(inputs @ w)))(w)
     close(zm.BatchedJacobian(fn, mode="rev", batch_size=2)(w, inputs), expected)
     refusals = [
         ("fwd", r"mode='fwd' takes forward-mode derivatives \(JVPs\) of `fn`"),

@@ -238,7 +238,7 @@ def test_squared_error_as_torch_mse_and_laplax_mse():
     close(zm.BatchedGGN(three, summed)(W, INPUTS, TARGETS), expected)
     close(zm.BatchedGGN(three, averaged)(W, INPUTS, TARGETS), expected)
     # laplax's "mse": sum over examples of J_i^T (2 I) J_i.
-    J = jax.jacfwd(lambda w: three(w, INPUTS, TARGETS))(W)  # (N, 3, 6)
+    J = jax.jit(jax.jacfwd(lambda w: three(w, INPUTS, TARGETS)))(W)  # (N, 3, 6)
     laplax = sum(2 * J[i].T @ J[i] for i in range(count))
     close(zm.BatchedGGN(three, zm.losses.SquaredError(weights=2.0))(W, INPUTS, TARGETS), laplax)
 
