@@ -435,11 +435,11 @@ def test_filter_grad_of_an_mlp():
         eqx.filter_grad(loss), microbatch_size=4, argnums=(1, 2), accumulator="mean"
     )
     got = grad(model, x, y)
-    expected = eqx.filter_grad(loss)(model, x, y)
+    expected = eqx.filter_jit(eqx.filter_grad(loss))(model, x, y)
     close(eqx.filter(got, eqx.is_array), eqx.filter(expected, eqx.is_array))
     # And the module's arrays are leaves of a transform that wraps a model.
     forward = zm.Microbatcher(eqx.filter_vmap(model), microbatch_size=4, accumulator="concat")
-    close(forward(x), jax.vmap(model)(x))
+    close(forward(x), eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(model, x))
     wrapped = zm.Microbatcher(model, microbatch_size=4)
     assert len(jax.tree_util.tree_leaves(wrapped)) == len(jax.tree_util.tree_leaves(model))
 
