@@ -51,10 +51,15 @@ def tied_reference(params, tokens, targets):
     product is the one nearest their sum in the Frobenius norm, from the SVD of the sum
     rearranged (Van Loan and Pitsianis), returned as the `(D·V, D·V)` matrix `B ⊗ A`."""
     V, D = params["emb"].shape
-    zeros = (jnp.zeros(tokens.shape + (D,)), jnp.zeros(tokens.shape + (V,)))
-    outputs, pullback = jax.vjp(lambda p, q: tied(params, tokens, targets, p, q), *zeros)
-    columns = jnp.eye(V)  # the squared error's Hessian's root, per position
-    g_lookup, g_head = jax.vmap(lambda c: pullback(jnp.broadcast_to(c, outputs.shape)))(columns)
+
+    @jax.jit  # one program rather than one per operation
+    def use_gradients(params, tokens, targets):
+        zeros = (jnp.zeros(tokens.shape + (D,)), jnp.zeros(tokens.shape + (V,)))
+        outputs, pullback = jax.vjp(lambda p, q: tied(params, tokens, targets, p, q), *zeros)
+        columns = jnp.eye(V)  # the squared error's Hessian's root, per position
+        return jax.vmap(lambda c: pullback(jnp.broadcast_to(c, outputs.shape)))(columns)
+
+    g_lookup, g_head = use_gradients(params, tokens, targets)
     onehot = np.asarray(jax.nn.one_hot(tokens, V)).reshape(-1, V)
     hidden = np.tanh(np.asarray(params["emb"])[np.asarray(tokens)]).reshape(-1, D)
     g_lookup = np.asarray(g_lookup).reshape(V, -1, D)
