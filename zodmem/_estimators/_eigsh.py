@@ -11,9 +11,7 @@ find nothing larger than the `k`-th (and, where it does, relocks and checks agai
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -30,8 +28,9 @@ from .._operators._flat import FlatView
 from .._operators._vectors import VectorSpace
 from .._plan._memory import format_bytes
 from .._traceback import public
+from ._eigsh_steps import LanczosState, initial_state, redrawn, relocked, run_step
 from ._held import operator_budget, run_within_budget
-from ._lanczos import lanczos_step, normal_start, projection, space_product, symmetric_space
+from ._lanczos import space_product, symmetric_space
 from ._random import key_seed
 from ._ritz import ritz_pairs
 
@@ -62,108 +61,7 @@ class EigshInfo(NamedTuple):
     residual_norms: Float[Array, " k"]
 
 
-class _State(NamedTuple):
-    m: Any  # rows of the basis in use
-    products: Any  # products made (Lanczos steps), in all runs
-    basis: Any  # a block of `max_steps` vectors
-    alphas: jax.Array
-    betas: jax.Array
-    couplings: jax.Array  # `(max_steps, k)`: each row's products with the locked rows
-    locked_residuals: jax.Array  # the residual norms of the locked rows (0 before a lock)
-    locks: Any
-    vector: Any
-    fresh: Any  # the next step starts a run from a new random direction
-    start: Any  # the first row of the latest run (0: the run from the start vector)
-    norm: Any
-    low: Any  # the smallest Ritz value seen: where the spectrum begins, near enough
-    finite: Any  # every product so far was finite (a NaN or inf one ends the iteration)
-    converged: Any
-    values: jax.Array
-    vectors: jax.Array
-    residuals: jax.Array
-
-
-def _initial_state(space: VectorSpace, key: jax.Array, k: int, max_steps: int) -> _State:
-    """No rows in use yet, and a random start vector drawn from `key`."""
-    dtype = space.dtype
-    return _State(
-        m=jnp.asarray(0, jnp.int32),
-        products=jnp.asarray(0, jnp.int32),
-        basis=space.zeros(max_steps),
-        alphas=jnp.zeros(max_steps, dtype),
-        betas=jnp.zeros(max_steps, dtype),
-        couplings=jnp.zeros((max_steps, k), dtype),
-        locked_residuals=jnp.zeros(k, dtype),
-        locks=jnp.asarray(0, jnp.int32),
-        vector=normal_start(space, key),
-        fresh=jnp.asarray(False),
-        start=jnp.asarray(0, jnp.int32),
-        norm=jnp.zeros((), dtype),
-        low=jnp.asarray(jnp.inf, dtype),
-        finite=jnp.asarray(True),
-        converged=jnp.asarray(False),
-        values=jnp.zeros(k, dtype),
-        vectors=jnp.zeros((max_steps, k), dtype),
-        residuals=jnp.full(k, jnp.inf, dtype),
-    )
-
-
-def _step(state: _State, space: VectorSpace, product: Callable, seed: Any, k: int) -> _State:
-    """Lanczos step `state.m`, from the state's vector or, where a run starts
-    (`fresh`), from a random direction in the complement of the rows in use; its
-    image's products with the locked rows are kept as the row's couplings."""
-    j = state.m
-
-    def fresh_direction(state):
-        # A normal vector, orthogonal to the rows in use: a run from it is Lanczos on
-        # the operator restricted to their complement.
-        drawn = space.normal(seed, state.products)
-        drawn = space.axpy(-1, projection(space, state.basis, state.m - 1, drawn), drawn)
-        drawn = space.axpy(-1, projection(space, state.basis, state.m - 1, drawn), drawn)
-        return space.normalised(drawn)
-
-    vector = jax.lax.cond(state.fresh, fresh_direction, lambda state: state.vector, state)
-    basis, alpha, beta, vector, broke, norm, image = lanczos_step(
-        space, product, state.basis, j, vector, False, state.norm
-    )
-    locked = space.map(lambda b: b[:k], basis)
-    coupling = jnp.where(state.locks > 0, space.block_dot(locked, image), 0)
-    return state._replace(
-        m=j + 1,
-        products=state.products + 1,
-        basis=basis,
-        alphas=state.alphas.at[j].set(alpha),
-        betas=state.betas.at[j].set(beta),
-        couplings=state.couplings.at[j].set(coupling),
-        vector=vector,
-        fresh=broke,
-        start=jnp.where(state.fresh, j, state.start),
-        norm=norm,
-        finite=state.finite & jnp.isfinite(alpha) & jnp.isfinite(beta),
-    )
-
-
-def _lock(state: _State, space: VectorSpace, k: int) -> _State:
-    """The `k` pairs as the first rows, with their values and residuals; the next run
-    starts afresh in their complement (the rows after are left, unread)."""
-    max_steps, dtype = state.alphas.shape[0], state.alphas.dtype
-    ritz_vectors = space.combine(state.basis, state.vectors)
-    zeros = jnp.zeros_like(state.alphas)
-    return state._replace(
-        m=jnp.asarray(k, jnp.int32),
-        basis=space.map(lambda b, y: b.at[:k].set(y), state.basis, ritz_vectors),
-        alphas=zeros.at[:k].set(state.values),
-        betas=zeros,
-        couplings=jnp.zeros_like(state.couplings),
-        locked_residuals=state.residuals,
-        locks=state.locks + 1,
-        fresh=jnp.asarray(True),
-        start=jnp.asarray(k, jnp.int32),
-        vectors=jnp.eye(max_steps, k, dtype=dtype),
-    )
-
-
-def _checked(state: _State, space: VectorSpace, k: int, tol: jax.Array) -> _State:
+def _checked(state: LanczosState, space: VectorSpace, k: int, tol: jax.Array) -> LanczosState:
     """The state after a convergence check: its `k` Ritz pairs, whether they met `tol`
     and passed the check for missed copies, and where that check found a missed copy
     (or none was made yet), the best `k` pairs locked again."""
@@ -204,8 +102,7 @@ def _checked(state: _State, space: VectorSpace, k: int, tol: jax.Array) -> _Stat
     state = state._replace(
         converged=converged, values=values, vectors=vectors, residuals=residuals, low=low
     )
-    lock = functools.partial(_lock, space=space, k=k)
-    return jax.lax.cond(relock, lock, lambda state: state, state)
+    return relocked(state, space, k, relock)
 
 
 def _eigsh(
@@ -225,15 +122,16 @@ def _eigsh(
     seed = key_seed(key)
 
     def step(state):
-        return _step(state, space, lambda vector: space.scale(sign, product(vector)), seed, k)
+        return run_step(state, space, lambda vector: space.scale(sign, product(vector)), k)
 
     def steps_and_check(state):
         # The steps up to the next check run in a loop of their own: the check is then
         # no branch inside every step's loop, which keeps the program small.
         # No check before 3k steps: the k wanted pairs seldom converge sooner, and each
-        # check costs a host round trip.
+        # check costs a host round trip. A breakdown ends the steps early.
+        state = redrawn(state, space, seed)
         stop = jnp.minimum(jnp.maximum(state.m + _CHECK_EVERY, 3 * k), max_steps)
-        going = lambda state: (state.m < stop) & state.finite  # noqa: E731
+        going = lambda state: (state.m < stop) & state.finite & ~state.fresh  # noqa: E731
         state = jax.lax.while_loop(going, canonical_body(step), state)
         state = _checked(state, space, k, tol)
         # The bar counts products; a run that ends fills it.
@@ -244,7 +142,7 @@ def _eigsh(
     def unfinished(state):
         return ~state.converged & (state.m < max_steps) & state.finite
 
-    init = _initial_state(space, key, k, max_steps)
+    init = initial_state(space, key, k, max_steps)
     bar = progress_bar("zm.eigsh steps" if progress else None, max_steps, unit="step")
     bar.start()
     state = jax.lax.while_loop(unfinished, canonical_body(steps_and_check), init)

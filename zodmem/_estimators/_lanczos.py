@@ -35,19 +35,27 @@ __all__ = [
 # A step whose new direction is this many rounding errors of the operator's norm (or
 # less) has found an invariant subspace.
 _BREAKDOWN = 10.0
-# Rows of the Krylov basis a pass of Gram-Schmidt reads at a time.
-_CHUNK = 16
 # A pass of Gram-Schmidt that leaves less than this fraction of a vector's norm is
 # repeated once ("twice is enough").
 _TWICE = 2**-0.5
+# Rows of a sharded Krylov basis a pass of Gram-Schmidt reads at a time.
+_CHUNK = 16
 
 
 def projection(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
-    """`sum_i <basis_i, vector> basis_i` over rows `0..j` only (the rows after are
-    zero), in chunks of `_CHUNK` rows: a step reads the part of the basis it has filled,
-    not all of it, and each pass costs as much as a product here. The basis is a block
-    of vectors of `space` (leaves `(rows, *leaf.shape)`)."""
+    """`sum_i <basis_i, vector> basis_i` over rows `0..j` only (the rows after count
+    as zero). The basis is a block of vectors of `space` (leaves `(rows, *leaf.shape)`).
+
+    On one device every row is read, filled or not, in two products with the whole
+    block and no loop: a loop over the filled rows takes the basis into a loop of its
+    own, and XLA then copies the basis at every Lanczos step (the reference MLP's
+    40-step eigsh: two copies of its 2 MB basis a step). Where the vectors are sharded
+    over devices, the rows are read in chunks of `_CHUNK`, as far as they are filled:
+    there the whole block's products hold more per device than the copies cost."""
     rows = jax.tree_util.tree_leaves(basis)[0].shape[0]
+    if not space.sharded:
+        coefficients = jnp.where(jnp.arange(rows) <= j, space.block_dot(basis, vector), 0)
+        return space.combine(basis, coefficients)
     size = min(_CHUNK, rows)
 
     def chunk(c, total):
@@ -117,7 +125,8 @@ def lanczos_step(
     def draw(vector):
         return space.normalised(_orthogonalised(space, basis, j - 1, space.uniform(j)))
 
-    vector = jax.lax.cond(fresh, draw, lambda vector: vector, vector)
+    if fresh is not False:  # a known False stages no branch, which would copy the basis
+        vector = jax.lax.cond(fresh, draw, lambda vector: vector, vector)
     basis = space.set_row(basis, j, vector)
     image = space.map(lambda x: x.astype(space.dtype), product(vector))
     norm = jnp.maximum(norm, space.norm(image))
