@@ -95,3 +95,20 @@ def test_a_loop_of_one_step_is_no_loop():
 
     assert not compile_call(once(jax.grad(mlp_loss)), weights, inputs).loops
     assert compile_call(once(jax.grad(recurrent_loss)), weights, inputs).loops
+
+
+def test_an_estimators_probes_of_a_loop_keep_the_cap_on_a_block(capfd):
+    # Products of vectors a caller gives are planned as one block where the program
+    # loops; the probes an estimator draws are not: one block would hold every probe's
+    # loop state at once.
+    weights, inputs, _ = problem(1)
+    operator = zm.BatchedHessian(recurrent_loss, max_memory="2GB").operator(weights, inputs)
+    key = jax.random.key(0)
+    planned = zm.trace(
+        operator, method="hutchinson", num_probes=64, key=key, max_memory="2GB", progress=True
+    )
+    bar = capfd.readouterr().err
+    blocks = bar.strip().split("\r")[-1]
+    assert "64/64" not in blocks and "1/1" not in blocks, blocks
+    whole = zm.trace(operator, method="hutchinson", num_probes=64, key=key, batch_size=64)
+    close(planned, whole, rtol=1e-4, atol=1e-6)

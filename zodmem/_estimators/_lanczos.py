@@ -48,10 +48,10 @@ def projection(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
 
     On one device every row is read, filled or not, in two products with the whole
     block and no loop: a loop over the filled rows takes the basis into a loop of its
-    own, and XLA then copies the basis at every Lanczos step (the reference MLP's
-    40-step eigsh: two copies of its 2 MB basis a step). Where the vectors are sharded
-    over devices, the rows are read in chunks of `_CHUNK`, as far as they are filled:
-    there the whole block's products hold more per device than the copies cost."""
+    own, and XLA then copies the basis twice at every Lanczos step. Where the vectors
+    are sharded over devices, the rows are read in chunks of `_CHUNK`, as far as they
+    are filled: there the whole block's products hold more per device than the copies
+    cost."""
     rows = jax.tree_util.tree_leaves(basis)[0].shape[0]
     if not space.sharded:
         coefficients = jnp.where(jnp.arange(rows) <= j, space.block_dot(basis, vector), 0)

@@ -129,6 +129,9 @@ class Probes(AbstractVectorBlocks):
     job: ProbeJob = eqx.field(kw_only=True)
     owner: str = eqx.field(static=True, kw_only=True)
     _vector_axis: ClassVar[int] = 0
+    # Probes of a loop's program keep the platform's cap on a block: one block of all
+    # of them holds every probe's loop state at once, and runs no faster.
+    loop_in_one_block: ClassVar[bool] = False
 
     @property
     def _owner(self) -> str:

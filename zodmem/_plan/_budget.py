@@ -29,7 +29,8 @@ The planner (`Planner`) reads top to bottom:
    its function that one item alone makes a value past that cap, one item per block is
    compiled first, for the call, and is the plan when it fits. Where the work's program
    runs a loop, the cap does not apply, and the whole work in one block comes first,
-   with the strategy whose peak is least there (`Planner.whole_work_first`).
+   with the strategy whose peak is least there (`Planner.whole_work_first`), unless
+   the work says otherwise (`loop_in_one_block`: an estimator's drawn probes).
 3. reserve: the platform's policy (`policy_of`), in one place.
 4. refusal: where no block size fits, `MemoryBudgetError` names the least budget that
    plans, found by planning it.
@@ -382,7 +383,7 @@ class Planner:
         steps are each paid once per block (a small step costs its overhead, not its
         arithmetic), so fewer blocks run faster."""
         cap = self.policy.block_bytes
-        if cap is None or self.work.total < 2:
+        if cap is None or self.work.total < 2 or not self.transform.loop_in_one_block:
             return cap
         return None if self.loops() else cap
 
@@ -393,7 +394,7 @@ class Planner:
         and only their memory tells them apart. `None` where the work holds no loop or
         no strategy's whole work fits."""
         total = self.work.total
-        if total < 2 or not self.loops():
+        if total < 2 or not self.transform.loop_in_one_block or not self.loops():
             return None
         peaks = [(self.candidate(s, total).peak_bytes, s) for s in self.transform.strategies]
         fitting = [(peak, i) for i, (peak, _) in enumerate(peaks) if peak <= usable]

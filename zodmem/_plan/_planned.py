@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 
@@ -53,6 +53,11 @@ class AbstractPlanned(NamedInMessages):
 
     max_memory: eqx.AbstractVar[int | str | None]
     progress: eqx.AbstractVar[bool]
+    # Whether work whose program runs a loop is planned as the whole work in one block
+    # where it fits (the planner's `whole_work_first`): a block of vectors a caller gave.
+    # An estimator's drawn probes say no: they are many, and one block of all of them
+    # holds every probe's loop state at once.
+    loop_in_one_block: ClassVar[bool] = True
 
     @abc.abstractmethod
     def work(self, *args: Any, **kwargs: Any) -> Work:
