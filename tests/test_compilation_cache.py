@@ -64,8 +64,10 @@ def test_a_second_process_compiles_nothing_again(tmp_path):
     # planning of the budget is read from the plan the first process kept, with the one
     # program it chose, from the cache.
     assert cached + "cache_misses" not in second
-    assert 0 < second[cached + "cache_hits"] < first[cached + "cache_misses"] + first.get(
-        cached + "cache_hits", 0
+    assert (
+        0
+        < second[cached + "cache_hits"]
+        < first[cached + "cache_misses"] + first.get(cached + "cache_hits", 0)
     )
     assert first["plan"][1] > 1
     assert second["plan"] == [first["plan"][0], 1]

@@ -399,5 +399,8 @@ def test_a_basis_over_the_operators_budget_is_refused_before_it_runs():
     assert compiles == [] and np.array_equal(again, values)
     # The same refusal under jax.jit, at trace time.
     with pytest.raises(zm.MemoryBudgetError):
-        jax.jit(lambda x: zm.eigsh(zm.BatchedHessian(_spread_loss, max_memory="100kB")
-                                   .operator(x), 3, max_steps=100)[0])(x)
+        jax.jit(
+            lambda x: zm.eigsh(
+                zm.BatchedHessian(_spread_loss, max_memory="100kB").operator(x), 3, max_steps=100
+            )[0]
+        )(x)

@@ -80,8 +80,7 @@ def lanczos_tridiagonal(
     num_steps = check_int(num_steps, "num_steps", owner=owner, minimum=1)
     if num_steps > n:
         raise ValueError(
-            f"{owner}: `num_steps` must be at most the probe's size {n}, got "
-            f"num_steps={num_steps}."
+            f"{owner}: `num_steps` must be at most the probe's size {n}, got num_steps={num_steps}."
         )
     dtype = space.dtype
 
