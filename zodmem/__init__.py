@@ -4,8 +4,8 @@ The public names are imported when first used (`zm.BatchedHessian` imports the
 derivatives, not the estimators or KFAC), so that `import zodmem` itself is light.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 from . import _traceback  # noqa: F401  (registers zodmem's files for traceback filtering)
 
@@ -53,7 +53,7 @@ _EXPORTS = {
     "trace_function": "._estimators._logdet",
 }
 
-if TYPE_CHECKING:  # for type checkers and readers: the same names, imported at once
+if _typing.TYPE_CHECKING:  # for type checkers and readers: the same names, imported at once
     from . import losses as losses
     from ._approximations._error import (
         ApproximationError as ApproximationError,
@@ -138,11 +138,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name == "losses":
-        value: Any = importlib.import_module(".losses", __name__)
+        value: _typing.Any = _importlib.import_module(".losses", __name__)
     elif name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        value = getattr(_importlib.import_module(_EXPORTS[name], __name__), name)
     else:
         raise AttributeError(f"module 'zodmem' has no attribute {name!r}")
     globals()[name] = value  # imported once
