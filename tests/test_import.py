@@ -4,6 +4,13 @@ import subprocess
 import sys
 
 
+def _printed(code):
+    """The lines `code` prints in a fresh Python process."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+
+
 def test_import_leaves_the_checker_and_scipy_for_the_first_call():
     code = (
         "import sys, zodmem\n"
@@ -12,9 +19,7 @@ def test_import_leaves_the_checker_and_scipy_for_the_first_call():
         "zodmem.BatchedHessian(jnp.sum)(jnp.ones(2))\n"
         "print('beartype' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split("\n")
+    out = _printed(code)
     assert out[0] == "[]", out
     assert out[1] == "True"  # a checked call imports it, and checks its arguments
 
@@ -29,9 +34,7 @@ def test_public_names_are_imported_when_first_used():
         "for m in loaded()), 'zodmem._transforms._vmap' in loaded())\n"
         "print(sorted(set(zodmem.__all__) - set(dir(zodmem))), zodmem.eigsh.__module__)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split("\n")
+    out = _printed(code)
     assert out[0] == "['zodmem._traceback']", out
     assert out[1] == "False True", out  # a map needs neither the estimators nor KFAC
     assert out[2] == "[] zodmem._estimators._eigsh", out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["memo_of", "signature_of"]
+__all__ = ["BoundedCache", "memo_of", "signature_of"]
 
 _MEMOS: dict[int, tuple[weakref.ref, dict[Any, Any]]] = {}
 
@@ -37,3 +37,26 @@ def signature_of(array: Any) -> Any:
     if not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer):
         return None
     return (array.shape, str(array.dtype), array.sharding)
+
+
+class BoundedCache:
+    """What a process has worked out once for a key (a plan, an executable), at most
+    `most` entries: the oldest goes when a new one comes. A key of `None` (a call that
+    cannot be keyed) is never kept."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self.entries: dict[Any, Any] = {}
+
+    def get(self, key: Any) -> Any:
+        return None if key is None else self.entries.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        if key is None:
+            return
+        if len(self.entries) >= self.most:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = value
+
+    def clear(self) -> None:
+        self.entries.clear()

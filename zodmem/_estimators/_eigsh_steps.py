@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .._operators._vectors import VectorSpace
-from ._lanczos import lanczos_step, normal_start, projection
+from ._lanczos import lanczos_step, normal_start, orthogonalised
 
 __all__ = ["LanczosState", "initial_state", "run_step", "redrawn", "relocked"]
 
@@ -71,9 +71,8 @@ def run_step(state: LanczosState, space: VectorSpace, product: Callable, k: int)
     locked rows are kept as the row's couplings. A breakdown sets `fresh`, which ends
     the loop of steps: the next run's direction is drawn outside it (`redrawn`)."""
     j = state.m
-    vector = state.vector
     basis, alpha, beta, vector, broke, norm, image = lanczos_step(
-        space, product, state.basis, j, vector, False, state.norm
+        space, product, state.basis, j, state.vector, False, state.norm
     )
     # The locked rows from their own copy: a slice of the basis beside the write of
     # this step's row would make XLA copy the whole basis at every step.
@@ -101,9 +100,7 @@ def redrawn(state: LanczosState, space: VectorSpace, seed: Any) -> LanczosState:
 
     def fresh_direction(state):
         drawn = space.normal(seed, state.products)
-        drawn = space.axpy(-1, projection(space, state.basis, state.m - 1, drawn), drawn)
-        drawn = space.axpy(-1, projection(space, state.basis, state.m - 1, drawn), drawn)
-        return space.normalised(drawn)
+        return space.normalised(orthogonalised(space, state.basis, state.m - 1, drawn))
 
     vector = jax.lax.cond(state.fresh, fresh_direction, lambda state: state.vector, state)
     start = jnp.where(state.fresh, state.m, state.start)

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from .._memo import BoundedCache
 from .._operators._operator import BlockedOperator
 from .._operators._options import options_of
 from .._plan._budget import call_key, least_budget, usable_bytes
@@ -27,8 +28,7 @@ __all__ = ["operator_budget", "run_within_budget"]
 
 # The iterations compiled for a check, by their call's key: a later call of the same
 # shapes runs the same executable (as `jax.jit`'s own cache would).
-_COMPILED: dict[Any, Any] = {}
-_MAX_COMPILED = 16
+_COMPILED = BoundedCache(16)
 
 
 def operator_budget(operator: Any) -> Any:
@@ -56,13 +56,11 @@ def run_within_budget(
     if budget_bytes is None:
         return jitted(*inputs)
     key = call_key((program, inputs), budget_bytes)
-    compiled = _COMPILED.get(key) if key is not None else None
+    compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = compile_call(program, *abstract(inputs))
-        if key is not None:
-            if len(_COMPILED) >= _MAX_COMPILED:
-                _COMPILED.pop(next(iter(_COMPILED)))
-            _COMPILED[key] = compiled
+        # Kept without its traced program, which holds the constants it closes over.
+        compiled = compile_call(program, *abstract(inputs))._replace(program=None)
+        _COMPILED.put(key, compiled)
     platform = jax.default_backend()
     if compiled.peak_bytes > usable_bytes(budget_bytes, platform):
         least = least_budget(compiled.peak_bytes, platform)

@@ -26,6 +26,7 @@ from .._operators._vectors import VectorSpace, key_seed, vector_space
 __all__ = [
     "lanczos_step",
     "normal_start",
+    "orthogonalised",
     "projection",
     "space_product",
     "symmetric_space",
@@ -70,7 +71,7 @@ def projection(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
     return jax.lax.fori_loop(0, j // size + 1, chunk, space.map(jnp.zeros_like, vector))
 
 
-def _orthogonalised(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
+def orthogonalised(space: VectorSpace, basis: Any, j: Any, vector: Any) -> Any:
     """`vector` less its components along rows `0..j` of `basis`: classical Gram-Schmidt
     twice, which leaves it orthogonal to working precision."""
     vector = space.axpy(-1, projection(space, basis, j, vector), vector)
@@ -123,7 +124,7 @@ def lanczos_step(
     """
 
     def draw(vector):
-        return space.normalised(_orthogonalised(space, basis, j - 1, space.uniform(j)))
+        return space.normalised(orthogonalised(space, basis, j - 1, space.uniform(j)))
 
     if fresh is not False:  # a known False stages no branch, which would copy the basis
         vector = jax.lax.cond(fresh, draw, lambda vector: vector, vector)

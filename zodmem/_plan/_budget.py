@@ -51,6 +51,7 @@ import jax
 import numpy as np
 
 from .._engine._sharding import placement
+from .._memo import BoundedCache
 from ._compiled import (
     CPU_PROBE_OPTIONS,
     PROBE_OPTIONS,
@@ -143,8 +144,7 @@ def resident_bytes() -> int | None:
 
 # Plans made, by transform, argument shapes and dtypes, constants and budget, each with
 # the executable compiled for its candidate (`None` where the plan compiled nothing).
-_PLANS: dict[Any, tuple[Plan, Any]] = {}
-_MAX_PLANS = 64
+_PLANS = BoundedCache(64)
 
 
 def call_key(tree: Any, budget: Any) -> Any:
@@ -193,14 +193,11 @@ def compiled_plan(
     arguments placed as these were (`runs_compiled`)."""
     run = _run if run is None else run
     key = call_key((transform, args, kwargs, run), transform.max_memory)
-    if key is not None and key in _PLANS:
-        return _PLANS[key]
-    with collector_paused():
-        made = Planner(transform, args, kwargs, run).plan()
-    if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = made
+    made = _PLANS.get(key)
+    if made is None:
+        with collector_paused():
+            made = Planner(transform, args, kwargs, run).plan()
+        _PLANS.put(key, made)
     return made
 
 
@@ -383,9 +380,12 @@ class Planner:
         steps are each paid once per block (a small step costs its overhead, not its
         arithmetic), so fewer blocks run faster."""
         cap = self.policy.block_bytes
-        if cap is None or self.work.total < 2 or not self.transform.loop_in_one_block:
-            return cap
-        return None if self.loops() else cap
+        return None if cap is not None and self.whole_work_of_loops() else cap
+
+    def whole_work_of_loops(self) -> bool:
+        """Whether the rule for loops applies: work of two items or more, whose program
+        runs a loop, and which takes one block of it (`loop_in_one_block`)."""
+        return self.work.total >= 2 and self.transform.loop_in_one_block and self.loops()
 
     def whole_work_first(self, usable: int) -> tuple[Any, int] | None:
         """Where the work runs a loop, the whole work in one block where it fits, with
@@ -394,7 +394,7 @@ class Planner:
         and only their memory tells them apart. `None` where the work holds no loop or
         no strategy's whole work fits."""
         total = self.work.total
-        if total < 2 or not self.transform.loop_in_one_block or not self.loops():
+        if not self.whole_work_of_loops():
             return None
         peaks = [(self.candidate(s, total).peak_bytes, s) for s in self.transform.strategies]
         fitting = [(peak, i) for i, (peak, _) in enumerate(peaks) if peak <= usable]

@@ -18,6 +18,7 @@ only costs the planning: nothing here raises.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -36,6 +37,7 @@ __all__ = ["StoredPlan", "stored_plans"]
 _FOLDER = "zodmem-plans"
 
 
+@functools.cache
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
