@@ -106,10 +106,7 @@ def _from_examples(
         data = _one_example(example, whole)
 
         def outputs_of(values: tuple) -> Any:
-            every = list(leaves)
-            for index, value in zip(others, values, strict=True):
-                every[index] = value
-            return program(every, data)
+            return program(_replaced(leaves, others, values), data)
 
         _, pullback = jax.vjp(outputs_of, chosen)
 
@@ -132,10 +129,7 @@ def _from_products(
     `J^T H J e_i`, each from the outputs' tangent of a unit direction."""
 
     def outputs_of(chosen: tuple) -> Any:
-        values = list(leaves)
-        for index, value in zip(others, chosen, strict=True):
-            values[index] = value
-        return program(values, args)
+        return program(_replaced(leaves, others, chosen), args)
 
     chosen = tuple(leaves[index] for index in others)
     outputs, tangent = jax.linearize(outputs_of, chosen)
@@ -154,3 +148,11 @@ def _from_products(
         return jax.vmap(column)(units)
 
     return [block(k) for k in range(len(chosen))]
+
+
+def _replaced(leaves: list, others: tuple, values: tuple) -> list:
+    """`leaves` with the leaves at the indices `others` replaced by `values`."""
+    every = list(leaves)
+    for index, value in zip(others, values, strict=True):
+        every[index] = value
+    return every
