@@ -1,11 +1,14 @@
 """Stacks of zodmem transforms, and zodmem transforms under JAX and Equinox transforms,
 each against the plain JAX answer in float64."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mlp
 from hypothesis import given, settings, strategies as st
 from jax.flatten_util import ravel_pytree
 
@@ -54,6 +57,22 @@ def batch_of_params(batch, seed=0):
     return {"b": normal(seed, (batch,)), "w": normal(seed + 1, (batch, 4))}
 
 
+# The references, compiled once per shape and shared by the tests (a function made
+# inside a test would compile again in every parametrisation).
+@jax.jit
+@jax.vmap
+def feature_jacobians(one_params, one_a):
+    flat, fn = flat_reference(features, one_params)
+    return jax.jacrev(fn)(flat, one_a)
+
+
+@jax.jit
+@jax.vmap
+def energy_hessians(one_params, one_a):
+    flat, fn = flat_reference(energy, one_params)
+    return jax.hessian(fn)(flat, one_a)
+
+
 @pytest.mark.parametrize(
     "mode, chunk_size", [("fwd", 1), ("rev", 3), ("auto", 7), ("fwd", 10), ("rev", 10)]
 )
@@ -61,12 +80,7 @@ def test_per_example_jacobians(mode, chunk_size):
     params, a = batch_of_params(7), normal(2, (7,))
     jacobian = zm.BatchedJacobian(features, mode=mode, batch_size=2)
     actual = zm.ChunkedVmap(jacobian, chunk_size=chunk_size)(params, a)
-
-    def reference(one_params, one_a):
-        flat, fn = flat_reference(features, one_params)
-        return jax.jacrev(fn)(flat, one_a)
-
-    close(actual, jax.jit(jax.vmap(reference))(params, a))
+    close(actual, feature_jacobians(params, a))
     assert actual.shape == (7, 3, 5)
 
 
@@ -74,12 +88,7 @@ def test_per_example_jacobians(mode, chunk_size):
 def test_per_example_hessians(chunk_size):
     params, a = batch_of_params(7), normal(2, (7,))
     actual = zm.ChunkedVmap(zm.BatchedHessian(energy, nbatches=2), chunk_size=chunk_size)(params, a)
-
-    def reference(one_params, one_a):
-        flat, fn = flat_reference(energy, one_params)
-        return jax.hessian(fn)(flat, one_a)
-
-    close(actual, jax.jit(jax.vmap(reference))(params, a))
+    close(actual, energy_hessians(params, a))
     assert actual.shape == (7, 5, 5)
 
 
@@ -99,7 +108,7 @@ def test_per_example_hessians_at_shared_parameters():
     mean_hessian = jax.jit(jax.hessian(lambda f: jnp.mean(jax.vmap(fn, (None, 0, 0))(f, xs, ys))))(
         flat
     )
-    close(jnp.mean(stack(params, xs, ys), axis=0), mean_hessian)
+    close(np.mean(np.asarray(stack(params, xs, ys)), axis=0), mean_hessian)
 
 
 def test_per_example_jacobians_with_aux():
@@ -143,6 +152,13 @@ def regression_problem(batch):
     return params, normal(1, (batch, 3)), normal(2, (batch,))
 
 
+@jax.jit
+def regression_hessian(params, x, y):
+    """The reference: `jax.hessian` of `regression_loss` on the raveled parameters."""
+    flat, fn = flat_reference(regression_loss, params)
+    return jax.hessian(fn)(flat, x, y)
+
+
 @pytest.mark.parametrize("microbatch_size", [3, 16])
 def test_dataset_hessian(microbatch_size):
     params, x, y = regression_problem(10)
@@ -152,8 +168,7 @@ def test_dataset_hessian(microbatch_size):
         argnums=(1, 2),
         accumulator="mean",
     )
-    flat, fn = flat_reference(regression_loss, params)
-    close(dataset_hessian(params, x, y), eqx.filter_jit(jax.hessian(fn))(flat, x, y))
+    close(dataset_hessian(params, x, y), regression_hessian(params, x, y))
 
 
 def test_dataset_hessian_with_aux_and_summed_loss():
@@ -172,16 +187,18 @@ def test_dataset_hessian_with_aux_and_summed_loss():
     flat, fn = flat_reference(lambda p, x, y: summed_loss(p, x, y)[0], params)
     close(hessian, eqx.filter_jit(jax.hessian(fn))(flat, x, y))
     assert largest.shape == (3,)  # one scalar per microbatch: 4, 4 and 3 examples
-    full = summed_loss(params, x, y)[1]
-    np.testing.assert_allclose(jnp.max(largest), full)
+    full = jax.jit(lambda params, x, y: summed_loss(params, x, y)[1])(params, x, y)
+    np.testing.assert_allclose(np.max(largest), full)
 
 
 # ----------------------------------------------------------------------------------
 # Equinox models: as the argument, as `fn`, under eqx.filter_grad
 
 
-def mlp(seed=0):
-    return eqx.nn.MLP(in_size=3, out_size=2, width_size=4, depth=2, key=jax.random.key(seed))
+@functools.cache
+def mlp():
+    """One MLP for the tests (its weights drawn by NumPy, no initialiser to compile)."""
+    return make_mlp(3, 2, 4, 2)
 
 
 def mlp_loss(model, x, y):
@@ -257,51 +274,63 @@ def decay_without_input(carry, _):
     return carry, carry * 2
 
 
+@jax.jit
+def sliced_decays(inits, xs):
+    """The references of the test below, the outputs sliced as the transforms slice them."""
+    carry, ys = jax.vmap(lambda c, x: jax.lax.scan(decay, c, x))(inits, xs)
+    free_carry, free_ys = jax.vmap(lambda c: jax.lax.scan(decay_without_input, c, None, length=11))(
+        inits
+    )
+    return (carry, jax.tree_util.tree_map(lambda y: y[:, 1::3], ys)), (
+        free_carry,
+        free_ys[:, -4::-2],
+    )
+
+
 @pytest.mark.parametrize("chunk_size", [2, 5])
 def test_chunked_vmap_of_sliced_scan(chunk_size):
     inits, xs = normal(0, (5, 2)), normal(1, (5, 9, 2))
+    with_xs, without_xs = sliced_decays(inits, xs)
     sliced = zm.SlicedScan(decay, start=1, step=3)
-    carry, ys = zm.ChunkedVmap(sliced, chunk_size=chunk_size)(inits, xs)
-    expected_carry, expected_ys = eqx.filter_jit(jax.vmap(lambda c, x: jax.lax.scan(decay, c, x)))(
-        inits, xs
-    )
-    close(carry, expected_carry)
-    close(ys, jax.tree_util.tree_map(lambda y: y[:, 1::3], expected_ys))
+    close(zm.ChunkedVmap(sliced, chunk_size=chunk_size)(inits, xs), with_xs)
 
     # Without inputs: a shared `xs` of None and a fixed length.
     sliced = zm.SlicedScan(decay_without_input, start=-4, step=-2, length=11)
-    carry, ys = zm.ChunkedVmap(sliced, chunk_size=chunk_size)(inits)
-    expected_carry, expected_ys = eqx.filter_jit(
-        jax.vmap(lambda c: jax.lax.scan(decay_without_input, c, None, length=11))
-    )(inits)
-    close(carry, expected_carry)
-    close(ys, expected_ys[:, -4::-2])
+    close(zm.ChunkedVmap(sliced, chunk_size=chunk_size)(inits), without_xs)
+
+
+def tanh_step(carry, w):
+    carry = jnp.tanh(w * carry + 0.1)
+    return carry, jnp.sum(carry)
+
+
+def tanh_loss_with(scan):
+    def loss(x0, ws):
+        carry, ys = scan(x0, ws)
+        return jnp.sum(carry**2) + jnp.sum(ys)
+
+    return loss
+
+
+# The reference of every chunk size below: one program.
+plain_tanh_grads = jax.jit(
+    jax.vmap(
+        jax.grad(
+            tanh_loss_with(lambda init, xs: jax.lax.scan(tanh_step, init, xs)), argnums=(0, 1)
+        ),
+        in_axes=(0, None),
+    )
+)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4])
 def test_checkpointed_scan_in_grad_in_chunked_vmap(chunk_size):
     ws = normal(0, (10,))
-
-    def step(carry, w):
-        carry = jnp.tanh(w * carry + 0.1)
-        return carry, jnp.sum(carry)
-
-    def loss_with(scan):
-        def loss(x0, ws):
-            carry, ys = scan(x0, ws)
-            return jnp.sum(carry**2) + jnp.sum(ys)
-
-        return loss
-
-    checkpointed = loss_with(zm.CheckpointedScan(step, chunk_size=chunk_size))
-    plain = loss_with(lambda init, xs: jax.lax.scan(step, init, xs))
+    checkpointed = tanh_loss_with(zm.CheckpointedScan(tanh_step, chunk_size=chunk_size))
     x0s = normal(1, (5, 3))
     per_example = zm.ChunkedVmap(jax.grad(checkpointed, argnums=(0, 1)), chunk_size=2)
-    actual = per_example(x0s, jnp.broadcast_to(ws, (5, 10)))
-    close(
-        actual,
-        eqx.filter_jit(jax.vmap(jax.grad(plain, argnums=(0, 1)), in_axes=(0, None)))(x0s, ws),
-    )
+    actual = per_example(x0s, jnp.asarray(np.broadcast_to(np.asarray(ws), (5, 10))))
+    close(actual, plain_tanh_grads(x0s, ws))
 
 
 # ----------------------------------------------------------------------------------
@@ -348,11 +377,7 @@ def test_stacks_under_jit_vmap_and_filter_jit():
     params, a = batch_of_params(4), normal(2, (4,))
     hessian = zm.BatchedHessian(energy, nbatches=3)
 
-    def reference(p, s):
-        flat, fn = flat_reference(energy, p)
-        return jax.hessian(fn)(flat, s)
-
-    expected = jax.jit(jax.vmap(reference))(params, a)
+    expected = energy_hessians(params, a)
     close(jax.vmap(hessian)(params, a), expected)
     close(jax.jit(jax.vmap(hessian))(params, a), expected)
     close(
@@ -361,11 +386,14 @@ def test_stacks_under_jit_vmap_and_filter_jit():
     )
     # Chunks of a jax.vmap of a BatchedHessian, over two batch axes.
     nested = zm.ChunkedVmap(jax.vmap(hessian), chunk_size=1)
+
+    # (Reshaped by NumPy: no program to compile per leaf.)
+    def in_two(v):
+        return jnp.asarray(np.reshape(v, (2, 2, *v.shape[1:])))
+
     close(
-        nested(
-            jax.tree_util.tree_map(lambda v: v.reshape(2, 2, *v.shape[1:]), params), a.reshape(2, 2)
-        ),
-        expected.reshape(2, 2, 5, 5),
+        nested(jax.tree_util.tree_map(in_two, params), in_two(a)),
+        in_two(expected),
     )
 
 
@@ -418,12 +446,7 @@ def test_per_example_hessian_sweep(batch, chunk_size, hessian_batch_size):
     stack = zm.ChunkedVmap(
         zm.BatchedHessian(energy, batch_size=hessian_batch_size), chunk_size=chunk_size
     )
-
-    def reference(p, s):
-        flat, fn = flat_reference(energy, p)
-        return jax.hessian(fn)(flat, s)
-
-    close(stack(params, a), jax.jit(jax.vmap(reference))(params, a))
+    close(stack(params, a), energy_hessians(params, a))
 
 
 @settings(max_examples=6)
@@ -440,8 +463,22 @@ def test_dataset_hessian_sweep(batch, microbatch_size, nbatches):
         argnums=(1, 2),
         accumulator="mean",
     )
-    flat, fn = flat_reference(regression_loss, params)
-    close(dataset_hessian(params, x, y), jax.jit(jax.hessian(fn))(flat, x, y))
+    close(dataset_hessian(params, x, y), regression_hessian(params, x, y))
+
+
+def sine_step(carry, w):
+    return jnp.sin(w * carry) + carry, carry
+
+
+def sine_loss(x0, ws, scan):
+    carry, ys = scan(sine_step, x0, ws)
+    return jnp.sum(carry) + jnp.sum(ys**2)
+
+
+# The reference of the sweep below, one function for every example (a program per shape).
+plain_sine_grads = jax.jit(
+    jax.vmap(jax.grad(lambda x0, ws: sine_loss(x0, ws, jax.lax.scan)), in_axes=(0, None))
+)
 
 
 @settings(max_examples=4)
@@ -452,23 +489,13 @@ def test_dataset_hessian_sweep(batch, microbatch_size, nbatches):
     length=st.integers(1, 8),
 )
 def test_per_example_scan_gradient_sweep(batch, chunk_size, scan_chunk_size, length):
-    def step(carry, w):
-        return jnp.sin(w * carry) + carry, carry
-
-    def loss(x0, ws, scan):
-        carry, ys = scan(step, x0, ws)
-        return jnp.sum(carry) + jnp.sum(ys**2)
-
     def checkpointed(step, init, xs):
         return zm.CheckpointedScan(step, chunk_size=scan_chunk_size)(init, xs)
 
     x0s, ws = normal(0, (batch, 2)), normal(1, (length,))
     stack = zm.ChunkedVmap(
-        jax.grad(lambda x0, ws: loss(x0, ws, checkpointed)),
+        jax.grad(lambda x0, ws: sine_loss(x0, ws, checkpointed)),
         chunk_size=chunk_size,
         in_axes=(0, None),
     )
-    expected = jax.jit(
-        jax.vmap(jax.grad(lambda x0, ws: loss(x0, ws, jax.lax.scan)), in_axes=(0, None))
-    )
-    close(stack(x0s, ws), expected(x0s, ws))
+    close(stack(x0s, ws), plain_sine_grads(x0s, ws))
