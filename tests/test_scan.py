@@ -1,6 +1,7 @@
 """`SlicedScan` and `CheckpointedScan` against `lax.scan` and plain Python loops."""
 
 import contextlib
+import functools
 import io
 import math
 import re
@@ -67,6 +68,18 @@ def take(ys, index):
     return jax.tree_util.tree_map(lambda a: a[index], ys)
 
 
+@functools.partial(
+    jax.jit, static_argnames=("fn", "length", "reverse", "unroll", "start", "stop", "step")
+)
+def lax_scan(
+    init, xs, *, fn, length=None, reverse=False, unroll=1, start=None, stop=None, step=None
+):
+    """The reference: `lax.scan`, its outputs sliced `[start:stop:step]`, as one compiled
+    program (rather than the scan and one slice per output leaf, each compiled apart)."""
+    carry, ys = jax.lax.scan(fn, init, xs, length=length, reverse=reverse, unroll=unroll)
+    return carry, take(ys, np.s_[start:stop:step])
+
+
 def assert_same(got, want):
     got_leaves, got_def = jax.tree_util.tree_flatten(got)
     want_leaves, want_def = jax.tree_util.tree_flatten(want)
@@ -100,8 +113,9 @@ def test_sliced_scan_matches_lax_scan_and_loop(length, start, stop, step, revers
     )
     carry, ys = transform(init, xs)
 
-    want_carry, want_ys = jax.lax.scan(fn, init, xs, length=length, reverse=reverse)
-    want_ys = take(want_ys, np.s_[start:stop:step])
+    want_carry, want_ys = lax_scan(
+        init, xs, fn=fn, length=length, reverse=reverse, start=start, stop=stop, step=step
+    )
     assert_same(carry, want_carry)
     assert_same(ys, want_ys)
 
@@ -123,8 +137,7 @@ def test_sliced_scan_matches_lax_scan_and_loop(length, start, stop, step, revers
 def test_sliced_scan_unroll_keeps_values(length, step, unroll, reverse):
     init, xs = make_init(), make_xs(length)
     got = zm.SlicedScan(tree_step, start=1, step=step, unroll=unroll, reverse=reverse)(init, xs)
-    want = jax.lax.scan(tree_step, init, xs, reverse=reverse)
-    assert_same(got, (want[0], take(want[1], np.s_[1::step])))
+    assert_same(got, lax_scan(init, xs, fn=tree_step, reverse=reverse, start=1, step=step))
 
 
 @pytest.mark.parametrize("transform", [zm.SlicedScan, zm.CheckpointedScan])
@@ -143,9 +156,10 @@ def smooth_step(carry, x):
 
 
 def smooth_xs(length):
-    w = jnp.linspace(0.5, 1.5, length * 3).reshape(length, 3)
-    b = jnp.cos(jnp.arange(length, dtype=w.dtype))
-    return {"w": w, "b": b}
+    # Built by NumPy (float64, as the tests that use it run): no programs to compile.
+    w = np.linspace(0.5, 1.5, length * 3).reshape(length, 3)
+    b = np.cos(np.arange(length, dtype=w.dtype))
+    return {"w": jnp.asarray(w), "b": jnp.asarray(b)}
 
 
 def loss_of(scan):
@@ -216,8 +230,8 @@ class Cell(eqx.Module):
 
 
 def test_module_fn_is_a_leaf_and_differentiable(float64):
-    cell = Cell(jnp.eye(3) * 0.9 + 0.05, jnp.tanh)
-    xs = jnp.linspace(-1.0, 1.0, 30).reshape(10, 3)
+    cell = Cell(jnp.asarray(np.eye(3) * 0.9 + 0.05), jnp.tanh)
+    xs = jnp.asarray(np.linspace(-1.0, 1.0, 30).reshape(10, 3))
     sliced = zm.SlicedScan(cell, start=1, step=4)
     assert any(leaf is cell.weight for leaf in jax.tree_util.tree_leaves(sliced))
     assert sliced.config == {
@@ -240,13 +254,14 @@ def test_module_fn_is_a_leaf_and_differentiable(float64):
 
     h0 = jnp.ones(3)
     got = eqx.filter_grad(loss)(sliced, h0)
-    want = eqx.filter_grad(reference)(cell, h0)
+    # The references compiled: one program each rather than one per operation.
+    want = eqx.filter_jit(eqx.filter_grad(reference))(cell, h0)
     np.testing.assert_allclose(got.fn.weight, want.weight, rtol=1e-12)
 
     checkpointed = zm.CheckpointedScan(cell, chunk_size=3)
     got = eqx.filter_grad(lambda t, h0: jnp.sum(t(h0, xs)[1] ** 2))(checkpointed, h0)
-    want = eqx.filter_grad(
-        lambda c, h0: jnp.sum(jax.lax.scan(lambda h, x: c(h, x), h0, xs)[1] ** 2)
+    want = eqx.filter_jit(
+        eqx.filter_grad(lambda c, h0: jnp.sum(jax.lax.scan(lambda h, x: c(h, x), h0, xs)[1] ** 2))
     )(cell, h0)
     np.testing.assert_allclose(got.fn.weight, want.weight, rtol=1e-12)
 
@@ -256,16 +271,16 @@ def test_jit_vmap_and_python_carries():
     sliced = zm.SlicedScan(tree_step, start=3, stop=-1, step=2)
 
     jitted = jax.jit(lambda init, xs: sliced(init, xs))
-    want = jax.lax.scan(tree_step, init, xs)
-    want = (want[0], take(want[1], np.s_[3:-1:2]))
+    want = lax_scan(init, xs, fn=tree_step, start=3, stop=-1, step=2)
     assert_same(jitted(init, xs), want)
 
-    batched_v = jnp.stack([init[1], init[1] + 1.0])
-    got = jax.vmap(lambda v: sliced((init[0], v), xs))(batched_v)
+    rows = [np.asarray(init[1]), np.asarray(init[1]) + np.float32(1.0)]
+    got = jax.vmap(lambda v: sliced((init[0], v), xs))(jnp.asarray(np.stack(rows)))
     for row in range(2):
-        want_row = jax.lax.scan(tree_step, (init[0], batched_v[row]), xs)
-        want_row = (want_row[0], take(want_row[1], np.s_[3:-1:2]))
-        assert_same(jax.tree_util.tree_map(lambda a, row=row: a[row], got), want_row)
+        want_row = lax_scan(
+            (init[0], jnp.asarray(rows[row])), xs, fn=tree_step, start=3, stop=-1, step=2
+        )
+        assert_same(jax.tree_util.tree_map(lambda a, row=row: np.asarray(a)[row], got), want_row)
 
     # A Python float carry and output, as lax.scan takes them.
     def count(c, x):
@@ -350,8 +365,7 @@ def test_empty_and_length_only_scans():
         xs = make_xs(length)
         for start, stop, step in [(None, None, None), (3, 1, None), (None, None, -1)]:
             got = zm.SlicedScan(tree_step, start=start, stop=stop, step=step)(init, xs)
-            want = jax.lax.scan(tree_step, init, xs)
-            want = (want[0], take(want[1], np.s_[start:stop:step]))
+            want = lax_scan(init, xs, fn=tree_step, start=start, stop=stop, step=step)
             assert_same(got, want)
     got = zm.SlicedScan(tree_step, length=0)(init)
     assert_same(got, jax.lax.scan(tree_step, init, None, length=0))
@@ -455,7 +469,7 @@ def test_checkpointed_scan_matches_lax_scan(length, chunk_size, reverse, with_xs
         fn, chunk_size=chunk_size, length=None if with_xs else length, reverse=reverse
     )
     got = transform(init, xs)
-    assert_same(got, jax.lax.scan(fn, init, xs, length=length, reverse=reverse))
+    assert_same(got, lax_scan(init, xs, fn=fn, length=length, reverse=reverse))
 
 
 @pytest.mark.parametrize(
@@ -517,14 +531,17 @@ def test_default_chunk_size():
         assert default_chunk_size(n) == math.ceil(math.sqrt(n))
 
 
+def doubling_step(c, x):
+    return c * 2 + x, c + x
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("reverse_outputs", [False, True])
 def test_scan_blocks_places_block_outputs(reverse, reverse_outputs):
-    def step(c, x):
-        return c * 2 + x, c + x
-
-    xs = jnp.arange(11)
-    want_carry, want_ys = jax.lax.scan(step, 1, xs, reverse=reverse)
+    step = doubling_step
+    xs = jnp.asarray(np.arange(11, dtype=np.int32))
+    # (One reference program for each direction, whatever the order of the outputs.)
+    want_carry, want_ys = lax_scan(jnp.asarray(1), xs, fn=step, reverse=reverse)
 
     def block(carry, start, size):
         assert start.dtype == jnp.int32 and start.shape == ()
@@ -539,6 +556,7 @@ def test_scan_blocks_places_block_outputs(reverse, reverse_outputs):
         reverse_outputs=reverse_outputs,
     )
     assert int(carry) == int(want_carry)
+    want_ys = np.asarray(want_ys)
     np.testing.assert_array_equal(ys, want_ys[::-1] if reverse_outputs else want_ys)
     with pytest.raises(ValueError, match="at least one step"):
         scan_blocks(block, plan_blocks(0), 1)
@@ -566,13 +584,23 @@ def test_write_once_values_and_derivatives(float64):
 
     values, keep = jnp.asarray([0.1, 0.2, 0.3, 0.4]), jnp.asarray([True, False, True, True])
     weights = jnp.asarray([1.0, -2.0, 3.0, 0.5])
-    np.testing.assert_allclose(fill(values, keep), reference(values, keep))
-    got = jax.grad(lambda v: jnp.dot(fill(v, keep), weights))(values)
-    want = jax.grad(lambda v: jnp.dot(reference(v, keep), weights))(values)
-    np.testing.assert_allclose(got, want, rtol=1e-14)
-    got = jax.jvp(lambda v: fill(v, keep), (values,), (weights,))[1]
-    want = jax.jvp(lambda v: reference(v, keep), (values,), (weights,))[1]
-    np.testing.assert_allclose(got, want, rtol=1e-14)
+
+    # The value, gradient and JVP of each side in one compiled program.
+    def derivatives(fn):
+        @jax.jit
+        def run(values, keep, weights):
+            return (
+                fn(values, keep),
+                jax.grad(lambda v: jnp.dot(fn(v, keep), weights))(values),
+                jax.jvp(lambda v: fn(v, keep), (values,), (weights,))[1],
+            )
+
+        return run(values, keep, weights)
+
+    got, want = derivatives(fill), derivatives(reference)
+    np.testing.assert_allclose(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-14)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-14)
 
 
 def test_kept_outputs_are_exact():
