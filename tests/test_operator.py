@@ -27,13 +27,14 @@ def outputs(params, t):
 
 
 def point():
+    # Built by NumPy (float64, as the tests run): no programs to compile.
     params = {
         "b": jnp.asarray(0.7),
-        "m": jnp.arange(6.0).reshape(2, 3) / 7,
+        "m": jnp.asarray(np.arange(6.0).reshape(2, 3) / 7),
         "n": 3,  # not a variable: held fixed
-        "w": jnp.linspace(-0.5, 0.5, 3),
+        "w": jnp.asarray(np.linspace(-0.5, 0.5, 3)),
     }
-    data = jnp.arange(12.0).reshape(4, 3) / 10
+    data = jnp.asarray(np.arange(12.0).reshape(4, 3) / 10)
     return params, data
 
 
@@ -158,11 +159,12 @@ def test_as_matrix_is_the_transforms_result():
     transform = zm.BatchedHessian(loss, nbatches=2)
     close(transform.operator(params, data).as_matrix(), transform(params, data), exact=True)
     v = np.linspace(-1, 1, 10)
+    H = np.asarray(transform(params, data))
     close(
         lx.materialise(transform.operator(params, data)).mv(as_tree(v, params)),
-        as_tree(transform(params, data) @ v, params),
+        as_tree(H @ v, params),
     )
-    close(lx.diagonal(transform.operator(params, data)), np.diag(transform(params, data)))
+    close(lx.diagonal(transform.operator(params, data)), np.diag(H))
 
 
 def test_budget_plans_the_blocks_of_vectors():
@@ -212,9 +214,9 @@ def test_lineax_solves_take_it():
     def convex(w, data):
         return jnp.sum(jnp.logaddexp(0.0, data @ w)) + 0.5 * jnp.sum(w**2)
 
-    w, data = jnp.linspace(-1, 1, 4), jnp.arange(20.0).reshape(5, 4) / 20
+    w, data = jnp.asarray(np.linspace(-1, 1, 4)), jnp.asarray(np.arange(20.0).reshape(5, 4) / 20)
     H = np.asarray(jax.jit(jax.hessian(convex))(w, data))
-    b = jnp.arange(1.0, 5.0)
+    b = jnp.asarray(np.arange(1.0, 5.0))
     op = zm.BatchedHessian(convex, batch_size=3).operator(w, data)
     assert lx.is_symmetric(op) and not lx.is_positive_semidefinite(op) and op.T is op
     positive = lx.TaggedLinearOperator(op, lx.positive_semidefinite_tag)
@@ -227,17 +229,22 @@ def test_microbatcher_operator(accumulator, size):
     def example_loss(w, x, y):
         return jnp.mean((jnp.tanh(x @ w["a"]) * w["c"] - y) ** 2)
 
-    w = {"a": jnp.linspace(-0.3, 0.3, 3), "c": jnp.asarray(1.2)}
+    w = {"a": jnp.asarray(np.linspace(-0.3, 0.3, 3)), "c": jnp.asarray(1.2)}
     x = jnp.asarray(np.random.default_rng(2).normal(size=(6, 3)))
-    y = jnp.arange(6.0) / 6
+    y = jnp.asarray(np.arange(6.0) / 6)
     fn, flat = raveled(example_loss, w, x, y)
-    microbatches = [(x[i : i + size], y[i : i + size]) for i in range(0, 6, size)]
+    # (Sliced by NumPy: no program to compile per slice.)
+    microbatches = [
+        (jnp.asarray(np.asarray(x)[i : i + size]), jnp.asarray(np.asarray(y)[i : i + size]))
+        for i in range(0, 6, size)
+    ]
     weight = (lambda xs: 1.0) if accumulator == "sum" else (lambda xs: xs.shape[0] / 6)
 
     def hessian_of(xs, ys):
         return jax.hessian(raveled(example_loss, w, xs, ys)[0])(flat)
 
-    H = sum(np.asarray(jax.jit(hessian_of)(xs, ys)) * weight(xs) for xs, ys in microbatches)
+    hessian_of = jax.jit(hessian_of)
+    H = sum(np.asarray(hessian_of(xs, ys)) * weight(xs) for xs, ys in microbatches)
     transform = zm.Microbatcher(
         zm.BatchedHessian(example_loss, batch_size=2),
         microbatch_size=size,
@@ -257,7 +264,8 @@ def test_microbatcher_jacobian_operator():
     def model(w, x):
         return jnp.sum(jnp.tanh(x @ w), axis=0)  # a sum over the examples: additive
 
-    w, x = jnp.linspace(-0.3, 0.3, 6).reshape(3, 2), jnp.arange(15.0).reshape(5, 3) / 10
+    w = jnp.asarray(np.linspace(-0.3, 0.3, 6).reshape(3, 2))
+    x = jnp.asarray(np.arange(15.0).reshape(5, 3) / 10)
     J = np.asarray(jax.jit(jax.jacfwd(model))(w, x)).reshape(2, 6)
     op = zm.Microbatcher(zm.BatchedJacobian(model), microbatch_size=2, argnums=1).operator(w, x)
     V, W = vectors(6, 2), vectors(2, 1)
@@ -343,15 +351,17 @@ def test_ggn_operator_is_positive_semidefinite():
     def squared(outputs, inputs):
         return 0.5 * jnp.sum(outputs**2)
 
-    w = {"a": jnp.linspace(-0.2, 0.4, 3), "c": jnp.asarray(1.5)}
-    inputs = jnp.linspace(-1, 1, 15).reshape(5, 3) ** 3  # 5 outputs, 4 variables: G is regular
+    w = {"a": jnp.asarray(np.linspace(-0.2, 0.4, 3)), "c": jnp.asarray(1.5)}
+    inputs = jnp.asarray(
+        np.linspace(-1, 1, 15).reshape(5, 3) ** 3
+    )  # 5 outputs, 4 variables: G is regular
     fn, flat = raveled(model, w, inputs)
     J = np.asarray(jax.jit(jax.jacfwd(fn))(flat))
     op = zm.BatchedGGN(model, squared, batch_size=3).operator(w, inputs)
     assert lx.is_symmetric(op) and lx.is_positive_semidefinite(op) and op.T is op
     V = vectors(4, 2)
     close(op.mm(V), J.T @ J @ V)
-    b = jnp.arange(1.0, 5.0)
+    b = jnp.asarray(np.arange(1.0, 5.0))
     # Taken by CG as it is (the Gauss-Newton matrix is positive semi-definite), with the
     # right-hand side shaped like the variables, as lineax asks (its `out_structure`).
     cg = lx.CG(rtol=1e-12, atol=1e-12, max_steps=100)
