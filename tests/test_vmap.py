@@ -1,5 +1,6 @@
 """`ChunkedVmap` against `jax.vmap` and `eqx.filter_vmap`."""
 
+import functools
 import re
 import textwrap
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import close
+from helpers import close, make_mlp
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
@@ -30,7 +31,8 @@ def reference(fn, in_axes, out_axes, args, kwargs=None):
 def values(shape, dtype, seed=0):
     size = int(np.prod(shape))
     raw = np.cos(np.arange(size) * 0.37 + seed).reshape(shape) * 3
-    return jnp.asarray(raw.round() if jnp.issubdtype(dtype, jnp.integer) else raw, dtype)
+    raw = raw.round() if jnp.issubdtype(dtype, jnp.integer) else raw
+    return jnp.asarray(raw.astype(dtype))  # cast by NumPy: no program to compile
 
 
 # Every batch size from 0 to 20 with every chunk size from 1 to batch + 2: a mapped
@@ -102,40 +104,53 @@ def test_pytrees_dtypes_and_axes(batch, chunk, dtype, u_axis, scale_mapped, out_
         pytree_fn, chunk_size=min(chunk, batch + 2), in_axes=in_axes, out_axes=out_axes
     )
     out = transform(tree, scale)
-    close(out, reference(pytree_fn, in_axes, out_axes, (tree, scale)))
-    # Against plain jax.vmap, for the array outputs.
-    plain = jax.jit(
-        jax.vmap(
+
+    # Both references in one compiled program.
+    @eqx.filter_jit
+    def references(tree, scale):
+        # Against plain jax.vmap, for the array outputs.
+        plain = jax.vmap(
             lambda t, s: {k: v for k, v in pytree_fn(t, s).items() if k != "count"},
             in_axes=in_axes,
             out_axes={"scaled": out_axis, "pair": (0, 1)},
-        )
-    )(tree, scale)
+        )(tree, scale)
+        return reference(pytree_fn, in_axes, out_axes, (tree, scale)), plain
+
+    filtered, plain = references(tree, scale)
+    close(out, filtered)
     close({k: v for k, v in out.items() if k != "count"}, plain)
     assert out["count"] == 3
+
+
+def keyword_fn(a, b, *, c, d):
+    return a * b + jnp.sum(c) * d
+
+
+@functools.partial(jax.jit, static_argnames="unmapped_b")
+def keyword_references(a, b, c, d, unmapped_b):
+    """The references of the test below, in one program (compiled once per shape)."""
+    in_axes = (0, None if unmapped_b else 0, 1, 0)
+    return (
+        jax.vmap(lambda a, b, c, d: keyword_fn(a, b, c=c, d=d), in_axes=in_axes)(a, b, c, d),
+        jax.vmap(lambda a, d: a * d)(a, d),
+    )
 
 
 @given(batch=st.integers(0, 12), chunk=st.integers(1, 14), unmapped_b=st.booleans())
 @settings(max_examples=10)
 def test_keyword_arguments_and_named_in_axes(batch, chunk, unmapped_b):
-    def fn(a, b, *, c, d):
-        return a * b + jnp.sum(c) * d
-
+    fn = keyword_fn
     a = values((batch,), jnp.float64)
     b = values(() if unmapped_b else (batch,), jnp.float64, seed=1)
     c = values((3, batch), jnp.float64, seed=2)
     d = values((batch,), jnp.float64, seed=3)
     in_axes = {"c": 1, "b": None} if unmapped_b else {"c": 1}
     transform = zm.ChunkedVmap(fn, chunk_size=chunk, in_axes=in_axes)
-    expected = eqx.filter_jit(
-        jax.vmap(
-            lambda a, b, c, d: fn(a, b, c=c, d=d), in_axes=(0, None if unmapped_b else 0, 1, 0)
-        )
-    )(a, b, c, d)
+    expected, expected_default = keyword_references(a, b, c, d, unmapped_b)
     close(transform(a, b, c=c, d=d), expected)
     # Keyword arguments follow jax.vmap: mapped over their leading axis.
     default = zm.ChunkedVmap(lambda a, *, d: a * d, chunk_size=chunk)
-    close(default(a, d=d), eqx.filter_jit(jax.vmap(lambda a, d: a * d))(a, d))
+    close(default(a, d=d), expected_default)
 
 
 def test_in_axes_as_a_list_as_jax_vmap_takes_it():
@@ -274,7 +289,7 @@ def test_inside_vmap_and_nested():
 
 
 def test_equinox_model_as_fn():
-    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    model = make_mlp(3, 2, 8, 2)  # (weights drawn by NumPy: no initialiser to compile)
     x = values((10, 3), jnp.float32)
     transform = zm.ChunkedVmap(model, chunk_size=4)
     close(transform(x), eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(model, x))
