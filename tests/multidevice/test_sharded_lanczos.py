@@ -199,3 +199,44 @@ def test_eigsh_budget_counts_each_devices_share():
     expected, _ = zm.eigsh(zm.BatchedHessian(loss).operator(model, x, y), 3, max_steps=40)
     np.testing.assert_allclose(values, expected, rtol=1e-4)
     check_laid_out(vectors, sharded, block=True)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "data"])
+def test_diagonal_and_trace_of_a_lineax_operator_on_explicit_axes(layout):
+    """A lineax operator whose structure lies over Explicit axes takes its products on
+    whole vectors laid out like it, outside any `shard_map`: the diagonal in the
+    variables' structure comes back laid out like them, and the values and the trace
+    are those of one device."""
+    single, op, variables, mesh = operators(
+        lambda: Dense(jax.random.key(0)), 8, layout, AxisType.Explicit
+    )
+    key = jax.random.key(1)
+    expected = zm.diagonal(single, pytree=True)
+    expected_trace = zm.trace(single, method="hutchinson", num_probes=8, key=key)
+    with jax.sharding.set_mesh(mesh):
+        diagonal = zm.diagonal(op, pytree=True, batch_size=8)
+        trace = zm.trace(op, method="hutchinson", num_probes=8, key=key, batch_size=3)
+    check_laid_out(diagonal, variables, block=False)
+    for a, b in zip(*map(jax.tree.leaves, (diagonal, expected)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(trace, expected_trace, rtol=1e-4)
+
+
+def test_what_explicit_axes_cannot_take_is_refused_in_words():
+    """lineax's solvers make vectors untyped by the mesh, and a lineax operator's
+    function runs on no device's share: a solve on Explicit axes, and probes spread
+    over devices for such an operator, are refused with the way out."""
+    _, op, variables, mesh = operators(
+        lambda: Dense(jax.random.key(0)), 8, "fsdp", AxisType.Explicit
+    )
+    with jax.sharding.set_mesh(mesh):
+        b = jax.tree.map(jnp.ones_like, eqx.filter(variables, eqx.is_inexact_array))
+        with pytest.raises(ValueError, match="zm.solve: .*Explicit mesh axes.*Auto axes"):
+            zm.solve(op, b, damping=1.0)
+        with pytest.raises(ValueError, match="zm.marginal_variances: .*Explicit mesh axes"):
+            zm.marginal_variances(op, [0, 1], damping=1.0)
+        spread = NamedSharding(mesh, P("d"))
+        with pytest.raises(ValueError, match="zm.diagonal: `sharding`.*sharding=None"):
+            zm.diagonal(
+                op, method="hutchinson", num_probes=8, key=jax.random.key(0), sharding=spread
+            )

@@ -165,7 +165,8 @@ def _probes(engine: Probes) -> Any:
         return result
 
     if split is None:
-        return dispatch(compute, engine)
+        # A lineax operator's products run in the caller's layout, not on each device.
+        return dispatch(compute, engine, here=engine.fn.is_lineax)
 
     def specs(shapes):
         dim = 0 if engine.job.reduce else engine.job.axis
@@ -245,6 +246,14 @@ def run_probes(view: FlatView, job: ProbeJob, options: ProbeOptions, *, spread: 
                 f"{owner}: `sharding` must be a jax.sharding.NamedSharding whose first "
                 "entry names the mesh axes that split the probes, e.g. NamedSharding(mesh, "
                 f"PartitionSpec('d')), or None; got {described(options.sharding)}."
+            )
+        if view.lineax_on_explicit_axes:
+            raise ValueError(
+                f"{owner}: `sharding` spreads the {job.what} over the devices, each taking "
+                "its products inside a `shard_map`, but the operator is a lineax operator "
+                "whose input structure lies over Explicit mesh axes: its function runs only "
+                "on whole vectors in that layout. Pass sharding=None; its products are then "
+                "spread over the devices as its structure's layout says."
             )
         settings["sharding"] = options.sharding
     if options.progress is not None:

@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import Array, Inexact, Int, PyTree
 
 from .._checks import Integer, Memory, RealScalar, check_int, described, typechecked
+from .._engine._sharding import explicit_mesh
 from .._operators._arguments import check_dtype, check_real
 from .._operators._base import AbstractOperator
 from .._operators._flat import FlatView, flat_view
@@ -162,6 +163,14 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, optio
     """The checked solve of flat `(n,)` or `(n, k)` right-hand sides; the columns of
     the latter in blocks, as `options` (which name the caller too) say."""
     owner = options.owner
+    if explicit_mesh((operator, b_flat)) is not None:
+        raise ValueError(
+            f"{owner}: the operator's arrays or `b` lie over Explicit mesh axes, where the "
+            "vectors lineax's solvers make inside a solve are not typed like the operator's "
+            "products. Lay the model and data out over Auto axes (`jax.make_mesh(..., "
+            "axis_types=(jax.sharding.AxisType.Auto,))`), where the solve and its result "
+            "keep their layout."
+        )
     rtol = check_real(rtol, "rtol", owner=owner)
     atol = check_real(atol, "atol", owner=owner)
     if is_traced(rtol) or is_traced(atol):

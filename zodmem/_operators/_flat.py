@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 
 from .._pytree import ravel_leaves, split_leaves
-from .._sharding import leaf_sharding, pinned
+from .._sharding import is_explicit, leaf_sharding, pinned, typed_like
 from ._base import AbstractOperator
 from ._operator import BlockedOperator
 from ._vectors import check_symmetric, square_input
@@ -53,10 +53,32 @@ class FlatView(eqx.Module):
             return operator.with_strategy(strategy)._map()
 
         def product(vector):
-            out = operator.mv(self.unflatten(vector))
-            return ravel_leaves(jax.tree_util.tree_leaves(out), self.dtype)
+            if not self.is_lineax:
+                out = operator.mv(self.unflatten(vector))
+                return ravel_leaves(jax.tree_util.tree_leaves(out), self.dtype)
+            # Its leaves laid out as its function was traced for, the flat result as the
+            # flat vector is (the two differ where the leaves lie over Explicit axes).
+            out = operator.mv(self.laid_out(vector))
+            return typed_like(ravel_leaves(jax.tree_util.tree_leaves(out), self.dtype), vector)
 
         return product
+
+    @property
+    def is_lineax(self) -> bool:
+        """Whether the operator is lineax's rather than zodmem's. Its function was traced
+        for its input structure, each leaf laid out as the structure says, and runs only
+        so: outside a `shard_map`, on vectors laid out like the structure."""
+        return not isinstance(self.operator, AbstractOperator)
+
+    @property
+    def lineax_on_explicit_axes(self) -> bool:
+        """Whether the operator is lineax's and its input structure lies over Explicit
+        mesh axes: its products then run only on whole vectors in that layout, neither
+        on one device's share inside a `shard_map` nor in lineax's own solvers."""
+        if not self.is_lineax:
+            return False
+        shardings = map(leaf_sharding, jax.tree_util.tree_leaves(self.structure))
+        return any(s is not None and is_explicit(s) for s in shardings)
 
     def unflatten(self, vector: jax.Array) -> Any:
         """A flat vector (or `(..., size)` stack of them) as a pytree like the input."""
