@@ -85,22 +85,33 @@ def test_same_results_as_zodiax(name):
     H, unflatten = zc.hessian(loss, x, nbatches=n)
     close(H, expected[-1][1])
     flat = jnp.asarray(np.linspace(-2, 2, n))
-    close(unflatten(flat), ravel_pytree(x)[1](flat))
-    close(unflatten(ravel_pytree(x)[0]), x)
+    # ravel_pytree's flat x and unflattened vector, compiled as one program.
+    raveled, unraveled = jax.jit(lambda x, flat: (ravel_pytree(x)[0], ravel_pytree(x)[1](flat)))(
+        x, flat
+    )
+    close(unflatten(flat), unraveled)
+    close(unflatten(raveled), x)
 
 
 def test_called_directly():
     x = TREES["dict"]()
+    flat = jnp.asarray(np.linspace(-2, 2, 6))
+
+    @jax.jit
+    def zodiax_s(x, flat):
+        """zodiax's results, and its unflatten's, in one program."""
+        J_zodiax, unflatten_zodiax = zd.jacobian(outputs, x, 1)
+        H_zodiax = zd.hessian(loss, x, nbatches=6)[0]
+        return J_zodiax, H_zodiax, unflatten_zodiax(flat), unflatten_zodiax(H_zodiax[0])
+
+    J_zodiax, H_zodiax, flat_zodiax, row_zodiax = zodiax_s(x, flat)
     J, unflatten = zc.jacobian(outputs, x, 2)
-    J_zodiax, unflatten_zodiax = zd.jacobian(outputs, x, 1)
     close(J, J_zodiax)
     H, _ = zc.hessian(loss, x, nbatches=6)
-    H_zodiax = derivatives(zd, x, [6])[0][1]
     close(H, H_zodiax)
     close(zc.hessian_to_pytree(H, x), zd.hessian_to_pytree(H_zodiax, x))
-    flat = jnp.asarray(np.linspace(-2, 2, 6))
-    close(unflatten(flat), unflatten_zodiax(flat))
-    close(unflatten(H[0]), unflatten_zodiax(H_zodiax[0]))
+    close(unflatten(flat), flat_zodiax)
+    close(unflatten(jnp.asarray(np.asarray(H)[0])), row_zodiax)
 
 
 def test_jit_and_checkpoint_flags():
@@ -170,13 +181,21 @@ def test_python_floats_are_variables_as_in_zodiax(nbatches):
         (lambda s: s[0] * s[1] ** 2, (2.0, 3.0)),
     ]
     for f, x in cases:
-        k = min(nbatches, ravel_pytree(x)[0].size)
+        k = min(nbatches, sum(np.size(leaf) for leaf in jax.tree.leaves(x)))
         H, unflatten = zc.hessian(f, x, k)
-        H_zodiax, unflatten_zodiax = zd.hessian(f, x, k)
-        close(H, H_zodiax)
         flat = jnp.ones(H.shape[0])
-        close(unflatten(flat), unflatten_zodiax(flat))
-        close(zc.jacobian(f, x, k)[0], zd.jacobian(f, x, k)[0])
+
+        # zodiax's results in one program: x is a constant of it, its Python floats as
+        # zodiax sees them called eagerly.
+        @jax.jit
+        def zodiax_s(flat, f=f, x=x, k=k):
+            H_zodiax, unflatten_zodiax = zd.hessian(f, x, k)
+            return H_zodiax, unflatten_zodiax(flat), zd.jacobian(f, x, k)[0]
+
+        H_zodiax, unflattened, J_zodiax = zodiax_s(flat)
+        close(H, H_zodiax)
+        close(unflatten(flat), unflattened)
+        close(zc.jacobian(f, x, k)[0], J_zodiax)
         # zodiax's hessian_to_pytree reads leaf shapes, so it needs x's floats as arrays.
         close(zc.hessian_to_pytree(H, x), zd.hessian_to_pytree(H, jax.tree.map(jnp.asarray, x)))
 
