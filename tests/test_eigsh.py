@@ -1,6 +1,8 @@
 """`eigsh`: the extreme eigenpairs of symmetric operators by Lanczos, against the
 eigendecomposition of the dense matrix (`numpy.linalg.eigh`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import lineax as lx
@@ -138,14 +140,16 @@ def loss(params, data):
 def point():
     params = {
         "b": jnp.asarray(0.7),
-        "m": jnp.arange(6.0).reshape(2, 3) / 7,
+        "m": jnp.asarray(np.arange(6.0).reshape(2, 3) / 7),
         "n": 3,  # not a variable: held fixed
-        "w": jnp.linspace(-0.5, 0.5, 3),
+        "w": jnp.asarray(np.linspace(-0.5, 0.5, 3)),
     }
-    return params, jnp.arange(12.0).reshape(4, 3) / 10
+    return params, jnp.asarray(np.arange(12.0).reshape(4, 3) / 10)
 
 
+@functools.cache
 def dense_hessian():
+    """JAX's dense Hessian at `point()`, as NumPy (compiled and computed once)."""
     fn, flat = raveled(loss, *point())
     return np.asarray(jax.jit(jax.hessian(fn))(flat))
 
@@ -165,9 +169,8 @@ def test_pytree_eigenvectors_are_shaped_like_the_variables():
     assert tree["n"] is None
     assert {name: tree[name].shape for name in "bmw"} == {"b": (2,), "m": (2, 2, 3), "w": (2, 3)}
     for j in range(2):
-        vector = jax.tree_util.tree_map(lambda leaf, j=j: leaf[j], tree)
-        pieces = [jnp.ravel(vector[name]) for name in "bmw"]
-        np.testing.assert_array_equal(jnp.concatenate(pieces), flat[:, j])
+        pieces = [np.ravel(np.asarray(tree[name])[j]) for name in "bmw"]
+        np.testing.assert_array_equal(np.concatenate(pieces), np.asarray(flat)[:, j])
 
 
 def test_gauss_newton_and_microbatched_operators():
@@ -179,7 +182,7 @@ def test_gauss_newton_and_microbatched_operators():
 
     rng = np.random.default_rng(0)
     w = {"a": jnp.asarray(rng.normal(size=6)) / 3, "c": jnp.asarray(1.5)}
-    data = (jnp.asarray(rng.normal(size=(10, 6))), jnp.linspace(0, 1, 10))
+    data = (jnp.asarray(rng.normal(size=(10, 6))), jnp.asarray(np.linspace(0, 1, 10)))
     fn, flat = raveled(model, w, *data)
     jacobian = np.asarray(jax.jit(jax.jacfwd(fn))(flat))
     ggn = zm.BatchedGGN(model, zm.losses.SquaredError()).operator(w, *data)
@@ -235,7 +238,7 @@ def test_under_jit():
         return eigsh(zm.BatchedHessian(loss).operator(params, data), 2, which="SA", pytree=True)
 
     values, tree = top(*point())
-    flat = jnp.concatenate([jnp.reshape(tree[name], (2, -1)) for name in "bmw"], axis=1)
+    flat = np.concatenate([np.reshape(tree[name], (2, -1)) for name in "bmw"], axis=1)
     check_pairs(values, flat.T, dense_hessian(), 2, "SA")
 
 
@@ -375,7 +378,7 @@ def _spread_loss(w):
 
 def test_a_basis_over_the_operators_budget_is_refused_before_it_runs():
     # 100 vectors of 400 numbers: a basis of 160 kB (float32) or 320 kB, over 100 kB.
-    x = jnp.linspace(0.1, 1.0, 400)
+    x = jnp.asarray(np.linspace(0.1, 1.0, 400))
     basis = 100 * 400 * x.dtype.itemsize
     op = zm.BatchedHessian(_spread_loss, max_memory="100kB").operator(x)
     with pytest.raises(zm.MemoryBudgetError, match=r"max_steps=100 vectors of n=400") as error:
