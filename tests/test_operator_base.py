@@ -1,6 +1,8 @@
 """One operator base: every operator declares mv/mm, diagonal, solve, logdet and eigh, on
 flat vectors and on vectors shaped like the variables."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -38,15 +40,14 @@ def problem(dtype):
 
 def variables_like(model, seed):
     """A vector shaped like the model's variables, `None` at its other leaves."""
+    rng = np.random.default_rng(seed)
     tree = eqx.filter(model, eqx.is_inexact_array)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree_util.tree_unflatten(
-        treedef, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-    )
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), tree)
 
 
+@functools.cache
 def operators(dtype):
+    """The model and its four operators in `dtype`, built once: the tests only read them."""
     model, inputs, labels = problem(dtype)
     loss = zm.losses.SoftmaxCrossEntropy()
     return model, {
@@ -90,7 +91,7 @@ def test_diagonal_logdet_and_mm_are_the_dense_matrix_s(dtype, name):
     np.testing.assert_allclose(op.diagonal(), np.diag(dense), **tolerance(dtype))
     _, expected = np.linalg.slogdet(dense + 0.5 * np.eye(n))
     np.testing.assert_allclose(op.logdet(damping=0.5), expected, **tolerance(dtype))
-    columns = np.asarray(jax.random.normal(jax.random.key(4), (n, 3), dtype))
+    columns = np.random.default_rng(4).normal(size=(n, 3)).astype(dtype)
     np.testing.assert_allclose(op.mm(columns), dense @ columns, **tolerance(dtype))
 
 
