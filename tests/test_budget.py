@@ -145,7 +145,7 @@ def test_maps_need_a_size_or_a_budget(name):
 
 
 def test_plan_without_a_budget_describes_the_count():
-    w = jnp.linspace(-1, 1, 40)
+    w = jnp.asarray(np.linspace(-1, 1, 40))
     plan = zm.BatchedHessian(outer_loss, nbatches=4).plan(w)
     assert (plan.block_size, plan.num_blocks, plan.total) == (10, 4, 40)
     assert plan.output_bytes == 40 * 40 * 8 and plan.budget_bytes is None and plan.fits
@@ -170,7 +170,7 @@ DERIVATIVES = {
 @pytest.mark.parametrize("name", list(DERIVATIVES))
 def test_derivative_budgets_fit_and_give_the_same_answer(name):
     transform_type, fn, mode, n, share, reference = DERIVATIVES[name]
-    w = jnp.linspace(-1, 1, n)
+    w = jnp.asarray(np.linspace(-1, 1, n))
     budget = int(share * transform_type(fn, mode=mode).plan(w).peak_bytes)
     transform = transform_type(fn, mode=mode, max_memory=budget)
     plan = transform.plan(w)
@@ -208,7 +208,7 @@ def test_too_small_a_budget_is_refused_before_anything_runs():
         jax.debug.callback(lambda: calls.append(1))
         return outer_loss(w)
 
-    w = jnp.linspace(-1, 1, 20)
+    w = jnp.asarray(np.linspace(-1, 1, 20))
     # The Hessian alone is 3.2 kB.
     transform = zm.BatchedHessian(counted, max_memory="2kB", strategy="linearize")
     with pytest.raises(zm.MemoryBudgetError) as info:
@@ -222,7 +222,7 @@ def test_too_small_a_budget_is_refused_before_anything_runs():
 
 
 def test_inside_jit_and_filter_jit():
-    w = jnp.linspace(-1, 1, 60)
+    w = jnp.asarray(np.linspace(-1, 1, 60))
     whole = zm.BatchedHessian(outer_loss).plan(w).peak_bytes
     transform = zm.BatchedHessian(outer_loss, max_memory=int(0.7 * whole))
     expected = jax.jit(jax.hessian(outer_loss))(w)
@@ -235,15 +235,15 @@ def test_inside_jit_and_filter_jit():
 
 
 def test_plans_are_cached():
-    w = jnp.linspace(-1, 1, 50)
+    w = jnp.asarray(np.linspace(-1, 1, 50))
     transform = zm.BatchedHessian(data_loss, max_memory="100kB")
     assert transform.plan(w) is transform.plan(w)
-    assert transform.plan(w) is not transform.plan(jnp.linspace(-1, 1, 51))
+    assert transform.plan(w) is not transform.plan(jnp.asarray(np.linspace(-1, 1, 51)))
 
 
 def test_a_budget_on_the_outer_transform_bounds_the_stack():
     data = jnp.asarray(np.random.default_rng(2).normal(size=(16, 5, 30)))
-    w = jnp.linspace(-1, 1, 30)
+    w = jnp.asarray(np.linspace(-1, 1, 30))
     per_example = zm.ChunkedVmap(
         zm.BatchedHessian(smooth_loss, nbatches=3), in_axes=(None, 0), chunk_size=1
     )
@@ -256,7 +256,7 @@ def test_a_budget_on_the_outer_transform_bounds_the_stack():
 
 def test_budgets_on_both_layers():
     data = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5, 30)))
-    w = jnp.linspace(-1, 1, 30)
+    w = jnp.asarray(np.linspace(-1, 1, 30))
     inner = zm.BatchedHessian(smooth_loss, max_memory="40kB")
     stack = zm.ChunkedVmap(inner, in_axes=(None, 0), max_memory="400kB")
     assert stack.plan(w, data).fits
@@ -276,25 +276,28 @@ def long_simulation(x):
     return final[:4]
 
 
+def squared_simulation(x):
+    return jnp.sum(long_simulation(x) ** 2)
+
+
+# The references, one program each for every test below (`jax.jacfwd(long_simulation)`
+# written in a test would be a new function, and a new compilation, at every call).
+simulation_jacobian = jax.jit(jax.jacfwd(long_simulation))
+simulation_hessian = jax.jit(jax.hessian(squared_simulation))
+
+
 @pytest.mark.parametrize("mode", ["fwd", "rev"])
 def test_recompute_gives_the_same_answer(mode):
-    x = jnp.linspace(-0.5, 0.5, 16)
+    x = jnp.asarray(np.linspace(-0.5, 0.5, 16))
     for strategy in ("linearize", "recompute"):
         J = zm.BatchedJacobian(long_simulation, mode=mode, strategy=strategy, nbatches=4)(x)
-        close(J, jax.jit(jax.jacfwd(long_simulation))(x), rtol=1e-10, atol=1e-12)
-    H = zm.BatchedHessian(
-        lambda x: jnp.sum(long_simulation(x) ** 2), mode=mode, strategy="recompute", nbatches=3
-    )(x)
-    close(
-        H,
-        jax.jit(jax.hessian(lambda x: jnp.sum(long_simulation(x) ** 2)))(x),
-        rtol=1e-9,
-        atol=1e-10,
-    )
+        close(J, simulation_jacobian(x), rtol=1e-10, atol=1e-12)
+    H = zm.BatchedHessian(squared_simulation, mode=mode, strategy="recompute", nbatches=3)(x)
+    close(H, simulation_hessian(x), rtol=1e-9, atol=1e-10)
 
 
 def test_the_planner_recomputes_when_the_residuals_do_not_fit():
-    x = jnp.linspace(-0.5, 0.5, 16)
+    x = jnp.asarray(np.linspace(-0.5, 0.5, 16))
     keep = zm.BatchedJacobian(long_simulation, mode="fwd", batch_size=1, strategy="linearize")
     again = zm.BatchedJacobian(long_simulation, mode="fwd", batch_size=1, strategy="recompute")
     kept, recomputed = keep.plan(x).peak_bytes, again.plan(x).peak_bytes
@@ -303,7 +306,7 @@ def test_the_planner_recomputes_when_the_residuals_do_not_fit():
     transform = zm.BatchedJacobian(long_simulation, mode="fwd", max_memory=budget)
     plan = transform.plan(x)
     assert plan.strategy == "recompute" and plan.fits
-    close(transform(x), jax.jit(jax.jacfwd(long_simulation))(x), rtol=1e-10, atol=1e-12)
+    close(transform(x), simulation_jacobian(x), rtol=1e-10, atol=1e-12)
     with pytest.raises(zm.MemoryBudgetError):
         zm.BatchedJacobian(
             long_simulation, mode="fwd", max_memory=budget, strategy="linearize"
