@@ -308,6 +308,20 @@ def plain(loss):
     return lambda outputs, *args, **kwargs: loss(outputs, *args, **kwargs)
 
 
+@jax.jit  # one program rather than one per operation
+def squared_error_references(w, inputs, targets, weights, covariance_inverse):
+    """The outputs, and the squared errors: of the outputs weighted, of the residuals
+    against the covariance, and plain."""
+    outputs = linear_model(w, inputs, targets)
+    r = outputs - targets
+    return (
+        outputs,
+        0.5 * jnp.sum(weights * outputs**2),
+        0.5 * jnp.sum(r @ covariance_inverse * r),
+        0.5 * jnp.sum(r**2),
+    )
+
+
 def test_squared_error_weights_and_covariance():
     inputs, targets = INPUTS, TARGETS[:, :1].repeat(3, axis=1)
     covariance = mixing(3, 3) @ mixing(3, 3).T + np.eye(3)
@@ -328,13 +342,14 @@ def test_squared_error_weights_and_covariance():
     fisher = per_row(np.broadcast_to(np.linalg.inv(covariance), (5, 3, 3)), J)  # J^T Σ^-1 J
     for G, expected in zip(results, [weighted, fisher, fisher, weighted], strict=True):
         close(G, expected)
-    outputs = linear_model(W, inputs, targets)
-    close(residuals(outputs), 0.5 * jnp.sum(weights * outputs**2))
-    r = outputs - targets
-    close(by_covariance(outputs, inputs, targets), 0.5 * jnp.sum(r @ np.linalg.inv(covariance) * r))
+    outputs, by_weights_loss, by_covariance_loss, plain_loss_value = squared_error_references(
+        W, inputs, targets, weights, np.linalg.inv(covariance)
+    )
+    close(residuals(outputs), by_weights_loss)
+    close(by_covariance(outputs, inputs, targets), by_covariance_loss)
     # No weights; the targets as a keyword argument.
     by_name = zm.losses.SquaredError(targets="y")
-    close(by_name(outputs, inputs, y=targets), 0.5 * jnp.sum(r**2))
+    close(by_name(outputs, inputs, y=targets), plain_loss_value)
 
 
 @eqx.filter_jit
@@ -347,32 +362,51 @@ def calls(*pairs):
     return _calls(list(pairs))
 
 
-def test_softmax_cross_entropy_is_the_categorical_fisher():
-    logits = linear_model(W, INPUTS, None)
+@jax.jit  # one program rather than one per operation
+def softmax_references(w, inputs, indices):
+    """The logits, the categorical Fisher information `J^T (diag(p) - p p^T) J`, the
+    indices one-hot and their negative log-likelihood."""
+    logits = linear_model(w, inputs, None)
     p = jax.nn.softmax(logits)
-    fisher = per_row(jax.vmap(lambda p: jnp.diag(p) - jnp.outer(p, p))(p), jacobian_rows(W, INPUTS))
-    loss = zm.losses.SoftmaxCrossEntropy()
+    fisher = per_row(jax.vmap(lambda p: jnp.diag(p) - jnp.outer(p, p))(p), jacobian_rows(w, inputs))
+    one_hot = jax.nn.one_hot(indices, 3)
+    return logits, fisher, one_hot, -jnp.sum(one_hot * jax.nn.log_softmax(logits))
+
+
+def test_softmax_cross_entropy_is_the_categorical_fisher():
     indices = jnp.asarray([0, 2, 1, 1, 0])
-    probabilities = jax.nn.softmax(jnp.asarray(mixing(5, 3)))
+    logits, fisher, one_hot, nll = softmax_references(W, INPUTS, indices)
+    loss = zm.losses.SoftmaxCrossEntropy()
+    probabilities = jax.jit(jax.nn.softmax)(jnp.asarray(mixing(5, 3)))
     results = calls(
         (zm.BatchedGGN(linear_model, loss, batch_size=4), (W, INPUTS, indices)),
         (zm.BatchedGGN(linear_model, plain(loss)), (W, INPUTS, probabilities)),
     )
     for G in results:
         close(G, fisher)
-    one_hot = jax.nn.one_hot(indices, 3)
     close(loss(logits, INPUTS, indices), loss(logits, INPUTS, one_hot))
-    close(loss(logits, INPUTS, indices), -jnp.sum(one_hot * jax.nn.log_softmax(logits)))
+    close(loss(logits, INPUTS, indices), nll)
 
 
 def rates(w, inputs, counts):
     return jnp.exp(linear_model(w, inputs, counts))
 
 
-def test_poisson_fisher():
-    log_rates = linear_model(W, INPUTS, COUNTS)
+@jax.jit  # one program rather than one per operation
+def poisson_references(w, inputs, counts):
+    """The log-rates and rates, the Fisher information of each parametrisation (see the
+    test below) and the negative log-likelihood of the counts."""
+    log_rates = linear_model(w, inputs, counts)
     rate = jnp.exp(log_rates)
-    J = jacobian_rows(W, INPUTS)
+    J = jacobian_rows(w, inputs)
+    fisher = per_row(jax.vmap(jnp.diag)(rate), J)
+    rates_fisher = per_row(jax.vmap(jnp.diag)(1 / rate), J * rate[..., None])
+    nll = -jnp.sum(jax.scipy.stats.poisson.logpmf(counts, rate))
+    return log_rates, rate, fisher, rates_fisher, nll
+
+
+def test_poisson_fisher():
+    log_rates, rate, fisher, rates_fisher, nll = poisson_references(W, INPUTS, COUNTS)
     log_rate_loss, rate_loss = zm.losses.PoissonNLL(), zm.losses.PoissonNLL(log_rate=False)
     results = calls(
         (zm.BatchedGGN(linear_model, log_rate_loss), (W, INPUTS, COUNTS)),
@@ -381,17 +415,15 @@ def test_poisson_fisher():
         (zm.BatchedGGN(rates, plain(rate_loss)), (W, INPUTS, rate)),
     )
     # Log-rates: the Hessian, diag(rate), does not depend on the counts: it is the Fisher.
-    fisher = per_row(jax.vmap(jnp.diag)(rate), J)
     close(results[0], fisher)
     close(results[1], fisher)
     # Rates: the Hessian, counts / rate**2, is linear in the counts, so its expectation is
-    # the autodiff matrix at counts equal to the rates: diag(1 / rate).
-    J_rates = J * rate[..., None]
-    close(results[2], per_row(jax.vmap(jnp.diag)(1 / rate), J_rates))
+    # the autodiff matrix at counts equal to the rates: diag(1 / rate) (with J_rates =
+    # J * rate).
+    close(results[2], rates_fisher)
     close(results[2], results[3])
-    expected = jnp.sum(jax.scipy.stats.poisson.logpmf(COUNTS, rate))
-    close(log_rate_loss(log_rates, INPUTS, COUNTS), -expected)
-    close(rate_loss(rate, INPUTS, COUNTS), -expected)
+    close(log_rate_loss(log_rates, INPUTS, COUNTS), nll)
+    close(rate_loss(rate, INPUTS, COUNTS), nll)
 
 
 def mean_and_log_variance(w, inputs, targets):
