@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax import lax
 
-__all__ = ["is_explicit", "laid_out_like", "leaf_sharding", "pinned", "typed_like", "whole"]
+__all__ = ["is_explicit", "laid_out_like", "leaf_sharding", "pinned", "whole"]
 
 
 def leaf_sharding(leaf: Any) -> Any:
@@ -55,19 +55,6 @@ def laid_out_like(value: Any, leaf: Any) -> Any:
     if sharding is None:
         return value
     return jax.sharding.reshard(value, sharding.spec)
-
-
-def typed_like(value: Any, like: Any) -> Any:
-    """`value` laid out as `like`, of the same shape, is where `value` lies over Explicit
-    mesh axes (a function of flat vectors returns them typed as it takes them there,
-    whatever the layout of the leaves it made them from); as it is elsewhere."""
-    if _explicit_split(value) is None:
-        return value
-    try:
-        spec = jax.typeof(like).sharding.spec
-    except (AttributeError, TypeError):
-        spec = jax.sharding.PartitionSpec()
-    return jax.sharding.reshard(value, spec)
 
 
 def _explicit_split(leaf: Any) -> Any:

@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 
 from .._pytree import ravel_leaves, split_leaves
-from .._sharding import is_explicit, leaf_sharding, pinned, typed_like
+from .._sharding import is_explicit, leaf_sharding, pinned
 from ._base import AbstractOperator
 from ._operator import BlockedOperator
 from ._vectors import check_symmetric, square_input
@@ -53,13 +53,9 @@ class FlatView(eqx.Module):
             return operator.with_strategy(strategy)._map()
 
         def product(vector):
-            if not self.is_lineax:
-                out = operator.mv(self.unflatten(vector))
-                return ravel_leaves(jax.tree_util.tree_leaves(out), self.dtype)
-            # Its leaves laid out as its function was traced for, the flat result as the
-            # flat vector is (the two differ where the leaves lie over Explicit axes).
-            out = operator.mv(self.laid_out(vector))
-            return typed_like(ravel_leaves(jax.tree_util.tree_leaves(out), self.dtype), vector)
+            # A lineax operator's leaves laid out as its function was traced for.
+            tree = self.laid_out(vector) if self.is_lineax else self.unflatten(vector)
+            return ravel_leaves(jax.tree_util.tree_leaves(operator.mv(tree)), self.dtype)
 
         return product
 
