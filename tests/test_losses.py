@@ -3,6 +3,7 @@ against `J^T H J` of the plain mean loss from `jax.jacfwd` and `jax.hessian`, th
 mean over microbatches, the conventions of other libraries, and the checks of the
 losses' options and data."""
 
+import functools
 import math
 from functools import partial
 
@@ -111,8 +112,10 @@ def _rate_targets():
     return np.asarray(np.round(3 * rate)), [rate]
 
 
+@functools.cache
 def cases():
-    """`{id: (fn, make_loss, targets, plain_mean, targets_of_the_reference)}`."""
+    """`{id: (fn, make_loss, targets, plain_mean, targets_of_the_reference)}`, built once
+    (in float64, the fixture's): the tests only read them."""
     soft = np.asarray(jax.nn.softmax(jnp.asarray(TARGETS)))
     gaussian_targets, gaussian_reference = _gaussian_targets()
     counts, rate_reference = _rate_targets()
@@ -171,7 +174,7 @@ def test_mean_is_the_ggn_of_the_mean_loss(name):
     fn, make_loss, targets, plain_mean, reference_targets = case(name)
     mean_loss, sum_loss = make_loss(reduction="mean"), make_loss()
     assert sum_loss.reduction == "sum" and mean_loss.reduction == "mean"
-    expected = sum(plain_ggn(fn, plain_mean, W, INPUTS, t) for t in reference_targets)
+    expected = sum(np.asarray(plain_ggn(fn, plain_mean, W, INPUTS, t)) for t in reference_targets)
     expected = expected / len(reference_targets)
     G = zm.BatchedGGN(fn, mean_loss, batch_size=4)(W, INPUTS, targets)
     close(G, expected)
@@ -238,7 +241,7 @@ def test_squared_error_as_torch_mse_and_laplax_mse():
     close(zm.BatchedGGN(three, summed)(W, INPUTS, TARGETS), expected)
     close(zm.BatchedGGN(three, averaged)(W, INPUTS, TARGETS), expected)
     # laplax's "mse": sum over examples of J_i^T (2 I) J_i.
-    J = jax.jit(jax.jacfwd(lambda w: three(w, INPUTS, TARGETS)))(W)  # (N, 3, 6)
+    J = np.asarray(jax.jit(jax.jacfwd(lambda w: three(w, INPUTS, TARGETS)))(W))  # (N, 3, 6)
     laplax = sum(2 * J[i].T @ J[i] for i in range(count))
     close(zm.BatchedGGN(three, zm.losses.SquaredError(weights=2.0))(W, INPUTS, TARGETS), laplax)
 
