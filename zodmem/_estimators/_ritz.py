@@ -78,6 +78,12 @@ def _host_ritz(
     values = np.full(k, -np.inf, dtype)
     vectors = np.zeros((alphas.shape[0], k), dtype)
     residuals = np.full(k, np.inf, dtype)
+    if start >= m:
+        # No step since the last restart: only a finished run of a batch gets here (under
+        # `jax.vmap`, the loop steps every run until the last is done, and keeps the
+        # finished runs' states), and what it is given back is discarded.
+        nothing = (-np.inf, np.inf, np.inf)
+        return (values, vectors, residuals, *(np.asarray(x, dtype) for x in nothing))
     found = min(k, m)
     pairs = _largest_pairs(alphas[:m], betas[: m - 1], found)
     values[k - found :], vectors[:m, k - found :] = pairs
