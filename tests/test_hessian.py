@@ -15,6 +15,9 @@ import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 _REFERENCES = {}
 
@@ -56,17 +59,17 @@ def loss(x, data=1.0, *, weight=0.5):
 # Built lazily: float64 is enabled only while the tests run.
 TREES = {
     "dict": lambda: {
-        "a": jnp.asarray(np.arange(3.0) / 3),
+        "a": jax.device_put(np.arange(3.0) / 3),
         "b": jnp.asarray(0.5),
-        "c": jnp.asarray(np.ones((1, 1))),
+        "c": jax.device_put(np.ones((1, 1))),
     },
     "nested": lambda: (
-        [jnp.asarray(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
-        {"z": jnp.asarray(np.arange(2.0))},
+        [jax.device_put(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
+        {"z": jax.device_put(np.arange(2.0))},
     ),
     "mixed-precision": lambda: {
-        "single": jnp.asarray([0.25, -0.5], jnp.float32),
-        "double": jnp.asarray([1.5, 0.1, 0.2]),
+        "single": jax.device_put(np.asarray([0.25, -0.5], np.float32)),
+        "double": jax.device_put(np.asarray([1.5, 0.1, 0.2])),
     },
     "scalar": lambda: jnp.asarray(0.7),
 }
@@ -91,12 +94,12 @@ class Holder(eqx.Module):
 
 def make_holder():
     return Holder(
-        weight=jnp.asarray(np.linspace(-1, 1, 6).reshape(3, 2)),
-        bias=jnp.asarray([0.1, -0.2, 0.3]),
+        weight=jax.device_put(np.linspace(-1, 1, 6).reshape(3, 2)),
+        bias=jax.device_put(np.asarray([0.1, -0.2, 0.3])),
         power=3,
         negate=True,
         activation=jnp.sin,
-        index=jnp.asarray([2, 0]),
+        index=jax.device_put(np.asarray([2, 0])),
         label="holder",
     )
 
@@ -166,7 +169,7 @@ def hessian_and_array_aux(x, data):
 @pytest.mark.parametrize("jit", [True, False])
 @pytest.mark.parametrize("mode", MODES)
 def test_has_aux_with_checkpoint_and_leaves_that_are_not_arrays(mode, jit):
-    x = {"a": jnp.asarray([0.5, -1.5]), "b": jnp.asarray(0.25)}
+    x = {"a": jax.device_put(np.asarray([0.5, -1.5])), "b": jnp.asarray(0.25)}
     # jax.hessian takes only arrays in aux; the other leaves come back unchanged.
     expected_H, expected_aux = hessian_and_array_aux(x, 0.5)
     expected_aux = {**expected_aux, "name": "loss", "count": 3}
@@ -195,7 +198,7 @@ def test_jit_and_checkpoint(jit, checkpoint):
 
 
 def test_empty_leaves_and_a_constant():
-    x = {"a": jnp.asarray([0.5, -1.5, 2.0]), "e": jnp.zeros((0, 2)), "n": None}
+    x = {"a": jax.device_put(np.asarray([0.5, -1.5, 2.0])), "e": jnp.zeros((0, 2)), "n": None}
     expected = reference_hessian("empty-leaf", loss, x)
     for nbatches in (1, 2):
         close(zm.BatchedHessian(loss, nbatches=nbatches)(x), expected)
@@ -215,7 +218,7 @@ def holder_loss(holder, inputs):
 
 def test_fixed_leaves_of_a_module():
     holder = make_holder()
-    inputs = jnp.asarray([0.4, -0.8])
+    inputs = jax.device_put(np.asarray([0.4, -0.8]))
     expected = reference_hessian("holder", holder_loss, holder, inputs)
     assert expected.shape == (9, 9)
     transforms = [zm.BatchedHessian(holder_loss, nbatches=k) for k in (2, 9)]
@@ -235,8 +238,8 @@ def mse(model, inputs, targets):
 
 def test_mlp_as_x():
     mlp = make_mlp(3, 2, 4, 2)
-    inputs = jnp.asarray(np.linspace(-1, 1, 12).reshape(4, 3))
-    targets = jnp.asarray(np.linspace(0, 1, 8).reshape(4, 2))
+    inputs = jax.device_put(np.linspace(-1, 1, 12).reshape(4, 3))
+    targets = jax.device_put(np.linspace(0, 1, 8).reshape(4, 2))
     expected = reference_hessian("mlp", mse, mlp, inputs, targets)
     assert expected.shape == (46, 46)
     transforms = [zm.BatchedHessian(mse, nbatches=k) for k in (1, 5, 46)]
@@ -253,7 +256,7 @@ def test_mlp_as_x():
 
 def test_mlp_as_fn_under_filter_jit_and_grad():
     mlp = make_mlp(3, "scalar", 5, 1)
-    inputs = jnp.asarray([0.3, -0.1, 0.8])
+    inputs = jax.device_put(np.asarray([0.3, -0.1, 0.8]))
     transform = zm.BatchedHessian(mlp, nbatches=2)
 
     @eqx.filter_jit
@@ -291,9 +294,9 @@ def test_inside_jit_vmap_and_grad():
         }
 
     xs = jax.tree_util.tree_map(
-        lambda leaf: jnp.asarray(np.stack([leaf, 2 * np.asarray(leaf), -np.asarray(leaf)])), x
+        lambda leaf: jax.device_put(np.stack([leaf, 2 * np.asarray(leaf), -np.asarray(leaf)])), x
     )
-    datas = jnp.asarray([1.0, 0.5, -2.0])
+    datas = jax.device_put(np.asarray([1.0, 0.5, -2.0]))
     actual = jax.jit(lambda *a: run(transform, *a))(x, 1.5, xs, datas)
     expected = jax.jit(lambda *a: run(plain, *a))(x, 1.5, xs, datas)
     close(actual, expected)
@@ -431,8 +434,8 @@ def test_hessian_memory_has_no_second_copy():
     def quadratic(x, data):
         return 0.5 * jnp.sum(x) ** 2 + jnp.sum(data * x**2) + jnp.sum(x[:-1] * x[1:])
 
-    x = jnp.asarray(np.linspace(0, 1, n))
-    data = jnp.asarray(np.linspace(1, 2, n))
+    x = jax.device_put(np.linspace(0, 1, n))
+    data = jax.device_put(np.linspace(1, 2, n))
     transform = zm.BatchedHessian(quadratic, nbatches=8)
     compiled = jax.jit(transform).lower(x, data).compile()
     analysis = compiled.memory_analysis()
@@ -475,7 +478,7 @@ def test_sweep_against_the_exact_hessian(case):
     s = s + s.T
     offsets = np.cumsum([0, *sizes])
     x = [
-        jnp.asarray(v[offsets[i] : offsets[i + 1]].reshape((s_,) + (1,) * i))
+        jax.device_put(v[offsets[i] : offsets[i + 1]].reshape((s_,) + (1,) * i))
         for i, s_ in enumerate(sizes)
     ]
 
@@ -520,10 +523,10 @@ two_layer_compiled = jax.jit(_two_layer)  # the reference: one program for every
 
 def _two_layer_params():
     return {
-        "b1": jnp.asarray(np.linspace(-0.3, 0.2, 6)),
-        "b2": jnp.asarray(np.linspace(0.1, 0.4, 2)),
-        "w1": jnp.asarray(mixing(4, 6)),
-        "w2": jnp.asarray(mixing(6, 2, seed=1.0)),
+        "b1": jax.device_put(np.linspace(-0.3, 0.2, 6)),
+        "b2": jax.device_put(np.linspace(0.1, 0.4, 2)),
+        "w1": jax.device_put(mixing(4, 6)),
+        "w2": jax.device_put(mixing(6, 2, seed=1.0)),
     }
 
 
@@ -538,7 +541,7 @@ def _two_layer_params():
     ],
 )
 def test_blocks_within_one_leaf_match_jax_hessian(options):
-    params, inputs = _two_layer_params(), jnp.asarray(mixing(3, 4, seed=2.0))
+    params, inputs = _two_layer_params(), jax.device_put(mixing(3, 4, seed=2.0))
     exact = reference_hessian("two-layer", lambda p, i: _two_layer(p, i)[0], params, inputs)
     transform = zm.BatchedHessian(_two_layer, mode="rev", has_aux=True, **options)
     H, aux = transform(params, inputs)
@@ -548,14 +551,14 @@ def test_blocks_within_one_leaf_match_jax_hessian(options):
 
 
 def test_blocks_within_one_leaf_under_vmap_and_grad():
-    params, inputs = _two_layer_params(), jnp.asarray(mixing(3, 4, seed=2.0))
+    params, inputs = _two_layer_params(), jax.device_put(mixing(3, 4, seed=2.0))
     transform = zm.BatchedHessian(lambda p, i: _two_layer(p, i)[0], batch_size=3, mode="rev")
 
     def exact(p, i):
         fn_of_flat, flat = raveled(lambda p, i: _two_layer(p, i)[0], p, i)
         return jax.hessian(fn_of_flat)(flat)
 
-    scales = jnp.asarray([0.5, 1.0, 2.0])
+    scales = jax.device_put(np.asarray([0.5, 1.0, 2.0]))
     batched = jax.vmap(lambda s: transform(params, s * inputs))(scales)
     # The references compiled: one program each rather than one per operation.
     close(batched, jax.jit(jax.vmap(lambda s: exact(params, s * inputs)))(scales))

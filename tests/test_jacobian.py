@@ -16,6 +16,9 @@ import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 _REFERENCES = {}
 
@@ -89,17 +92,17 @@ def tree_fn(x, scale=1.0, *, shift=0.0):
 # Built lazily: float64 is enabled only while the tests run.
 TREES = {
     "dict": lambda: {
-        "a": jnp.asarray(np.arange(3.0) / 3),
+        "a": jax.device_put(np.arange(3.0) / 3),
         "b": jnp.asarray(0.5),
-        "c": jnp.asarray(np.ones((1, 1))),
+        "c": jax.device_put(np.ones((1, 1))),
     },
     "nested": lambda: (
-        [jnp.asarray(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
-        {"z": jnp.asarray(np.arange(2.0))},
+        [jax.device_put(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
+        {"z": jax.device_put(np.arange(2.0))},
     ),
     "mixed-precision": lambda: {
-        "single": jnp.asarray([0.25, -0.5], jnp.float32),
-        "double": jnp.asarray([1.5, 0.1, 0.2]),
+        "single": jax.device_put(np.asarray([0.25, -0.5], np.float32)),
+        "double": jax.device_put(np.asarray([1.5, 0.1, 0.2])),
     },
     "scalar": lambda: jnp.asarray(0.7),
 }
@@ -124,12 +127,12 @@ class Holder(eqx.Module):
 
 def make_holder():
     return Holder(
-        weight=jnp.asarray(np.linspace(-1, 1, 6).reshape(3, 2)),
-        bias=jnp.asarray([0.1, -0.2, 0.3]),
+        weight=jax.device_put(np.linspace(-1, 1, 6).reshape(3, 2)),
+        bias=jax.device_put(np.asarray([0.1, -0.2, 0.3])),
         power=2,
         negate=True,
         activation=jnp.sin,
-        index=jnp.asarray([2, 0]),
+        index=jax.device_put(np.asarray([2, 0])),
         label="holder",
     )
 
@@ -231,7 +234,7 @@ def empty_and_constant(x):
 @pytest.mark.parametrize("mode", ["fwd", "rev", "auto"])
 def test_empty_leaves_and_constant_outputs(mode):
     # A zero-size variable among others, an empty output and a constant output.
-    x = {"a": jnp.asarray([0.5, -1.5, 2.0]), "e": jnp.zeros((0, 2)), "n": None}
+    x = {"a": jax.device_put(np.asarray([0.5, -1.5, 2.0])), "e": jnp.zeros((0, 2)), "n": None}
     expected = reference_jacobians("empty-leaf", empty_and_constant, x)["fwd"]
     close(zm.BatchedJacobian(empty_and_constant, mode=mode, batch_size=2)(x), expected)
     assert expected["empty"].shape == (0, 3, 3) and expected["c"].shape == (3,)
@@ -247,7 +250,7 @@ def call_holder(holder, inputs):
 
 def test_fixed_leaves_of_a_module():
     holder = make_holder()
-    inputs = jnp.asarray([0.4, -0.8])
+    inputs = jax.device_put(np.asarray([0.4, -0.8]))
     expected = reference_jacobians("holder", call_holder, holder, inputs)["fwd"]
     assert expected.shape == (2, 9)
     transforms = [zm.BatchedJacobian(call_holder, nbatches=2, mode=m) for m in ["fwd", "rev"]]
@@ -267,7 +270,7 @@ def predictions(model, inputs):
 
 def test_mlp_as_x():
     mlp = make_mlp(3, 2, 4, 2)
-    inputs = jnp.asarray(np.linspace(-1, 1, 12).reshape(4, 3))
+    inputs = jax.device_put(np.linspace(-1, 1, 12).reshape(4, 3))
     expected = reference_jacobians("mlp", predictions, mlp, inputs)["fwd"]
     assert expected.shape == (4, 2, 46)
     transforms = [
@@ -286,7 +289,7 @@ def test_mlp_as_x():
 
 def test_mlp_as_fn_under_filter_jit_and_grad():
     mlp = make_mlp(3, 2, 5, 1)
-    inputs = jnp.asarray([0.3, -0.1, 0.8])
+    inputs = jax.device_put(np.asarray([0.3, -0.1, 0.8]))
     transform = zm.BatchedJacobian(mlp, nbatches=2, mode="fwd")
 
     @eqx.filter_jit
@@ -336,9 +339,9 @@ def test_inside_jit_vmap_and_grad(mode):
         }
 
     xs = jax.tree_util.tree_map(
-        lambda leaf: jnp.asarray(np.stack([leaf, 2 * np.asarray(leaf), -np.asarray(leaf)])), x
+        lambda leaf: jax.device_put(np.stack([leaf, 2 * np.asarray(leaf), -np.asarray(leaf)])), x
     )
-    scales = jnp.asarray([1.0, 0.5, -2.0])
+    scales = jax.device_put(np.asarray([1.0, 0.5, -2.0]))
     close(run(x, 1.5, xs, scales), run_plain(x, 1.5, xs, scales))
 
 
@@ -484,7 +487,7 @@ def test_jacobian_memory_has_no_second_copy():
     def fn(x):
         return jnp.tanh(a @ x) * jnp.sum(x**2)
 
-    x = jnp.asarray(np.linspace(-1, 1, n))
+    x = jax.device_put(np.linspace(-1, 1, n))
     for mode in ["fwd", "rev"]:
         compiled = jax.jit(zm.BatchedJacobian(fn, nbatches=8, mode=mode)).lower(x).compile()
         analysis = compiled.memory_analysis()
@@ -520,7 +523,7 @@ def test_sweep_against_the_exact_jacobian(case):
     # Leaves of shapes (size,), (1, size), ... in a dict.
     offsets = np.cumsum([0, *sizes])
     x = {
-        f"leaf{i}": jnp.asarray(v[offsets[i] : offsets[i + 1]].reshape((1,) * (i % 2) + (s,)))
+        f"leaf{i}": jax.device_put(v[offsets[i] : offsets[i + 1]].reshape((1,) * (i % 2) + (s,)))
         for i, s in enumerate(sizes)
     }
 
@@ -544,7 +547,10 @@ def test_forward_mode_refuses_a_custom_vjp_function_in_words():
     def fn(w, inputs):
         return squash(inputs @ w)
 
-    w, inputs = jnp.asarray([0.5, -0.25, 1.0]), jnp.asarray(np.cos(np.arange(12.0).reshape(4, 3)))
+    w, inputs = (
+        jax.device_put(np.asarray([0.5, -0.25, 1.0])),
+        jax.device_put(np.cos(np.arange(12.0).reshape(4, 3))),
+    )
     expected = jax.jit(jax.jacrev(lambda w: jnp.tanh(inputs @ w)))(w)
     close(zm.BatchedJacobian(fn, mode="rev", batch_size=2)(w, inputs), expected)
     refusals = [
