@@ -11,6 +11,9 @@ from hypothesis import given, settings, strategies as st
 import zodmem as zm
 import zodmem.compat.optax as zo
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 TYPES = ["SUM", "MEAN", "RUNNING_MEAN", "CONCAT"]
 F32 = 2e-6  # float32 round-off, for results summed in another order
 
@@ -39,12 +42,12 @@ def example_fn(nonbatch, a, b):
 
 def arrays(shape, seed, dtype=np.float32):
     """Random normal values, cast by NumPy (no program to compile)."""
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(dtype))
+    return jax.device_put(np.random.default_rng(seed).normal(size=shape).astype(dtype))
 
 
 def as_jax(x):
     """A NumPy array on the device as it is (no program to compile)."""
-    return jnp.asarray(np.asarray(x))
+    return jax.device_put(np.asarray(x))
 
 
 def compiled(fn, *args):
@@ -222,7 +225,7 @@ def test_microbatch_errors_like_optax():
 def test_numpy_integer_arguments():
     x = arrays((12, 2), 11)
     xt, column = as_jax(np.asarray(x).T), as_jax(np.asarray(x)[:, 0])
-    params, targets = jnp.asarray([0.3, -0.2]), arrays((12,), 12)
+    params, targets = jax.device_put(np.asarray([0.3, -0.2])), arrays((12,), 12)
     fn = lambda nonbatch, x: jnp.sum(x * nonbatch, axis=0)  # noqa: E731
     square = lambda x: x**2  # noqa: E731
     scaled = lambda w, x: jnp.sum((x * w) ** 2)  # noqa: E731
@@ -352,7 +355,7 @@ def squared_loss(params, features, targets):
 @pytest.mark.parametrize("keep_batch_dim", [True, False])
 @pytest.mark.parametrize("name", ["SUM", "MEAN", "RUNNING_MEAN"])
 def test_micro_grad_matches_optax(keep_batch_dim, name):
-    params = jnp.asarray([0.3, -0.2])
+    params = jax.device_put(np.asarray([0.3, -0.2]))
     features = arrays((8, 2), 6)
     targets = arrays((8,), 7)
     sizes = (None, 2, 4)
@@ -412,7 +415,11 @@ def test_micro_grad_has_aux_several_argnums_and_early_stop():
 
 
 def test_micro_grad_results_map_together_with_optax_s():
-    params, features, targets = jnp.asarray([0.3, -0.2]), arrays((8, 2), 9), arrays((8,), 10)
+    params, features, targets = (
+        jax.device_put(np.asarray([0.3, -0.2])),
+        arrays((8, 2), 9),
+        arrays((8,), 10),
+    )
     kwargs = dict(batch_argnums=(1, 2), microbatch_size=4, metrics_fn=jnp.linalg.norm)
     ours = zo.micro_grad(squared_loss, **kwargs)(params, features, targets)
     theirs = compiled(om.micro_grad(squared_loss, **kwargs), params, features, targets)

@@ -13,21 +13,24 @@ import zodmem.compat.zodiax as zc
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 # Built lazily: float64 is enabled only while the tests run.
 TREES = {
     "dict": lambda: {
-        "a": jnp.asarray(np.arange(3.0) / 3),
+        "a": jax.device_put(np.arange(3.0) / 3),
         "b": jnp.asarray(0.5),
-        "c": jnp.asarray(np.ones((1, 2))),
+        "c": jax.device_put(np.ones((1, 2))),
     },
     "nested": lambda: (
-        [jnp.asarray(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
-        {"z": jnp.asarray(np.arange(2.0))},
+        [jax.device_put(np.linspace(-1, 1, 4).reshape(2, 2)), jnp.asarray(0.3)],
+        {"z": jax.device_put(np.arange(2.0))},
     ),
     "mixed-precision": lambda: {
-        "single": jnp.asarray([0.25, -0.5], jnp.float32),
-        "double": jnp.asarray([1.5, 0.1, 0.2, -0.7]),
+        "single": jax.device_put(np.asarray([0.25, -0.5], np.float32)),
+        "double": jax.device_put(np.asarray([1.5, 0.1, 0.2, -0.7])),
     },
 }
 
@@ -84,7 +87,7 @@ def test_same_results_as_zodiax(name):
     # unflatten maps a flat vector back to x's structure, as zodiax's (ravel_pytree's) does.
     H, unflatten = zc.hessian(loss, x, nbatches=n)
     close(H, expected[-1][1])
-    flat = jnp.asarray(np.linspace(-2, 2, n))
+    flat = jax.device_put(np.linspace(-2, 2, n))
     # ravel_pytree's flat x and unflattened vector, compiled as one program.
     raveled, unraveled = jax.jit(lambda x, flat: (ravel_pytree(x)[0], ravel_pytree(x)[1](flat)))(
         x, flat
@@ -95,7 +98,7 @@ def test_same_results_as_zodiax(name):
 
 def test_called_directly():
     x = TREES["dict"]()
-    flat = jnp.asarray(np.linspace(-2, 2, 6))
+    flat = jax.device_put(np.linspace(-2, 2, 6))
 
     @jax.jit
     def zodiax_s(x, flat):
@@ -111,7 +114,7 @@ def test_called_directly():
     close(H, H_zodiax)
     close(zc.hessian_to_pytree(H, x), zd.hessian_to_pytree(H_zodiax, x))
     close(unflatten(flat), flat_zodiax)
-    close(unflatten(jnp.asarray(np.asarray(H)[0])), row_zodiax)
+    close(unflatten(jax.device_put(np.asarray(H)[0])), row_zodiax)
 
 
 def test_jit_and_checkpoint_flags():
@@ -123,7 +126,7 @@ def test_jit_and_checkpoint_flags():
 
 
 def test_a_single_array_and_a_pytree_output():
-    x = jnp.asarray(np.linspace(0.1, 0.9, 5))
+    x = jax.device_put(np.linspace(0.1, 0.9, 5))
     close(derivatives(zc, x, [1, 4, 5]), derivatives(zd, x, [1, 4, 5]))
 
     def tree_out(x):
@@ -176,7 +179,7 @@ def test_python_floats_are_variables_as_in_zodiax(nbatches):
         return x["s"] ** 3 * jnp.sum(x["v"] ** 2)
 
     cases = [
-        (cubic, {"s": 2.0, "v": jnp.asarray([0.5, -1.0], jnp.float32)}),
+        (cubic, {"s": 2.0, "v": jax.device_put(np.asarray([0.5, -1.0], np.float32))}),
         (lambda s: s**3, 2.0),
         (lambda s: s[0] * s[1] ** 2, (2.0, 3.0)),
     ]
@@ -202,7 +205,7 @@ def test_python_floats_are_variables_as_in_zodiax(nbatches):
 
 def test_mlp_works_where_zodiax_fails():
     mlp = make_mlp(2, 1, 3, 1)  # n = 2 * 3 + 3 + 3 + 1 = 13
-    inputs = jnp.asarray(np.linspace(-1, 1, 8).reshape(4, 2))
+    inputs = jax.device_put(np.linspace(-1, 1, 8).reshape(4, 2))
 
     def mse(model):
         return jnp.mean((jax.vmap(model)(inputs) - 0.5) ** 2)
