@@ -16,6 +16,9 @@ import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 def close(actual, expected, rtol=1e-12, atol=1e-12):
     """Same structure, shapes and dtypes; values equal up to float64 rounding."""
@@ -29,7 +32,7 @@ def close(actual, expected, rtol=1e-12, atol=1e-12):
 
 def normal(seed, shape):
     # NumPy's generator: jax.random's would compile a program for every shape drawn.
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float64)
+    return jax.device_put(np.random.default_rng(seed).standard_normal(shape))  # float64
 
 
 def flat_reference(fn, x):
@@ -329,7 +332,7 @@ def test_checkpointed_scan_in_grad_in_chunked_vmap(chunk_size):
     checkpointed = tanh_loss_with(zm.CheckpointedScan(tanh_step, chunk_size=chunk_size))
     x0s = normal(1, (5, 3))
     per_example = zm.ChunkedVmap(jax.grad(checkpointed, argnums=(0, 1)), chunk_size=2)
-    actual = per_example(x0s, jnp.asarray(np.broadcast_to(np.asarray(ws), (5, 10))))
+    actual = per_example(x0s, jax.device_put(np.broadcast_to(np.asarray(ws), (5, 10))))
     close(actual, plain_tanh_grads(x0s, ws))
 
 
@@ -389,7 +392,7 @@ def test_stacks_under_jit_vmap_and_filter_jit():
 
     # (Reshaped by NumPy: no program to compile per leaf.)
     def in_two(v):
-        return jnp.asarray(np.reshape(v, (2, 2, *v.shape[1:])))
+        return jax.device_put(np.reshape(v, (2, 2, *v.shape[1:])))
 
     close(
         nested(jax.tree_util.tree_map(in_two, params), in_two(a)),

@@ -22,6 +22,9 @@ from zodmem._engine._block_plans import plan_blocks
 from zodmem._engine._blocks import scan_blocks, write_once
 from zodmem._transforms._scan import default_chunk_size
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 # A step with an int and a float carry and pytree outputs. Its arithmetic is exact
 # or the same IEEE operations in numpy, so results compare with equality.
@@ -42,7 +45,10 @@ STEPS = {"tree": tree_step, "carry_only": carry_only_step}
 
 
 def make_init():
-    return (jnp.asarray(7, jnp.int32), jnp.asarray([0.25, -1.0], jnp.float32))
+    return (
+        jax.device_put(np.asarray(7, np.int32)),
+        jax.device_put(np.asarray([0.25, -1.0], np.float32)),
+    )
 
 
 def make_xs(length):
@@ -182,13 +188,16 @@ def loss_of(scan):
     ],
 )
 def test_sliced_scan_gradients_match_lax_scan(float64, length, start, stop, step, reverse, with_xs):
-    init = (jnp.asarray([0.1, -0.2, 0.3]), jnp.asarray(0.0))
+    init = (jax.device_put(np.asarray([0.1, -0.2, 0.3])), jnp.asarray(0.0))
     if with_xs:
         params, given_length = smooth_xs(length), None
         step_fn = smooth_step
     else:
         # Without xs, the differentiated inputs reach the steps through a closure.
-        params, given_length = {"w": jnp.asarray([0.9, 1.1, 1.3]), "b": jnp.asarray(0.2)}, length
+        params, given_length = (
+            {"w": jax.device_put(np.asarray([0.9, 1.1, 1.3])), "b": jnp.asarray(0.2)},
+            length,
+        )
 
         def step_fn(carry, x):
             return smooth_step(carry, params)
@@ -230,8 +239,8 @@ class Cell(eqx.Module):
 
 
 def test_module_fn_is_a_leaf_and_differentiable(float64):
-    cell = Cell(jnp.asarray(np.eye(3) * 0.9 + 0.05), jnp.tanh)
-    xs = jnp.asarray(np.linspace(-1.0, 1.0, 30).reshape(10, 3))
+    cell = Cell(jax.device_put(np.eye(3) * 0.9 + 0.05), jnp.tanh)
+    xs = jax.device_put(np.linspace(-1.0, 1.0, 30).reshape(10, 3))
     sliced = zm.SlicedScan(cell, start=1, step=4)
     assert any(leaf is cell.weight for leaf in jax.tree_util.tree_leaves(sliced))
     assert sliced.config == {
@@ -275,7 +284,7 @@ def test_jit_vmap_and_python_carries():
     assert_same(jitted(init, xs), want)
 
     rows = [np.asarray(init[1]), np.asarray(init[1]) + np.float32(1.0)]
-    got = jax.vmap(lambda v: sliced((init[0], v), xs))(jnp.asarray(np.stack(rows)))
+    got = jax.vmap(lambda v: sliced((init[0], v), xs))(jax.device_put(np.stack(rows)))
     for row in range(2):
         want_row = lax_scan(
             (init[0], jnp.asarray(rows[row])), xs, fn=tree_step, start=3, stop=-1, step=2
@@ -371,7 +380,7 @@ def test_empty_and_length_only_scans():
     assert_same(got, jax.lax.scan(tree_step, init, None, length=0))
     # xs with no leaves scans `length` times, as in lax.scan.
     got = zm.SlicedScan(lambda c, x: (c + 1, c), length=4, step=2)(0, ())
-    assert_same(got, (jnp.asarray(4), jnp.asarray([0, 2])))
+    assert_same(got, (jnp.asarray(4), jax.device_put(np.asarray([0, 2]))))
 
 
 def check_construction(cls, kwargs, error, match):
@@ -451,7 +460,9 @@ def test_trace_time_errors(transform):
     with pytest.raises(ValueError, match=r"`xs`=None has no array leaves and `length` is None"):
         transform(tree_step)(init)
     with pytest.raises(TypeError):  # lax.scan's own check of the carry
-        transform(lambda c, x: (c.astype(jnp.float32), c), length=3)(jnp.asarray(1, jnp.int32))
+        transform(lambda c, x: (c.astype(jnp.float32), c), length=3)(
+            jax.device_put(np.asarray(1, np.int32))
+        )
 
 
 @given(
@@ -476,7 +487,7 @@ def test_checkpointed_scan_matches_lax_scan(length, chunk_size, reverse, with_xs
     "length,chunk_size,reverse", [(10, 3, False), (10, 3, True), (7, None, True)]
 )
 def test_checkpointed_scan_gradients_match_lax_scan(float64, length, chunk_size, reverse):
-    init = (jnp.asarray([0.1, -0.2, 0.3]), jnp.asarray(0.0))
+    init = (jax.device_put(np.asarray([0.1, -0.2, 0.3])), jnp.asarray(0.0))
     xs = smooth_xs(length)
     checkpointed = zm.CheckpointedScan(smooth_step, chunk_size=chunk_size, reverse=reverse)
     plain = lambda init, xs: jax.lax.scan(smooth_step, init, xs, reverse=reverse)  # noqa: E731
@@ -539,7 +550,7 @@ def doubling_step(c, x):
 @pytest.mark.parametrize("reverse_outputs", [False, True])
 def test_scan_blocks_places_block_outputs(reverse, reverse_outputs):
     step = doubling_step
-    xs = jnp.asarray(np.arange(11, dtype=np.int32))
+    xs = jax.device_put(np.arange(11, dtype=np.int32))
     # (One reference program for each direction, whatever the order of the outputs.)
     want_carry, want_ys = lax_scan(jnp.asarray(1), xs, fn=step, reverse=reverse)
 
@@ -564,12 +575,14 @@ def test_scan_blocks_places_block_outputs(reverse, reverse_outputs):
 
 def test_write_once_values_and_derivatives(float64):
     buffer = jnp.zeros((4, 2))
-    piece = jnp.asarray([[-0.0, 2.0]])
+    piece = jax.device_put(np.asarray([[-0.0, 2.0]]))
     written = write_once(buffer, piece, 1)
     np.testing.assert_array_equal(written[1], [-0.0, 2.0])
     assert np.signbit(written[1, 0])  # written as it is, sign of zero included
     np.testing.assert_array_equal(write_once(buffer, piece, 2, jnp.asarray(False)), buffer)
-    flags = write_once(jnp.zeros((3,), bool), jnp.asarray([True]), 2, jnp.asarray(True))
+    flags = write_once(
+        jnp.zeros((3,), bool), jax.device_put(np.asarray([True])), 2, jnp.asarray(True)
+    )
     np.testing.assert_array_equal(flags, [False, False, True])
 
     def fill(values, keep):
@@ -582,8 +595,11 @@ def test_write_once_values_and_derivatives(float64):
     def reference(values, keep):
         return jnp.where(keep, jnp.sin(values), 0.0)
 
-    values, keep = jnp.asarray([0.1, 0.2, 0.3, 0.4]), jnp.asarray([True, False, True, True])
-    weights = jnp.asarray([1.0, -2.0, 3.0, 0.5])
+    values, keep = (
+        jax.device_put(np.asarray([0.1, 0.2, 0.3, 0.4])),
+        jax.device_put(np.asarray([True, False, True, True])),
+    )
+    weights = jax.device_put(np.asarray([1.0, -2.0, 3.0, 0.5]))
 
     # The value, gradient and JVP of each side in one compiled program.
     def derivatives(fn):
