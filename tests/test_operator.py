@@ -16,6 +16,9 @@ import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 def loss(params, data):
     z = data @ params["w"] + jnp.sum(params["m"]) * params["b"]
@@ -30,11 +33,11 @@ def point():
     # Built by NumPy (float64, as the tests run): no programs to compile.
     params = {
         "b": jnp.asarray(0.7),
-        "m": jnp.asarray(np.arange(6.0).reshape(2, 3) / 7),
+        "m": jax.device_put(np.arange(6.0).reshape(2, 3) / 7),
         "n": 3,  # not a variable: held fixed
-        "w": jnp.asarray(np.linspace(-0.5, 0.5, 3)),
+        "w": jax.device_put(np.linspace(-0.5, 0.5, 3)),
     }
-    data = jnp.asarray(np.arange(12.0).reshape(4, 3) / 10)
+    data = jax.device_put(np.arange(12.0).reshape(4, 3) / 10)
     return params, data
 
 
@@ -214,9 +217,12 @@ def test_lineax_solves_take_it():
     def convex(w, data):
         return jnp.sum(jnp.logaddexp(0.0, data @ w)) + 0.5 * jnp.sum(w**2)
 
-    w, data = jnp.asarray(np.linspace(-1, 1, 4)), jnp.asarray(np.arange(20.0).reshape(5, 4) / 20)
+    w, data = (
+        jax.device_put(np.linspace(-1, 1, 4)),
+        jax.device_put(np.arange(20.0).reshape(5, 4) / 20),
+    )
     H = np.asarray(jax.jit(jax.hessian(convex))(w, data))
-    b = jnp.asarray(np.arange(1.0, 5.0))
+    b = jax.device_put(np.arange(1.0, 5.0))
     op = zm.BatchedHessian(convex, batch_size=3).operator(w, data)
     assert lx.is_symmetric(op) and not lx.is_positive_semidefinite(op) and op.T is op
     positive = lx.TaggedLinearOperator(op, lx.positive_semidefinite_tag)
@@ -229,13 +235,13 @@ def test_microbatcher_operator(accumulator, size):
     def example_loss(w, x, y):
         return jnp.mean((jnp.tanh(x @ w["a"]) * w["c"] - y) ** 2)
 
-    w = {"a": jnp.asarray(np.linspace(-0.3, 0.3, 3)), "c": jnp.asarray(1.2)}
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(6, 3)))
-    y = jnp.asarray(np.arange(6.0) / 6)
+    w = {"a": jax.device_put(np.linspace(-0.3, 0.3, 3)), "c": jnp.asarray(1.2)}
+    x = jax.device_put(np.random.default_rng(2).normal(size=(6, 3)))
+    y = jax.device_put(np.arange(6.0) / 6)
     fn, flat = raveled(example_loss, w, x, y)
     # (Sliced by NumPy: no program to compile per slice.)
     microbatches = [
-        (jnp.asarray(np.asarray(x)[i : i + size]), jnp.asarray(np.asarray(y)[i : i + size]))
+        (jax.device_put(np.asarray(x)[i : i + size]), jax.device_put(np.asarray(y)[i : i + size]))
         for i in range(0, 6, size)
     ]
     weight = (lambda xs: 1.0) if accumulator == "sum" else (lambda xs: xs.shape[0] / 6)
@@ -264,8 +270,8 @@ def test_microbatcher_jacobian_operator():
     def model(w, x):
         return jnp.sum(jnp.tanh(x @ w), axis=0)  # a sum over the examples: additive
 
-    w = jnp.asarray(np.linspace(-0.3, 0.3, 6).reshape(3, 2))
-    x = jnp.asarray(np.arange(15.0).reshape(5, 3) / 10)
+    w = jax.device_put(np.linspace(-0.3, 0.3, 6).reshape(3, 2))
+    x = jax.device_put(np.arange(15.0).reshape(5, 3) / 10)
     J = np.asarray(jax.jit(jax.jacfwd(model))(w, x)).reshape(2, 6)
     op = zm.Microbatcher(zm.BatchedJacobian(model), microbatch_size=2, argnums=1).operator(w, x)
     V, W = vectors(6, 2), vectors(2, 1)
@@ -351,7 +357,7 @@ def test_ggn_operator_is_positive_semidefinite():
     def squared(outputs, inputs):
         return 0.5 * jnp.sum(outputs**2)
 
-    w = {"a": jnp.asarray(np.linspace(-0.2, 0.4, 3)), "c": jnp.asarray(1.5)}
+    w = {"a": jax.device_put(np.linspace(-0.2, 0.4, 3)), "c": jnp.asarray(1.5)}
     inputs = jnp.asarray(
         np.linspace(-1, 1, 15).reshape(5, 3) ** 3
     )  # 5 outputs, 4 variables: G is regular
@@ -361,7 +367,7 @@ def test_ggn_operator_is_positive_semidefinite():
     assert lx.is_symmetric(op) and lx.is_positive_semidefinite(op) and op.T is op
     V = vectors(4, 2)
     close(op.mm(V), J.T @ J @ V)
-    b = jnp.asarray(np.arange(1.0, 5.0))
+    b = jax.device_put(np.arange(1.0, 5.0))
     # Taken by CG as it is (the Gauss-Newton matrix is positive semi-definite), with the
     # right-hand side shaped like the variables, as lineax asks (its `out_structure`).
     cg = lx.CG(rtol=1e-12, atol=1e-12, max_steps=100)
@@ -389,7 +395,7 @@ def test_complex_hessians_and_per_example_operators():
     def energy(z):
         return jnp.sum(jnp.sin(z) ** 2) + z[0] * z[1]
 
-    z = jnp.asarray([0.5 + 1j, -1 + 0.25j])
+    z = jax.device_put(np.asarray([0.5 + 1j, -1 + 0.25j]))
     H = np.asarray(jax.jit(jax.hessian(energy, holomorphic=True))(z))
     op = zm.BatchedHessian(energy, holomorphic=True).operator(z)
     v = np.asarray([1.0 + 0j, 2j])

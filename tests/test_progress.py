@@ -14,6 +14,9 @@ from helpers import check_init, close
 import zodmem as zm
 from zodmem._engine import _progress
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 def loss(w, data):
     return jnp.sum(jnp.tanh(data @ w) ** 2)
@@ -194,13 +197,13 @@ def test_vmap_over_the_number_of_real_microbatches(capsys):
 
     result, err = stderr_of(capsys, lambda: jax.vmap(call)(jnp.arange(4)))
     assert bars(err, "Microbatcher", 3) == (1, 1), err
-    close(result, jnp.array([0.0, 3.0, 6.0, 7.0]))
+    close(result, jax.device_put(np.asarray([0.0, 3.0, 6.0, 7.0])))
 
 
 def test_nested_transform_shows_a_bar_per_outer_chunk(capsys):
     inner = zm.BatchedHessian(loss, nbatches=3, progress=True)
     outer = zm.ChunkedVmap(inner, chunk_size=2, in_axes=(0, None), progress=True)
-    ws = jnp.asarray(np.outer([1, 2, 3, 4], np.asarray(W)).astype(np.float32))
+    ws = jax.device_put(np.outer([1, 2, 3, 4], np.asarray(W)).astype(np.float32))
     result, err = stderr_of(capsys, lambda: outer(ws, DATA))
     # The inner loop runs once per chunk, for both lanes of the chunk at once; its bar,
     # below the outer one, is cleared when it closes.

@@ -16,6 +16,9 @@ import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 def reference(fn, in_axes, out_axes, args, kwargs=None):
     """`eqx.filter_vmap` of `fn`, with keyword arguments mapped by `eqx.if_array(0)`."""
@@ -32,7 +35,7 @@ def values(shape, dtype, seed=0):
     size = int(np.prod(shape))
     raw = np.cos(np.arange(size) * 0.37 + seed).reshape(shape) * 3
     raw = raw.round() if jnp.issubdtype(dtype, jnp.integer) else raw
-    return jnp.asarray(raw.astype(dtype))  # cast by NumPy: no program to compile
+    return jax.device_put(raw.astype(dtype))  # cast by NumPy: no program to compile
 
 
 # Every batch size from 0 to 20 with every chunk size from 1 to batch + 2: a mapped
