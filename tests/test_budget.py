@@ -18,6 +18,9 @@ from zodmem._plan._budget import abstract
 from zodmem._plan._compiled import compiled_memory
 from zodmem._plan._memory import AUTO_MARGIN, budget_bytes, free_memory
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 # The search on calls of a few kB: the process's own compile heap is tested apart
 # (test_budget_reserve.py).
 pytestmark = pytest.mark.usefixtures("float64")
@@ -145,7 +148,7 @@ def test_maps_need_a_size_or_a_budget(name):
 
 
 def test_plan_without_a_budget_describes_the_count():
-    w = jnp.asarray(np.linspace(-1, 1, 40))
+    w = jax.device_put(np.linspace(-1, 1, 40))
     plan = zm.BatchedHessian(outer_loss, nbatches=4).plan(w)
     assert (plan.block_size, plan.num_blocks, plan.total) == (10, 4, 40)
     assert plan.output_bytes == 40 * 40 * 8 and plan.budget_bytes is None and plan.fits
@@ -170,7 +173,7 @@ DERIVATIVES = {
 @pytest.mark.parametrize("name", list(DERIVATIVES))
 def test_derivative_budgets_fit_and_give_the_same_answer(name):
     transform_type, fn, mode, n, share, reference = DERIVATIVES[name]
-    w = jnp.asarray(np.linspace(-1, 1, n))
+    w = jax.device_put(np.linspace(-1, 1, n))
     budget = int(share * transform_type(fn, mode=mode).plan(w).peak_bytes)
     transform = transform_type(fn, mode=mode, max_memory=budget)
     plan = transform.plan(w)
@@ -182,7 +185,7 @@ def test_derivative_budgets_fit_and_give_the_same_answer(name):
 
 
 def test_maps_and_microbatches_fit():
-    xs = jnp.asarray(np.random.default_rng(1).normal(size=(24, 200)))
+    xs = jax.device_put(np.random.default_rng(1).normal(size=(24, 200)))
     one = zm.ChunkedVmap(heavy, chunk_size=1).plan(xs).peak_bytes
     transform = zm.ChunkedVmap(heavy, max_memory=int(4.5 * one))
     plan = transform.plan(xs)
@@ -208,7 +211,7 @@ def test_too_small_a_budget_is_refused_before_anything_runs():
         jax.debug.callback(lambda: calls.append(1))
         return outer_loss(w)
 
-    w = jnp.asarray(np.linspace(-1, 1, 20))
+    w = jax.device_put(np.linspace(-1, 1, 20))
     # The Hessian alone is 3.2 kB.
     transform = zm.BatchedHessian(counted, max_memory="2kB", strategy="linearize")
     with pytest.raises(zm.MemoryBudgetError) as info:
@@ -222,7 +225,7 @@ def test_too_small_a_budget_is_refused_before_anything_runs():
 
 
 def test_inside_jit_and_filter_jit():
-    w = jnp.asarray(np.linspace(-1, 1, 60))
+    w = jax.device_put(np.linspace(-1, 1, 60))
     whole = zm.BatchedHessian(outer_loss).plan(w).peak_bytes
     transform = zm.BatchedHessian(outer_loss, max_memory=int(0.7 * whole))
     expected = jax.jit(jax.hessian(outer_loss))(w)
@@ -235,15 +238,15 @@ def test_inside_jit_and_filter_jit():
 
 
 def test_plans_are_cached():
-    w = jnp.asarray(np.linspace(-1, 1, 50))
+    w = jax.device_put(np.linspace(-1, 1, 50))
     transform = zm.BatchedHessian(data_loss, max_memory="100kB")
     assert transform.plan(w) is transform.plan(w)
-    assert transform.plan(w) is not transform.plan(jnp.asarray(np.linspace(-1, 1, 51)))
+    assert transform.plan(w) is not transform.plan(jax.device_put(np.linspace(-1, 1, 51)))
 
 
 def test_a_budget_on_the_outer_transform_bounds_the_stack():
-    data = jnp.asarray(np.random.default_rng(2).normal(size=(16, 5, 30)))
-    w = jnp.asarray(np.linspace(-1, 1, 30))
+    data = jax.device_put(np.random.default_rng(2).normal(size=(16, 5, 30)))
+    w = jax.device_put(np.linspace(-1, 1, 30))
     per_example = zm.ChunkedVmap(
         zm.BatchedHessian(smooth_loss, nbatches=3), in_axes=(None, 0), chunk_size=1
     )
@@ -255,8 +258,8 @@ def test_a_budget_on_the_outer_transform_bounds_the_stack():
 
 
 def test_budgets_on_both_layers():
-    data = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5, 30)))
-    w = jnp.asarray(np.linspace(-1, 1, 30))
+    data = jax.device_put(np.random.default_rng(3).normal(size=(8, 5, 30)))
+    w = jax.device_put(np.linspace(-1, 1, 30))
     inner = zm.BatchedHessian(smooth_loss, max_memory="40kB")
     stack = zm.ChunkedVmap(inner, in_axes=(None, 0), max_memory="400kB")
     assert stack.plan(w, data).fits
@@ -288,7 +291,7 @@ simulation_hessian = jax.jit(jax.hessian(squared_simulation))
 
 @pytest.mark.parametrize("mode", ["fwd", "rev"])
 def test_recompute_gives_the_same_answer(mode):
-    x = jnp.asarray(np.linspace(-0.5, 0.5, 16))
+    x = jax.device_put(np.linspace(-0.5, 0.5, 16))
     for strategy in ("linearize", "recompute"):
         J = zm.BatchedJacobian(long_simulation, mode=mode, strategy=strategy, nbatches=4)(x)
         close(J, simulation_jacobian(x), rtol=1e-10, atol=1e-12)
@@ -297,7 +300,7 @@ def test_recompute_gives_the_same_answer(mode):
 
 
 def test_the_planner_recomputes_when_the_residuals_do_not_fit():
-    x = jnp.asarray(np.linspace(-0.5, 0.5, 16))
+    x = jax.device_put(np.linspace(-0.5, 0.5, 16))
     keep = zm.BatchedJacobian(long_simulation, mode="fwd", batch_size=1, strategy="linearize")
     again = zm.BatchedJacobian(long_simulation, mode="fwd", batch_size=1, strategy="recompute")
     kept, recomputed = keep.plan(x).peak_bytes, again.plan(x).peak_bytes

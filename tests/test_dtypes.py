@@ -17,6 +17,9 @@ from zodmem.compat import zodiax as zc
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 def block_options(total):
     """Ways to cut `total` products that give different programs: one block, blocks of
@@ -101,7 +104,7 @@ def test_complex_variables_need_holomorphic(cls, mode):
 
 @pytest.mark.parametrize("cls", [zm.BatchedJacobian, zm.BatchedHessian])
 def test_holomorphic_refuses_real_variables_and_real_outputs(cls):
-    z = jnp.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j])
+    z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j]))
     fn = holo if cls is zm.BatchedJacobian else holo_loss
     with pytest.raises(TypeError, match=r"holomorphic=True every variable must be complex.*x\[1\]"):
         cls(lambda x: fn(x[0] + x[1]), holomorphic=True)((z, jnp.ones(3)))
@@ -110,7 +113,7 @@ def test_holomorphic_refuses_real_variables_and_real_outputs(cls):
 
 
 def test_holomorphic_jacobians_equal_jacfwd_in_every_mode_and_block():
-    z = jnp.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j])
+    z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j]))
     expected = eqx.filter_jit(jax.jacfwd(holo, holomorphic=True))(z)
     close(jax.jit(jax.jacrev(holo, holomorphic=True))(z), expected)
     for mode in MODES:
@@ -120,7 +123,7 @@ def test_holomorphic_jacobians_equal_jacfwd_in_every_mode_and_block():
 
 
 def test_holomorphic_hessians_equal_jax_hessian_in_every_mode_and_block():
-    z = jnp.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j])
+    z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j]))
     expected = eqx.filter_jit(jax.hessian(holo_loss, holomorphic=True))(z)
     assert expected.dtype == jnp.complex128
     for mode in MODES:
@@ -130,7 +133,7 @@ def test_holomorphic_hessians_equal_jax_hessian_in_every_mode_and_block():
 
 
 def test_holomorphic_complex64():
-    z = jnp.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j], jnp.complex64)
+    z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j], np.complex64))
     jacobian = eqx.filter_jit(jax.jacfwd(holo, holomorphic=True))(z)
     hessian = eqx.filter_jit(jax.hessian(holo_loss, holomorphic=True))(z)
     for mode in MODES:
@@ -186,7 +189,10 @@ def mixed_loss(params):
 
 
 def test_hessian_to_pytree_blocks_have_jax_hessians_dtypes():
-    params = {"a": jnp.asarray([0.3, -0.4], jnp.float32), "b": jnp.asarray([0.1, 0.2, 0.7])}
+    params = {
+        "a": jax.device_put(np.asarray([0.3, -0.4], np.float32)),
+        "b": jax.device_put(np.asarray([0.1, 0.2, 0.7])),
+    }
     expected = eqx.filter_jit(jax.hessian(mixed_loss))(params)
     assert expected["a"]["b"].dtype == jnp.float32 and expected["b"]["a"].dtype == jnp.float64
     for mode, nbatches in itertools.product(MODES, (2, 5)):
@@ -220,7 +226,7 @@ def aux_references(x):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("jit", [True, False])
 def test_aux_with_non_array_leaves_is_returned_unchanged(mode, jit):
-    x = jnp.asarray([0.5, -0.2, 0.9])
+    x = jax.device_put(np.asarray([0.5, -0.2, 0.9]))
     J_jax, aux_jax, H_jax, scalar_aux = aux_references(x)
     J, aux = zm.BatchedJacobian(with_aux, has_aux=True, mode=mode, jit=jit, nbatches=2)(x)
     close(J, J_jax)

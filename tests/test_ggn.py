@@ -19,6 +19,9 @@ from zodmem._transforms._ggn import ggn_products
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 @eqx.filter_jit
 def _reference(fn, loss, x, args, kwargs):
@@ -63,9 +66,9 @@ def plain_loss(outputs, inputs, targets, *, scale=1.0):
 
 def make_params():
     return {
-        "b": [jnp.asarray(np.linspace(-0.5, 0.5, 4))],
-        "v": jnp.asarray(mixing(4, 2, 1.0)),
-        "w": jnp.asarray(mixing(3, 4) / 2),
+        "b": [jax.device_put(np.linspace(-0.5, 0.5, 4))],
+        "v": jax.device_put(mixing(4, 2, 1.0)),
+        "w": jax.device_put(mixing(3, 4) / 2),
     }
 
 
@@ -105,7 +108,7 @@ def vector_loss(outputs, inputs):
 def test_pytrees_and_block_options(sizes, data):
     x = {f"leaf{k}": jnp.linspace(-1, 1, size) for k, size in enumerate(sizes)}
     options = data.draw(block_options(sum(sizes)))
-    inputs = jnp.asarray([1.0, -0.5, 2.0, 0.25])
+    inputs = jax.device_put(np.asarray([1.0, -0.5, 2.0, 0.25]))
     G = zm.BatchedGGN(vector_model, vector_loss, **options)(x, inputs)
     close(G, reference_ggn(vector_model, vector_loss, x, inputs))
 
@@ -122,7 +125,7 @@ def test_budget_and_plan():
 
 def test_linear_fn_gives_the_hessian():
     """With `fn` linear in `x` the curvature of `fn` is zero: G is the Hessian."""
-    x = {"a": jnp.asarray([0.3, -0.2]), "b": jnp.asarray(mixing(2, 2))}
+    x = {"a": jax.device_put(np.asarray([0.3, -0.2])), "b": jax.device_put(mixing(2, 2))}
 
     def linear(x, inputs):
         return inputs @ x["b"] + x["a"] * 2.0
@@ -133,7 +136,7 @@ def test_linear_fn_gives_the_hessian():
     def composed(x, inputs):
         return loss(linear(x, inputs), inputs)
 
-    inputs = jnp.asarray(mixing(3, 2, 0.5))
+    inputs = jax.device_put(mixing(3, 2, 0.5))
     fn_of_flat, flat = raveled(composed, x, inputs)
     expected = jax.jit(jax.hessian(fn_of_flat))(flat)
     transforms = [zm.BatchedGGN(linear, loss, mode=mode, nbatches=2) for mode in ("fwd", "rev")]
@@ -142,8 +145,11 @@ def test_linear_fn_gives_the_hessian():
 
 
 def test_mixed_precision_and_an_equinox_model():
-    params = {"single": jnp.asarray([0.25, -0.5], jnp.float32), "double": jnp.asarray([1.5, 0.1])}
-    inputs = jnp.asarray(mixing(3, 4))
+    params = {
+        "single": jax.device_put(np.asarray([0.25, -0.5], np.float32)),
+        "double": jax.device_put(np.asarray([1.5, 0.1])),
+    }
+    inputs = jax.device_put(mixing(3, 4))
     G = zm.BatchedGGN(vector_model, vector_loss, batch_size=3)(params, inputs[0])
     assert G.dtype == jnp.float64  # the raveled variables' dtype, as BatchedHessian gives
     close(G, reference_ggn(vector_model, vector_loss, params, inputs[0]), rtol=1e-5, atol=1e-6)
@@ -238,8 +244,8 @@ def test_rev_mode_takes_custom_vjp_functions():
     def fn(w, inputs):
         return squash(inputs @ w)
 
-    w = jnp.asarray([0.5, -0.25, 1.0])
-    inputs = jnp.asarray(mixing(4, 3))
+    w = jax.device_put(np.asarray([0.5, -0.25, 1.0]))
+    inputs = jax.device_put(mixing(4, 3))
     expected = reference_ggn(lambda w, i: jnp.tanh(i @ w), vector_loss, w, inputs)
     transforms = [
         zm.BatchedGGN(fn, vector_loss, mode="rev", nbatches=2),
@@ -269,7 +275,7 @@ def test_streamed_with_a_progress_bar_and_products(capfd):
             results.append((flat, variables.size, jax.vmap(mv)(vectors), mv(vectors[0])))
         return results
 
-    vectors = jnp.asarray(mixing(3, 24, 2.0))
+    vectors = jax.device_put(mixing(3, 24, 2.0))
     # The references by NumPy: no programs to compile for them.
     expected, vectors_np = np.asarray(expected), np.asarray(vectors)
     raveled_params = np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(params)])
@@ -377,10 +383,10 @@ def softmax_references(w, inputs, indices):
 
 
 def test_softmax_cross_entropy_is_the_categorical_fisher():
-    indices = jnp.asarray([0, 2, 1, 1, 0])
+    indices = jax.device_put(np.asarray([0, 2, 1, 1, 0]))
     logits, fisher, one_hot, nll = softmax_references(W, INPUTS, indices)
     loss = zm.losses.SoftmaxCrossEntropy()
-    probabilities = jax.jit(jax.nn.softmax)(jnp.asarray(mixing(5, 3)))
+    probabilities = jax.jit(jax.nn.softmax)(jax.device_put(mixing(5, 3)))
     results = calls(
         (zm.BatchedGGN(linear_model, loss, batch_size=4), (W, INPUTS, indices)),
         (zm.BatchedGGN(linear_model, plain(loss)), (W, INPUTS, probabilities)),
@@ -452,7 +458,7 @@ def gaussian_references(w, inputs, targets):
 
 
 def test_gaussian_nll_is_the_expected_hessian():
-    targets = jnp.asarray(TARGETS[:, 0])
+    targets = jax.device_put(TARGETS[:, 0])
     mean, log_variance, either_side, fisher, nll = gaussian_references(W, INPUTS, targets)
     loss = zm.losses.GaussianNLL()
     by_autodiff = zm.BatchedGGN(mean_and_log_variance, plain(loss))
@@ -476,7 +482,7 @@ def test_custom_closed_form_loss():
         def hessian_product(self, outputs, tangents, *args):
             return outputs**2 * tangents
 
-    x = jnp.asarray([0.5, -1.0, 2.0])
+    x = jax.device_put(np.asarray([0.5, -1.0, 2.0]))
     close(zm.BatchedGGN(lambda w: 2 * w, Quartic())(x), jnp.diag(4 * (2 * x) ** 2))
 
     class Summed(Quartic):
@@ -515,8 +521,8 @@ def test_construction_errors():
 
 
 def test_call_errors():
-    w = jnp.asarray([0.5, -0.25, 1.0])
-    inputs = jnp.asarray(mixing(4, 3))
+    w = jax.device_put(np.asarray([0.5, -0.25, 1.0]))
+    inputs = jax.device_put(mixing(4, 3))
 
     def fn(w, inputs):
         return inputs @ w
@@ -596,6 +602,6 @@ def test_save_and_load(tmp_path):
     zm.save(tmp_path / "weighted.zm", weighted)
     skeleton = zm.losses.SquaredError(weights=jnp.zeros(3), targets=None)
     loaded = zm.load(tmp_path / "weighted.zm", like=skeleton)
-    x = jnp.asarray([0.1, 0.2, 0.3])
+    x = jax.device_put(np.asarray([0.1, 0.2, 0.3]))
     close(loaded(x), weighted(x))
     assert math.isclose(float(loaded.loss.weights[2]), 2.0)

@@ -20,6 +20,9 @@ import zodmem as zm
 
 pytestmark = pytest.mark.usefixtures("float64")
 
+# Inputs go to the device by `jax.device_put` of NumPy arrays, which compiles nothing;
+# `jnp.asarray` would compile a small program for each new shape and dtype.
+
 
 def loss(params, data):
     hidden = jnp.tanh(data @ params["w"] + params["b"][0])
@@ -29,12 +32,12 @@ def loss(params, data):
 def problem(dtype=jnp.float64, n=5):
     # Built by NumPy (float64, as the tests run), then cast: no programs to compile.
     params = {
-        "b": jnp.asarray(np.array([0.3, -0.2]).astype(dtype)),
-        "w": jnp.asarray(np.linspace(-1, 1, n).astype(dtype)),
+        "b": jax.device_put(np.array([0.3, -0.2]).astype(dtype)),
+        "w": jax.device_put(np.linspace(-1, 1, n).astype(dtype)),
         "name": "a non-array leaf",
         "count": 3,
     }
-    data = jnp.asarray(np.linspace(0, 1, 3 * n).astype(dtype).reshape(3, n))
+    data = jax.device_put(np.linspace(0, 1, 3 * n).astype(dtype).reshape(3, n))
     return params, data
 
 
@@ -89,7 +92,10 @@ def test_dtypes_are_the_whole_matrixs(dtype):
 
 
 def test_mixed_precision_blocks_take_the_common_dtype():
-    params = {"a": jnp.array([0.5, 1.0], jnp.float32), "b": jnp.array([0.2, 0.1, 0.4])}
+    params = {
+        "a": jax.device_put(np.asarray([0.5, 1.0], np.float32)),
+        "b": jax.device_put(np.asarray([0.2, 0.1, 0.4])),
+    }
 
     def f(p):
         return jnp.sum(p["a"] ** 3) * jnp.sum(jnp.sin(p["b"]))
@@ -233,8 +239,11 @@ def suggested_budget(error):
 @pytest.mark.parametrize("budget, shown", [(5000, "5 kB"), ("30kB", "30 kB")])
 def test_a_refused_budget_quotes_the_budget_and_a_least_that_plans(budget, shown):
     # The first leaf's block is refused at 5 kB, the second's after the first at 30 kB.
-    params = {"b": jnp.asarray(np.linspace(0.1, 0.3, 30)), "w": jnp.asarray(np.linspace(-1, 1, 60))}
-    data = jnp.asarray(np.linspace(0, 1, 180).reshape(3, 60))
+    params = {
+        "b": jax.device_put(np.linspace(0.1, 0.3, 30)),
+        "w": jax.device_put(np.linspace(-1, 1, 60)),
+    }
+    data = jax.device_put(np.linspace(0, 1, 180).reshape(3, 60))
     hessian = zm.BatchedHessian(loss, blocks="leaf", max_memory=budget)
     with pytest.raises(zm.MemoryBudgetError) as refused:
         hessian(params, data)
