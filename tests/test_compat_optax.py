@@ -192,7 +192,7 @@ def test_no_microbatch_size_returns_fun():
 
 
 def test_microbatch_errors_like_optax():
-    x = jnp.arange(12.0)
+    x = as_jax(np.arange(12.0, dtype=np.float32))
     raises_alike(
         lambda: zo.microbatch(jnp.sum, 0, 5)(x),
         lambda: om.microbatch(jnp.sum, 0, 5)(x),
@@ -200,9 +200,10 @@ def test_microbatch_errors_like_optax():
         "batch_size=12 must be divisible by microbatch_size=5",
     )
     two = lambda x, y: jnp.sum(x) + jnp.sum(y)  # noqa: E731
+    half = as_jax(np.arange(6.0, dtype=np.float32))
     raises_alike(
-        lambda: zo.microbatch(two, (0, 1), 3)(x, x[:6]),
-        lambda: om.microbatch(two, (0, 1), 3)(x, x[:6]),
+        lambda: zo.microbatch(two, (0, 1), 3)(x, half),
+        lambda: om.microbatch(two, (0, 1), 3)(x, half),
         ValueError,
         r"(?i)batch arguments must have equal-size batch axes, found \[12, 6\]",
     )
@@ -213,10 +214,11 @@ def test_microbatch_errors_like_optax():
             ValueError,
             "Unknown accumulator: '?" + str(bad),
         )
+    integers = as_jax(np.arange(12, dtype=np.int32))
     for name in ("MEAN", "RUNNING_MEAN"):
         raises_alike(
-            lambda name=name: zo.microbatch(jnp.sum, 0, 3, both(name)[0])(jnp.arange(12)),
-            lambda name=name: om.microbatch(jnp.sum, 0, 3, both(name)[1])(jnp.arange(12)),
+            lambda name=name: zo.microbatch(jnp.sum, 0, 3, both(name)[0])(integers),
+            lambda name=name: om.microbatch(jnp.sum, 0, 3, both(name)[1])(integers),
             ValueError,
             "(?i)require|needs floating-point",
         )

@@ -189,8 +189,8 @@ def test_operator_is_the_dense_block_diagonal():
 
 
 def test_an_indefinite_blocks_logdet_is_nan():
-    op = zm.BlockDiagonal([jnp.eye(2), -jnp.eye(1)])
-    assert jnp.isnan(op.logdet())
+    op = zm.BlockDiagonal([jax.device_put(np.eye(2)), jax.device_put(-np.eye(1))])
+    assert np.isnan(op.logdet())
     np.testing.assert_allclose(op.logdet(damping=2.0), 2 * np.log(3.0), rtol=1e-6)
 
 

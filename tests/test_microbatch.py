@@ -288,7 +288,11 @@ def test_user_accumulator_sees_indices_in_order():
 
 
 def test_aggregate_stacked():
-    values = {"a": jnp.arange(6.0).reshape(3, 2), "b": jnp.arange(3.0), "c": jnp.ones(3)}
+    values = {
+        "a": jax.device_put(np.arange(6.0).reshape(3, 2)),
+        "b": jax.device_put(np.arange(3.0)),
+        "c": jax.device_put(np.ones(3)),
+    }
     accumulator = {"a": "sum", "b": largest(), "c": zm.AccumulationType.MEAN}
     got = aggregate_stacked(accumulator, values)
     close(
