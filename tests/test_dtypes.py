@@ -32,6 +32,18 @@ def block_options(total):
     yield {"batch_size": total + 2}
 
 
+@eqx.filter_jit
+def _together(transforms, *args):
+    return [transform(*args) for transform in transforms]
+
+
+def together(transforms, *args):
+    """Call every transform on the same inputs inside one compiled function (one program
+    rather than one per transform), and the first on its own, outside any other jit."""
+    first = transforms[0](*args)
+    return [first, *_together(transforms[1:], *args)]
+
+
 def phase(x):
     """A real `x` of 4 variables, complex outputs: jax.jacfwd's Jacobian is complex."""
     return jnp.exp(1j * x[:2]) * x[2:]
@@ -44,9 +56,13 @@ def test_complex_outputs_of_a_real_x_give_jacfwds_complex_jacobian():
     x = jnp.arange(4.0)
     expected = eqx.filter_jit(jax.jacfwd(phase))(x)
     assert expected.dtype == jnp.complex128
-    for mode in ("auto", "fwd"):
-        for options in block_options(4):
-            close(zm.BatchedJacobian(phase, mode=mode, **options)(x), expected)
+    transforms = [
+        zm.BatchedJacobian(phase, mode=mode, **options)
+        for mode in ("auto", "fwd")
+        for options in block_options(4)
+    ]
+    for actual in together(transforms, x):
+        close(actual, expected)
 
 
 def test_pytree_outputs_with_one_complex_leaf_choose_forward_mode():
@@ -116,30 +132,37 @@ def test_holomorphic_jacobians_equal_jacfwd_in_every_mode_and_block():
     z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j]))
     expected = eqx.filter_jit(jax.jacfwd(holo, holomorphic=True))(z)
     close(jax.jit(jax.jacrev(holo, holomorphic=True))(z), expected)
-    for mode in MODES:
-        for options in block_options(3):
-            actual = zm.BatchedJacobian(holo, mode=mode, holomorphic=True, **options)(z)
-            close(actual, expected)
+    transforms = [
+        zm.BatchedJacobian(holo, mode=mode, holomorphic=True, **options)
+        for mode in MODES
+        for options in block_options(3)
+    ]
+    for actual in together(transforms, z):
+        close(actual, expected)
 
 
 def test_holomorphic_hessians_equal_jax_hessian_in_every_mode_and_block():
     z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j]))
     expected = eqx.filter_jit(jax.hessian(holo_loss, holomorphic=True))(z)
     assert expected.dtype == jnp.complex128
-    for mode in MODES:
-        for options in block_options(3):
-            actual = zm.BatchedHessian(holo_loss, mode=mode, holomorphic=True, **options)(z)
-            close(actual, expected)
+    transforms = [
+        zm.BatchedHessian(holo_loss, mode=mode, holomorphic=True, **options)
+        for mode in MODES
+        for options in block_options(3)
+    ]
+    for actual in together(transforms, z):
+        close(actual, expected)
 
 
 def test_holomorphic_complex64():
     z = jax.device_put(np.asarray([0.3 + 0.1j, -0.2 + 0.4j, 0.5 - 0.3j], np.complex64))
     jacobian = eqx.filter_jit(jax.jacfwd(holo, holomorphic=True))(z)
     hessian = eqx.filter_jit(jax.hessian(holo_loss, holomorphic=True))(z)
-    for mode in MODES:
-        J = zm.BatchedJacobian(holo, mode=mode, holomorphic=True, nbatches=2)(z)
+    jacobians = [zm.BatchedJacobian(holo, mode=m, holomorphic=True, nbatches=2) for m in MODES]
+    for J in together(jacobians, z):
         close(J, jacobian, rtol=1e-5, atol=1e-6)
-        H = zm.BatchedHessian(holo_loss, mode=mode, holomorphic=True, nbatches=2)(z)
+    hessians = [zm.BatchedHessian(holo_loss, mode=m, holomorphic=True, nbatches=2) for m in MODES]
+    for H in together(hessians, z):
         close(H, hessian, rtol=1e-5, atol=1e-5)
 
 
@@ -195,8 +218,11 @@ def test_hessian_to_pytree_blocks_have_jax_hessians_dtypes():
     }
     expected = eqx.filter_jit(jax.hessian(mixed_loss))(params)
     assert expected["a"]["b"].dtype == jnp.float32 and expected["b"]["a"].dtype == jnp.float64
-    for mode, nbatches in itertools.product(MODES, (2, 5)):
-        H = zm.BatchedHessian(mixed_loss, mode=mode, nbatches=nbatches)(params)
+    transforms = [
+        zm.BatchedHessian(mixed_loss, mode=mode, nbatches=nbatches)
+        for mode, nbatches in itertools.product(MODES, (2, 5))
+    ]
+    for H in together(transforms, params):
         close(zm.hessian_to_pytree(H, params), expected, rtol=1e-6, atol=1e-6)
 
 
