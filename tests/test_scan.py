@@ -370,12 +370,28 @@ def test_sliced_scan_gradient_memory_is_no_more_than_lax_scan():
 
 def test_empty_and_length_only_scans():
     init = make_init()
-    for length in (0, 1, 5):
-        xs = make_xs(length)
-        for start, stop, step in [(None, None, None), (3, 1, None), (None, None, -1)]:
-            got = zm.SlicedScan(tree_step, start=start, stop=stop, step=step)(init, xs)
-            want = lax_scan(init, xs, fn=tree_step, start=start, stop=stop, step=step)
-            assert_same(got, want)
+    cases = [
+        (length, start, stop, step)
+        for length in (0, 1, 5)
+        for start, stop, step in [(None, None, None), (3, 1, None), (None, None, -1)]
+    ]
+    inputs = [make_xs(length) for length, *_ in cases]
+    transforms = [zm.SlicedScan(tree_step, start=a, stop=b, step=c) for _, a, b, c in cases]
+
+    # Every scan and its reference in one compiled function (one program rather than
+    # one per case), and the first scan also called as it is.
+    @jax.jit
+    def every_case(init, inputs):
+        return [transform(init, xs) for transform, xs in zip(transforms, inputs, strict=True)], [
+            jax.lax.scan(tree_step, init, xs) for xs in inputs
+        ]
+
+    got, plain = every_case(init, inputs)
+    assert_same(transforms[0](init, inputs[0]), got[0])
+    for (_, start, stop, step), got_one, (carry, ys) in zip(cases, got, plain, strict=True):
+        # (The outputs sliced by NumPy: no slice compiled per leaf.)
+        ys = jax.tree_util.tree_map(np.asarray, ys)
+        assert_same(got_one, (carry, take(ys, np.s_[start:stop:step])))
     got = zm.SlicedScan(tree_step, length=0)(init)
     assert_same(got, jax.lax.scan(tree_step, init, None, length=0))
     # xs with no leaves scans `length` times, as in lax.scan.
