@@ -120,8 +120,23 @@ def test_called_directly():
 def test_jit_and_checkpoint_flags():
     x = TREES["nested"]()
     expected = derivatives(zd, x, [2])
-    for jit, checkpoint in [(False, False), (True, True), (False, True)]:
-        close(derivatives(zc, x, [2], jit, checkpoint), expected)
+    flags = [(False, False), (True, True), (False, True)]
+
+    @jax.jit
+    def every_flag(x):
+        """`derivatives(zc, x, [2], jit, checkpoint)` for each flag pair, in one program."""
+        return [
+            [
+                (
+                    zc.jacobian(outputs, x, 2, jit, checkpoint)[0],
+                    zc.hessian(loss, x, nbatches=2, jit=jit, checkpoint=checkpoint)[0],
+                )
+            ]
+            for jit, checkpoint in flags
+        ]
+
+    for actual in every_flag(x):
+        close(actual, expected)
     close(zc.hessian(loss, x, 3, False, True)[0], expected[0][1])
 
 
