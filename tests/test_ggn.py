@@ -336,10 +336,10 @@ def test_squared_error_weights_and_covariance():
     covariance = mixing(3, 3) @ mixing(3, 3).T + np.eye(3)
     weights = np.asarray([0.5, 2.0, 1.0])
     J = jacobian_rows(W, inputs)
-    by_weights = zm.losses.SquaredError(weights=jnp.asarray(weights))
-    by_covariance = zm.losses.SquaredError(covariance=jnp.asarray(covariance))
+    by_weights = zm.losses.SquaredError(weights=jax.device_put(weights))
+    by_covariance = zm.losses.SquaredError(covariance=jax.device_put(covariance))
     # No targets: `fn` returns the residuals.
-    residuals = zm.losses.SquaredError(weights=jnp.asarray(weights), targets=None)
+    residuals = zm.losses.SquaredError(weights=jax.device_put(weights), targets=None)
     transforms = [
         zm.BatchedGGN(linear_model, by_weights, nbatches=2),
         zm.BatchedGGN(linear_model, by_covariance, nbatches=2),

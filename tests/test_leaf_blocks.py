@@ -113,7 +113,7 @@ def test_under_jit_vmap_and_grad():
     expected = dense_blocks(params, data)
     for block, want in zip(eqx.filter_jit(hessian)(params, data), expected, strict=True):
         np.testing.assert_allclose(block, want, rtol=1e-10)
-    twice = jnp.asarray(2 * np.asarray(data))
+    twice = jax.device_put(2 * np.asarray(data))
     mapped = jax.vmap(lambda d: hessian(params, d))(jnp.stack([data, twice]))
     np.testing.assert_allclose(mapped[1][1], dense_blocks(params, twice)[1], rtol=1e-10)
 
@@ -148,8 +148,8 @@ def test_ggn_blocks_are_the_whole_ggns_blocks(loss_):
     # Drawn by NumPy: no initialiser or random programs to compile.
     model = make_mlp(3, 4, 5, 1)
     rng = np.random.default_rng(1)
-    inputs = jnp.asarray(rng.normal(size=(7, 3)))
-    targets = jnp.asarray(
+    inputs = jax.device_put(rng.normal(size=(7, 3)))
+    targets = jax.device_put(
         np.arange(7) % 4
         if isinstance(loss_, zm.losses.SoftmaxCrossEntropy)
         else rng.normal(size=(7, 4))
@@ -172,19 +172,19 @@ def test_operator_is_the_dense_block_diagonal():
     expected = block_diag(*[np.asarray(block) for block in dense_blocks(params, data)])
     np.testing.assert_allclose(op.as_matrix(), expected, rtol=1e-10)
     v = np.linspace(-1, 2, expected.shape[0])
-    np.testing.assert_allclose(op.mv(jnp.asarray(v)), expected @ v, rtol=1e-10)
+    np.testing.assert_allclose(op.mv(jax.device_put(v)), expected @ v, rtol=1e-10)
     np.testing.assert_allclose(op.diagonal(), np.diagonal(expected), rtol=1e-10)
     damping = 3.0 + np.abs(np.linalg.eigvalsh(expected)).max()
     damped = expected + damping * np.eye(len(v))
     np.testing.assert_allclose(
-        op.solve(jnp.asarray(v), damping=damping), np.linalg.solve(damped, v), rtol=1e-9
+        op.solve(jax.device_put(v), damping=damping), np.linalg.solve(damped, v), rtol=1e-9
     )
     np.testing.assert_allclose(op.logdet(damping=damping), np.linalg.slogdet(damped)[1], rtol=1e-10)
     values, vectors = op.eigh()
     for block, w, q in zip(dense_blocks(params, data), values, vectors, strict=True):
         w, q = np.asarray(w), np.asarray(q)
         np.testing.assert_allclose(q @ np.diag(w) @ q.T, block, rtol=1e-9, atol=1e-12)
-    solution = np.asarray(lx.linear_solve(op, jnp.asarray(expected @ v), lx.SVD()).value)
+    solution = np.asarray(lx.linear_solve(op, jax.device_put(expected @ v), lx.SVD()).value)
     np.testing.assert_allclose(expected @ solution, expected @ v, rtol=1e-6, atol=1e-9)
 
 

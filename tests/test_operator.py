@@ -358,9 +358,8 @@ def test_ggn_operator_is_positive_semidefinite():
         return 0.5 * jnp.sum(outputs**2)
 
     w = {"a": jax.device_put(np.linspace(-0.2, 0.4, 3)), "c": jnp.asarray(1.5)}
-    inputs = jnp.asarray(
-        np.linspace(-1, 1, 15).reshape(5, 3) ** 3
-    )  # 5 outputs, 4 variables: G is regular
+    # 5 outputs, 4 variables: G is regular.
+    inputs = jax.device_put(np.linspace(-1, 1, 15).reshape(5, 3) ** 3)
     fn, flat = raveled(model, w, inputs)
     J = np.asarray(jax.jit(jax.jacfwd(fn))(flat))
     op = zm.BatchedGGN(model, squared, batch_size=3).operator(w, inputs)

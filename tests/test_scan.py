@@ -54,7 +54,7 @@ def make_init():
 def make_xs(length):
     i = (np.arange(length, dtype=np.int32) * 7) % 13
     f = np.linspace(-2.0, 3.0, 2 * length, dtype=np.float32).reshape(length, 2)
-    return {"i": jnp.asarray(i), "f": jnp.asarray(f)}
+    return {"i": jax.device_put(i), "f": jax.device_put(f)}
 
 
 def python_scan(step, init, xs, length, reverse):
@@ -165,7 +165,7 @@ def smooth_xs(length):
     # Built by NumPy (float64, as the tests that use it run): no programs to compile.
     w = np.linspace(0.5, 1.5, length * 3).reshape(length, 3)
     b = np.cos(np.arange(length, dtype=w.dtype))
-    return {"w": jnp.asarray(w), "b": jnp.asarray(b)}
+    return {"w": jax.device_put(w), "b": jax.device_put(b)}
 
 
 def loss_of(scan):
@@ -287,7 +287,7 @@ def test_jit_vmap_and_python_carries():
     got = jax.vmap(lambda v: sliced((init[0], v), xs))(jax.device_put(np.stack(rows)))
     for row in range(2):
         want_row = lax_scan(
-            (init[0], jnp.asarray(rows[row])), xs, fn=tree_step, start=3, stop=-1, step=2
+            (init[0], jax.device_put(rows[row])), xs, fn=tree_step, start=3, stop=-1, step=2
         )
         assert_same(jax.tree_util.tree_map(lambda a, row=row: np.asarray(a)[row], got), want_row)
 
