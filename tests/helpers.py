@@ -113,7 +113,8 @@ def make_mlp(in_size, out_size, width, depth, seed=0):
 
     def fill(leaf):
         if isinstance(leaf, jax.ShapeDtypeStruct):
-            return jnp.asarray(rng.uniform(-1, 1, leaf.shape), leaf.dtype)
+            # Put by `device_put`, which compiles nothing (`jnp.asarray` compiles a cast).
+            return jax.device_put(rng.uniform(-1, 1, leaf.shape).astype(leaf.dtype))
         return leaf
 
     return jax.tree_util.tree_map(fill, shapes)
