@@ -1,5 +1,6 @@
 """Test configuration: zodmem is imported under jaxtyping's import hook, so every
-annotated function in the package is checked by beartype while the tests run."""
+annotated function in the package is checked by beartype while the tests run (in each
+process that runs tests: not in the one that hands them to pytest-xdist's workers)."""
 
 import os
 
@@ -23,17 +24,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     ]
 ).strip()
 
-from jaxtyping import install_import_hook  # noqa: E402
-
-with install_import_hook("zodmem", "beartype.beartype"):
-    import zodmem
-
-    # The public names are imported when first used: import them all here, where the
-    # hook checks the types of every function they define.
-    for _name in [*zodmem.__all__, "losses"]:
-        getattr(zodmem, _name)
-
-from pathlib import Path
+from pathlib import Path  # noqa: E402
 
 import jax
 import pytest
@@ -70,9 +61,31 @@ if len(jax.devices()) < MULTIDEVICE_DEVICES:
     collect_ignore.append("multidevice")
 
 
+def _import_zodmem_checked():
+    """Import zodmem under jaxtyping's import hook, before any test module imports it."""
+    from jaxtyping import install_import_hook
+
+    with install_import_hook("zodmem", "beartype.beartype"):
+        import zodmem
+
+        # The public names are imported when first used: import them all here, where the
+        # hook checks the types of every function they define.
+        for name in [*zodmem.__all__, "losses"]:
+            getattr(zodmem, name)
+
+
+def _runs_no_test(config):
+    """Whether this process only hands the tests to pytest-xdist's workers (`-n N`)."""
+    workers = getattr(config.option, "numprocesses", None)
+    return bool(workers) and not hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
-    """Refuse to run tests/multidevice, named on the command line, with too few devices:
-    every test there would fail on one device, for a reason its own failure does not say."""
+    """Import zodmem checked where tests run; refuse to run tests/multidevice, named on
+    the command line, with too few devices: every test there would fail on one device,
+    for a reason its own failure does not say."""
+    if not _runs_no_test(config):
+        _import_zodmem_checked()
     if len(jax.devices()) >= MULTIDEVICE_DEVICES:
         return
     multidevice = Path(__file__).resolve().parent / "multidevice"
