@@ -53,13 +53,6 @@ class ApproximationError(NamedTuple):
     exact_eigenvalues: Float[Array, " k"]
 
 
-def _flat(operator: lx.AbstractLinearOperator, owner: str) -> tuple[Any, int, Any]:
-    """`operator`'s product as a function of flat vectors (a pytree of variables raveled in
-    leaf order, as zodmem's operators ravel them), their size and dtype."""
-    view = flat_view(operator, owner)
-    return view.linear(), view.size, view.dtype
-
-
 @public
 @typechecked
 def approximation_error(
@@ -113,8 +106,9 @@ def approximation_error(
         ```
     """
     owner = "zm.approximation_error"
-    approx_product, n, dtype = _flat(approx, owner)
-    exact_product, m, _ = _flat(exact, owner)
+    # Their sizes and dtype only: the products are built in `_product_errors`' program.
+    approx_view, exact_view = flat_view(approx, owner), flat_view(exact, owner)
+    n, m, dtype = approx_view.size, exact_view.size, approx_view.dtype
     if n != m:
         raise ValueError(
             f"{owner}: `approx` takes vectors of size {n} and `exact` of size {m}; they must "
@@ -144,7 +138,8 @@ def _product_errors(approx: Any, exact: Any, vectors: jax.Array) -> jax.Array:
     """`|(approx - exact) v| / |exact v|` for each row `v` of `vectors`: one program, the
     products taken one vector at a time."""
     owner = "zm.approximation_error"
-    approx_product, exact_product = _flat(approx, owner)[0], _flat(exact, owner)[0]
+    approx_product = flat_view(approx, owner).linear()
+    exact_product = flat_view(exact, owner).linear()
 
     def error(vector):
         reference = exact_product(vector)
