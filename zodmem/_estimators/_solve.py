@@ -23,6 +23,8 @@ from .._operators._flat import FlatView, flat_view
 from .._operators._operator import BlockedOperator, check_leaves, variables_of
 from .._pytree import is_traced
 from .._traceback import public
+from ._cg import laid_out_entries, laid_out_solve
+from ._lanczos import symmetric_space
 from ._probes import AbstractColumns, ProbeOptions, run_probes
 
 __all__ = ["solve", "marginal_variances"]
@@ -42,10 +44,13 @@ def _check_solver(solver: Any, *, owner: str) -> None:
         )
 
 
-def _read_rhs(operator: Any, view: Any, b: Any, *, owner: str) -> tuple[jax.Array, str]:
+def _read_rhs(
+    operator: Any, view: Any, b: Any, *, owner: str, flatten: bool = True
+) -> tuple[Any, str]:
     """`(rhs, form)`: `b` as a flat `(n,)` or `(n, k)` array and the form it came in,
     `"flat"`, `"columns"` or `"tree"` (a pytree shaped like the input structure; for a
-    zodmem operator also the whole of `x`, whose other leaves are ignored, as `mv` reads)."""
+    zodmem operator also the whole of `x`, whose other leaves are ignored, as `mv` reads).
+    Without `flatten`, a tree comes back checked and shaped like the input structure."""
     n, dtype = view.size, view.dtype
     leaves, treedef = jax.tree_util.tree_flatten(view.structure)
     if eqx.is_array(b) and jnp.ndim(b) in (1, 2) and jnp.shape(b)[0] == n:
@@ -62,6 +67,8 @@ def _read_rhs(operator: Any, view: Any, b: Any, *, owner: str) -> tuple[jax.Arra
             f"right-hand sides, or a pytree shaped like {view.structure}, but got {got}."
         )
     check_leaves(b, leaves, "b", owner=owner)
+    if not flatten:
+        return b, "tree"
     pieces = [jnp.ravel(leaf).astype(dtype) for leaf in jax.tree_util.tree_leaves(b)]
     return jnp.concatenate(pieces) if pieces else jnp.zeros((0,), dtype), "tree"
 
@@ -159,18 +166,9 @@ def _raise_or_flag(value: Any, code: jax.Array, messages: tuple[str, ...]) -> An
     return value
 
 
-def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, options):
-    """The checked solve of flat `(n,)` or `(n, k)` right-hand sides; the columns of
-    the latter in blocks, as `options` (which name the caller too) say."""
-    owner = options.owner
-    if explicit_mesh((operator, b_flat)) is not None:
-        raise ValueError(
-            f"{owner}: the operator's arrays or `b` lie over Explicit mesh axes, where the "
-            "vectors lineax's solvers make inside a solve are not typed like the operator's "
-            "products. Lay the model and data out over Auto axes (`jax.make_mesh(..., "
-            "axis_types=(jax.sharding.AxisType.Auto,))`), where the solve and its result "
-            "keep their layout."
-        )
+def _checked(operator, damping, rtol, atol, max_steps, solver, owner):
+    """`(damping, tags, solver, settings)`: the solve's options checked, the tags of
+    `A + damping I` and the solver they choose (`settings`: `(rtol, atol, max_steps)`)."""
     rtol = check_real(rtol, "rtol", owner=owner)
     atol = check_real(atol, "atol", owner=owner)
     if is_traced(rtol) or is_traced(atol):
@@ -210,8 +208,15 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, optio
         elif lx.is_negative_semidefinite(operator) and damping <= 0:
             tags.add(lx.negative_semidefinite_tag)
     tags = frozenset(tags)
-    if solver is None:
-        solver = _default_solver(tags, rtol, atol, max_steps)
+    settings = (rtol, atol, max_steps)
+    return damping, tags, solver or _default_solver(tags, rtol, atol, max_steps), settings
+
+
+def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, options):
+    """The checked solve of flat `(n,)` or `(n, k)` right-hand sides; the columns of
+    the latter in blocks, as `options` (which name the caller too) say."""
+    owner = options.owner
+    damping, tags, solver, _ = _checked(operator, damping, rtol, atol, max_steps, solver, owner)
     damping = jnp.asarray(damping, view.dtype)
     if b_flat.ndim == 2 and b_flat.shape[1] == 0:
         return b_flat
@@ -225,6 +230,59 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, optio
         # `shard_map` types with its manual mesh.
         value, code = run_probes(view, job, options, spread=False)
     return _raise_or_flag(value, code, _failure_messages(owner, solver, max_steps))
+
+
+# -- on Explicit mesh axes ---------------------------------------------------------------
+
+
+def _laid_out_settings(operator, damping, rtol, atol, max_steps, solver, owner):
+    """`(space, damping, sign, settings, messages)` of a solve by zodmem's own CG on
+    vectors laid out like the variables, refused in words where it does not apply."""
+    given = solver
+    damping, tags, solver, settings = _checked(
+        operator, damping, rtol, atol, max_steps, solver, owner
+    )
+    if given is not None or not isinstance(solver, lx.CG):
+        why = (
+            f"`solver={given!r}` was given"
+            if given is not None
+            else "the operator is not tagged positive (or negative) semi-definite, which "
+            "CG needs"
+        )
+        raise ValueError(
+            f"{owner}: on Explicit mesh axes the solve is zodmem's own conjugate gradients on "
+            f"vectors laid out like the variables (lineax's solvers make vectors there that "
+            f"are not typed like the operator's products), and {why}. Leave `solver=None` "
+            "and give a positive semi-definite operator (a Gauss-Newton matrix, or a "
+            "lineax operator tagged `lx.positive_semidefinite_tag`), or lay the model out "
+            "over Auto axes (`jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,))`)."
+        )
+    space, _ = symmetric_space(operator, owner)
+    sign = -1 if lx.negative_semidefinite_tag in tags else 1
+    damping = jnp.asarray(damping, space.dtype)
+    return space, damping, sign, settings, _failure_messages(owner, solver, max_steps)
+
+
+def _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, owner):
+    """`solve` where the operator's arrays or `b` lie over Explicit mesh axes: the
+    solution laid out like the variables, in the form of `b`."""
+    space, damping, sign, settings, messages = _laid_out_settings(
+        operator, damping, rtol, atol, max_steps, solver, owner
+    )
+    b, form = _read_rhs(operator, view, b, owner=owner, flatten=False)
+    if form == "tree":
+        y, code = laid_out_solve(view, space, b, damping, sign, settings)
+        return _raise_or_flag(space.as_input(y), code, messages)
+    columns = b[:, None] if form == "flat" else b
+    solutions, codes = [], []
+    for c in range(columns.shape[1]):
+        y, code = laid_out_solve(view, space, space.from_flat(columns[:, c]), damping, sign, settings)
+        solutions.append(space.to_flat(y))
+        codes.append(code)
+    if not solutions:
+        return b
+    value = solutions[0] if form == "flat" else jnp.stack(solutions, axis=1)
+    return _raise_or_flag(value, jnp.stack(codes), messages)
 
 
 @public
@@ -284,7 +342,7 @@ def solve(
       budget, with a bar of the blocks. As for `zm.diagonal`: left out, the options of
       the operator's transform. The solves run on one device (lineax's solves do not
       take vectors split over a `shard_map`'s devices), whatever the transform's
-      `sharding`.
+      `sharding`. On Explicit mesh axes: zodmem's own CG, semi-definite operators only.
 
     **Returns:**
 
@@ -321,6 +379,8 @@ def solve(
     if solver is None and isinstance(operator, AbstractOperator) and operator.solves_exactly:
         return _exactly(operator, b, damping)
     view = flat_view(operator, owner)
+    if explicit_mesh((operator, b)) is not None:
+        return _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, owner)
     rhs, form = _read_rhs(operator, view, b, owner=owner)
     options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
     value = _solve(operator, rhs, damping, rtol, atol, max_steps, solver, view, options)
@@ -428,6 +488,12 @@ def marginal_variances(
     k = indices.shape[0]
     if k == 0:
         return jnp.zeros((0,), view.dtype)
+    if explicit_mesh(operator) is not None:
+        space, damping, sign, settings, messages = _laid_out_settings(
+            operator, damping, rtol, atol, max_steps, solver, owner
+        )
+        entries, codes = laid_out_entries(view, space, indices, damping, sign, settings)
+        return _raise_or_flag(entries, codes, messages)
     units = jax.nn.one_hot(indices, view.size, dtype=view.dtype).T
     options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
     solutions = _solve(operator, units, damping, rtol, atol, max_steps, solver, view, options)

@@ -257,6 +257,16 @@ class VectorSpace(eqx.Module):
         """A block with vector `j` replaced by `v`."""
         return self.map(lambda b, x: lax.dynamic_update_index_in_dim(b, x, j, axis=0), basis, v)
 
+    def unit(self, index: Any) -> Any:
+        """The unit vector `e_index` (a global flat index, traced too), each device
+        making only its own shard of each leaf."""
+        index = lax.convert_element_type(index, jnp.uint32)
+        vector = self.tree(
+            lax.convert_element_type(flat_indices(shape, offset) == index, self.dtype)
+            for shape, offset in zip(self.shapes, self.offsets, strict=True)
+        )
+        return self.constrain(vector)
+
     # -- hashed random vectors -----------------------------------------------------------
 
     def hashed(self, stream: Any, seed: Any = 0) -> Any:

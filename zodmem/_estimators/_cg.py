@@ -1,0 +1,137 @@
+"""Conjugate gradients over the vectors of a `VectorSpace`, each a pytree laid out like
+the operator's variables: `zm.solve` and `zm.marginal_variances` of an operator whose
+variables lie over Explicit mesh axes, where the vectors lineax's solvers make inside a
+solve carry no layout in their type and cannot meet the operator's products.
+
+The iteration and its stopping rule are `lx.CG`'s, so that a solve gives the same
+answer, within its tolerance, whichever axes the model is laid out over: the residual
+recomputed from a product every 10 steps, and convergence when every entry of the
+residual is within `atol + rtol * |b|` and every entry of the last step within
+`atol + rtol * |y|`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._operators._flat import FlatView
+from .._operators._vectors import VectorSpace
+from ._lanczos import space_product
+
+__all__ = ["conjugate_gradients", "laid_out_entries", "laid_out_solve"]
+
+# Every this many steps the residual is recomputed from a product, as `lx.CG` does.
+_STABILISE_EVERY = 10
+
+
+def _max_norm(space: VectorSpace, vector: Any) -> jax.Array:
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in space.leaves(vector)]))
+
+
+def conjugate_gradients(
+    space: VectorSpace,
+    product: Callable[[Any], Any],
+    b: Any,
+    *,
+    rtol: float,
+    atol: float,
+    max_steps: int | None,
+) -> tuple[Any, jax.Array]:
+    """`(y, code)`: the solution of `A y = b`, `A` positive semi-definite given by its
+    `product` on vectors of `space`, and its failure code, numbered as `_solve.py`
+    numbers its messages: 0 none, 1 the steps ran out (a `max_steps` given), 2 a
+    breakdown (or the default 10 n steps spent, as lineax reports it), 3 NaN or inf."""
+    steps = 10 * space.size if max_steps is None else max_steps
+    rcond = space.size * jnp.finfo(space.dtype).eps
+
+    def scale(vector: Any) -> Any:
+        return space.map(lambda x: atol + rtol * jnp.abs(x), vector)
+
+    b_scale = scale(b)
+
+    def not_converged(r: Any, diff: Any, y: Any) -> jax.Array:
+        residual = _max_norm(space, space.map(jnp.divide, r, b_scale))
+        step = _max_norm(space, space.map(jnp.divide, diff, scale(y)))
+        return (residual > 1) | (step > 1)
+
+    def going(state: tuple) -> jax.Array:
+        diff, y, r, _, gamma, step, broke = state
+        return (gamma > 0) & (step < steps) & ~broke & not_converged(r, diff, y)
+
+    def body(state: tuple) -> tuple:
+        _, y, r, p, gamma, step, _ = state
+        image = product(p)
+        inner = space.dot(image, p)
+        broke = ~(jnp.abs(inner) > 100 * rcond * jnp.abs(gamma))
+        alpha = gamma / jnp.where(broke, 1, inner)
+        diff = space.scale(alpha, p)
+        y = space.axpy(1, diff, y)
+        step = step + 1
+        r = jax.lax.cond(
+            step % _STABILISE_EVERY == 0,
+            lambda: space.axpy(-1, product(y), b),
+            lambda: space.axpy(-alpha, image, r),
+        )
+        gamma_next = space.dot(r, r)
+        p = space.axpy(gamma_next / gamma, p, r)
+        return diff, y, r, p, gamma_next, step, broke
+
+    zero = space.zeros()
+    start = (space.map(lambda x: jnp.full_like(x, jnp.inf), zero), zero, b, b, space.dot(b, b))
+    diff, y, r, _, gamma, step, broke = jax.lax.while_loop(
+        going, body, (*start, jnp.asarray(0), jnp.asarray(False))
+    )
+    finite = jnp.isfinite(gamma) & jnp.isfinite(space.dot(y, y))
+    ran_out = (step >= steps) & not_converged(r, diff, y)
+    code = jnp.select(
+        [~finite, broke, ran_out & (max_steps is not None), ran_out],
+        [3, 2, 1, 2],
+        0,
+    )
+    return y, code
+
+
+@eqx.filter_jit
+def _solved(view: FlatView, space: VectorSpace, b: Any, damping: Any, sign: int, settings: tuple):
+    product = space_product(view, space)
+    rtol, atol, max_steps = settings
+
+    def damped(vector: Any) -> Any:
+        return space.scale(sign, space.axpy(damping, vector, product(vector)))
+
+    return conjugate_gradients(
+        space, damped, space.scale(sign, b), rtol=rtol, atol=atol, max_steps=max_steps
+    )
+
+
+def laid_out_solve(
+    view: FlatView, space: VectorSpace, b: Any, damping: Any, sign: int, settings: tuple
+) -> tuple[Any, jax.Array]:
+    """`(y, code)`: `(A + damping I) y = b` for `b` a vector of `space` (laid out like
+    the variables), by CG on `sign * (A + damping I)` (`sign = -1` for a negative
+    semi-definite one); `settings` are `(rtol, atol, max_steps)`."""
+    return _solved(view, space, space.as_vector(b), damping, sign, settings)
+
+
+@eqx.filter_jit
+def _entries(view, space, indices, damping, sign, settings):
+    def entry(index):
+        unit = space.unit(index)
+        y, code = _solved(view, space, unit, damping, sign, settings)
+        return space.dot(unit, y), code
+
+    return jax.lax.map(entry, indices)
+
+
+def laid_out_entries(
+    view: FlatView, space: VectorSpace, indices: jax.Array, damping: Any, sign: int, settings: tuple
+) -> tuple[jax.Array, jax.Array]:
+    """`(entries, codes)`: `[(A + damping I)^{-1}]_ii` for each of `indices`, each from
+    the solve with the unit vector `e_i` laid out like the variables, read by an inner
+    product (no vector gathered)."""
+    return _entries(view, space, indices, damping, sign, settings)
