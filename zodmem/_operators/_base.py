@@ -211,9 +211,12 @@ class AbstractOperator(lx.AbstractLinearOperator, NamedInMessages):
             import jax.numpy as jnp
             import zodmem as zm
 
-            A = zm.BlockDiagonal([jnp.array([[2.0, 1.0], [1.0, 2.0]]), jnp.array([[4.0]])])
-            y = A.solve(jnp.ones(3), damping=1.0)
-            assert jnp.allclose(A.mv(y) + y, jnp.ones(3), atol=1e-6)
+            # A rank-one term over a diagonal, solved without its dense matrix.
+            u = jnp.array([[0.6], [0.8], [0.0]])
+            A = zm.LowRankDiagonal(u, jnp.array([2.0]), jnp.array([1.0, 1.0, 3.0]))
+            dense = A.as_matrix() + 0.5 * jnp.eye(3)
+            y = A.solve(jnp.ones(3), damping=0.5)
+            assert jnp.allclose(y, jnp.linalg.solve(dense, jnp.ones(3)), atol=1e-6)
             ```
         """
 
