@@ -88,50 +88,38 @@ def conjugate_gradients(
     )
     finite = jnp.isfinite(gamma) & jnp.isfinite(space.dot(y, y))
     ran_out = (step >= steps) & not_converged(r, diff, y)
-    code = jnp.select(
-        [~finite, broke, ran_out & (max_steps is not None), ran_out],
-        [3, 2, 1, 2],
-        0,
-    )
+    code = jnp.select([~finite, broke, ran_out], [3, 2, 2 if max_steps is None else 1], 0)
     return y, code
 
 
 @eqx.filter_jit
-def _solved(view: FlatView, space: VectorSpace, b: Any, damping: Any, sign: int, settings: tuple):
-    product = space_product(view, space)
-    rtol, atol, max_steps = settings
-
-    def damped(vector: Any) -> Any:
-        return space.scale(sign, space.axpy(damping, vector, product(vector)))
-
-    return conjugate_gradients(
-        space, damped, space.scale(sign, b), rtol=rtol, atol=atol, max_steps=max_steps
-    )
-
-
 def laid_out_solve(
     view: FlatView, space: VectorSpace, b: Any, damping: Any, sign: int, settings: tuple
 ) -> tuple[Any, jax.Array]:
     """`(y, code)`: `(A + damping I) y = b` for `b` a vector of `space` (laid out like
     the variables), by CG on `sign * (A + damping I)` (`sign = -1` for a negative
     semi-definite one); `settings` are `(rtol, atol, max_steps)`."""
-    return _solved(view, space, space.as_vector(b), damping, sign, settings)
+    product = space_product(view, space)
+    rtol, atol, max_steps = settings
+
+    def damped(vector: Any) -> Any:
+        return space.scale(sign, space.axpy(damping, vector, product(vector)))
+
+    b = space.scale(sign, space.as_vector(b))
+    return conjugate_gradients(space, damped, b, rtol=rtol, atol=atol, max_steps=max_steps)
 
 
 @eqx.filter_jit
-def _entries(view, space, indices, damping, sign, settings):
-    def entry(index):
-        unit = space.unit(index)
-        y, code = _solved(view, space, unit, damping, sign, settings)
-        return space.dot(unit, y), code
-
-    return jax.lax.map(entry, indices)
-
-
 def laid_out_entries(
     view: FlatView, space: VectorSpace, indices: jax.Array, damping: Any, sign: int, settings: tuple
 ) -> tuple[jax.Array, jax.Array]:
     """`(entries, codes)`: `[(A + damping I)^{-1}]_ii` for each of `indices`, each from
     the solve with the unit vector `e_i` laid out like the variables, read by an inner
     product (no vector gathered)."""
-    return _entries(view, space, indices, damping, sign, settings)
+
+    def entry(index: Any) -> tuple:
+        unit = space.unit(index)
+        y, code = laid_out_solve(view, space, unit, damping, sign, settings)
+        return space.dot(unit, y), code
+
+    return jax.lax.map(entry, indices)

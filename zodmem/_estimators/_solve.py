@@ -208,8 +208,9 @@ def _checked(operator, damping, rtol, atol, max_steps, solver, owner):
         elif lx.is_negative_semidefinite(operator) and damping <= 0:
             tags.add(lx.negative_semidefinite_tag)
     tags = frozenset(tags)
-    settings = (rtol, atol, max_steps)
-    return damping, tags, solver or _default_solver(tags, rtol, atol, max_steps), settings
+    if solver is None:
+        solver = _default_solver(tags, rtol, atol, max_steps)
+    return damping, tags, solver, (rtol, atol, max_steps)
 
 
 def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, options):
@@ -238,16 +239,14 @@ def _solve(operator, b_flat, damping, rtol, atol, max_steps, solver, view, optio
 def _laid_out_settings(operator, damping, rtol, atol, max_steps, solver, owner):
     """`(space, damping, sign, settings, messages)` of a solve by zodmem's own CG on
     vectors laid out like the variables, refused in words where it does not apply."""
-    given = solver
-    damping, tags, solver, settings = _checked(
+    damping, tags, chosen, settings = _checked(
         operator, damping, rtol, atol, max_steps, solver, owner
     )
-    if given is not None or not isinstance(solver, lx.CG):
+    if solver is not None or not isinstance(chosen, lx.CG):
         why = (
-            f"`solver={given!r}` was given"
-            if given is not None
-            else "the operator is not tagged positive (or negative) semi-definite, which "
-            "CG needs"
+            f"`solver={solver!r}` was given"
+            if solver is not None
+            else "the operator is not tagged positive (or negative) semi-definite, which CG needs"
         )
         raise ValueError(
             f"{owner}: on Explicit mesh axes the solve is zodmem's own conjugate gradients on "
@@ -260,7 +259,7 @@ def _laid_out_settings(operator, damping, rtol, atol, max_steps, solver, owner):
     space, _ = symmetric_space(operator, owner)
     sign = -1 if lx.negative_semidefinite_tag in tags else 1
     damping = jnp.asarray(damping, space.dtype)
-    return space, damping, sign, settings, _failure_messages(owner, solver, max_steps)
+    return space, damping, sign, settings, _failure_messages(owner, chosen, max_steps)
 
 
 def _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, owner):
@@ -274,15 +273,15 @@ def _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, o
         y, code = laid_out_solve(view, space, b, damping, sign, settings)
         return _raise_or_flag(space.as_input(y), code, messages)
     columns = b[:, None] if form == "flat" else b
-    solutions, codes = [], []
-    for c in range(columns.shape[1]):
-        y, code = laid_out_solve(view, space, space.from_flat(columns[:, c]), damping, sign, settings)
-        solutions.append(space.to_flat(y))
-        codes.append(code)
-    if not solutions:
+    if columns.shape[1] == 0:
         return b
-    value = solutions[0] if form == "flat" else jnp.stack(solutions, axis=1)
-    return _raise_or_flag(value, jnp.stack(codes), messages)
+    solved = [
+        laid_out_solve(view, space, space.from_flat(column), damping, sign, settings)
+        for column in columns.T
+    ]
+    value = jnp.stack([space.to_flat(y) for y, _ in solved], axis=1)
+    value = value[:, 0] if form == "flat" else value
+    return _raise_or_flag(value, jnp.stack([code for _, code in solved]), messages)
 
 
 @public
