@@ -93,10 +93,7 @@ def space_product(view: FlatView, space: VectorSpace) -> Callable:
     device, else leaf by leaf with `operator.mv`, its result pinned to the layout."""
     if not space.sharded:
         return view.linear()
-    # On Explicit axes a linearisation's function was traced for flat vectors typed as
-    # they were where it was made, which the products' vectors here are not: each product
-    # then linearises again (one more forward pass).
-    operator = view.operator if space.explicit else lx.linearise(view.operator)
+    operator = lx.linearise(view.operator)
     return lambda vector: space.as_vector(operator.mv(space.as_input(vector)))
 
 

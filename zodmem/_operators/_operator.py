@@ -30,6 +30,7 @@ from jaxtyping import Array, Inexact, Shaped
 from .._checks import RealScalar, described, typechecked
 from .._memo import memo_of, signature_of
 from .._pytree import ravel_leaves, split_leaves, variable_structure
+from .._sharding import is_explicit
 from .._traceback import public
 from ._arguments import check_dtype
 from ._base import AbstractOperator, Vector, check_leaves, variables_of
@@ -387,7 +388,19 @@ def _linearised(operator: BlockedOperator) -> Any:
     forward = _forward(
         operator.transform, operator.products, operator.x, operator.args, operator.kwargs
     )
-    return eqx.filter_closure_convert(forward, _flat_structure(operator._variable_structure()))
+    return eqx.filter_closure_convert(forward, _flat_vector_type(operator))
+
+
+def _flat_vector_type(operator: BlockedOperator) -> jax.ShapeDtypeStruct:
+    """The type of the flat vectors the products take: where the variables lie over
+    Explicit mesh axes, whole on every device of their mesh (as raveling makes them),
+    so that a function traced for it runs on them."""
+    flat = _flat_structure(operator._variable_structure())
+    for sharding in operator.variable_shardings():
+        if sharding is not None and is_explicit(sharding):
+            whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            return jax.ShapeDtypeStruct(flat.shape, flat.dtype, sharding=whole)
+    return flat
 
 
 _linearised_jit = eqx.filter_jit(_linearised)
