@@ -54,6 +54,7 @@ from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
 from ._kfac_blocks import check_others, layer_blocks
 from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
+from ._kfac_pass import StatisticsPass, lean_jit
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
 
 __all__ = ["EKFAC", "KFAC"]
@@ -152,10 +153,10 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
     @public
     @typechecked
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> KroneckerFactored:
-        # One compiled program: the statistics are many small operations. The variables'
-        # layout over devices is read here, where their shardings are known.
+        # One compiled program, compiled lean: the statistics are many small operations.
+        # The variables' layout over devices is read here, where their shardings are known.
         structure = variable_structure(x, shardings=True)
-        return eqx.filter_jit(type(self)._factored)(self, x, args, kwargs, structure)
+        return lean_jit(type(self)._factored)(self, x, args, kwargs, structure)
 
     @public
     @typechecked
@@ -271,7 +272,7 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
             check_examples(args, self._owner)
             size, data = self.microbatch_size, tuple(range(2, 2 + len(args)))
         argnums = data + ((1,) if keys is not None else ())
-        return Microbatcher(
+        return StatisticsPass(
             statistics,
             microbatch_size=size,
             max_memory=self.max_memory,

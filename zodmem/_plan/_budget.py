@@ -53,6 +53,7 @@ import numpy as np
 from .._engine._sharding import placement
 from .._memo import BoundedCache
 from ._compiled import (
+    CPU_LEAN_OPTIONS,
     CPU_PROBE_OPTIONS,
     PROBE_OPTIONS,
     Compiled,
@@ -85,12 +86,13 @@ __all__ = [
 
 class Policy(NamedTuple):
     """How plans are made on a platform: the share of a budget kept for the allocator's
-    slack, the most temporaries a block is given (`None`: no cap), and the compiler
-    options of a probe."""
+    slack, the most temporaries a block is given (`None`: no cap), the compiler options
+    of a probe, and those of a call compiled lean (`None`: XLA's defaults)."""
 
     reserve_share: float
     block_bytes: int | None
     probe_options: dict[str, Any]
+    lean_options: dict[str, Any] | None = None
 
     def usable(self, budget: int) -> int:
         """The part of `budget` that the compiled call's peak may take."""
@@ -111,7 +113,7 @@ RESERVE_SHARE = 0.02
 _POLICIES = {
     # A CPU block runs fastest while its temporaries stay in the caches; its probes are
     # compiled with the older fusion emitters too, which assign the same buffers.
-    "cpu": Policy(RESERVE_SHARE, CPU_BLOCK_BYTES, CPU_PROBE_OPTIONS),
+    "cpu": Policy(RESERVE_SHARE, CPU_BLOCK_BYTES, CPU_PROBE_OPTIONS, CPU_LEAN_OPTIONS),
 }
 # An accelerator keeps more of itself busy with wider blocks: no cap.
 _ACCELERATOR = Policy(RESERVE_SHARE, None, PROBE_OPTIONS)
@@ -289,13 +291,20 @@ class Planner:
             abstract(transform),
             self.shapes[1],
             self.shapes[2],
-            options=self.policy.probe_options if probe else None,
+            options=self.options(probe),
         )
         after = resident_bytes()
         if before is not None and after is not None:
             self.compile_bytes = max(self.compile_bytes or 0, after - before)
         self.compiles += 1
         return compiled
+
+    def options(self, probe: bool) -> dict[str, Any] | None:
+        """The compiler options of a probe, or of the call: XLA's defaults, or the
+        platform's lean options for a transform compiled lean."""
+        if probe:
+            return self.policy.probe_options
+        return self.policy.lean_options if self.transform.compiled_lean else None
 
     def candidate(self, strategy: Any, size: int | None) -> Compiled:
         """The call at `size` and `strategy`, compiled once: the two ends of the search

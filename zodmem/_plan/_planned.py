@@ -58,6 +58,11 @@ class AbstractPlanned(NamedInMessages):
     # An estimator's drawn probes say no: they are many, and one block of all of them
     # holds every probe's loop state at once.
     loop_in_one_block: ClassVar[bool] = True
+    # Whether the planned call is compiled with the platform's lean options (a CPU's:
+    # XLA's older fusion emitters), whose compile heap is about half the default's: a
+    # pass over the data run once per call of a larger job (KFAC's statistics), whose
+    # compile, not its run, sets its peak.
+    compiled_lean: ClassVar[bool] = False
 
     @abc.abstractmethod
     def work(self, *args: Any, **kwargs: Any) -> Work:
