@@ -190,6 +190,11 @@ class BlockedOperator(AbstractOperator):
         """Each input leaf's sharding over several devices: the variables' of `x`."""
         if self.transposed:
             return super().variable_shardings()
+        return self._shardings_of_variables()
+
+    def _shardings_of_variables(self) -> tuple[jax.sharding.Sharding | None, ...]:
+        """Each variable's sharding over several devices (`None` where it has none),
+        whichever way the operator is turned."""
         leaves = [leaf for leaf in jax.tree_util.tree_leaves(self.x) if eqx.is_inexact_array(leaf)]
         return tuple(leaf_sharding(leaf) for leaf in leaves)
 
@@ -199,10 +204,7 @@ class BlockedOperator(AbstractOperator):
         if not (self.square or self.transposed):
             return None
         leaves, treedef = jax.tree_util.tree_flatten(self._variable_structure())
-        variables = [
-            leaf for leaf in jax.tree_util.tree_leaves(self.x) if eqx.is_inexact_array(leaf)
-        ]
-        shardings = tuple(leaf_sharding(leaf) for leaf in variables)
+        shardings = self._shardings_of_variables()
         if len(shardings) != len(leaves) or all(s is None for s in shardings):
             return None
         shapes = tuple(tuple(leaf.shape) for leaf in leaves)
@@ -392,11 +394,11 @@ def _linearised(operator: BlockedOperator) -> Any:
 
 
 def _flat_vector_type(operator: BlockedOperator) -> jax.ShapeDtypeStruct:
-    """The type of the flat vectors the products take: where the variables lie over
-    Explicit mesh axes, whole on every device of their mesh (as raveling makes them),
-    so that a function traced for it runs on them."""
+    """The type of the flat vectors the forward product takes: where the variables lie
+    over Explicit mesh axes, whole on every device of their mesh (as raveling makes
+    them), so that a function traced for it runs on them."""
     flat = _flat_structure(operator._variable_structure())
-    for sharding in operator.variable_shardings():
+    for sharding in operator._shardings_of_variables():
         if sharding is not None and is_explicit(sharding):
             whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
             return jax.ShapeDtypeStruct(flat.shape, flat.dtype, sharding=whole)
