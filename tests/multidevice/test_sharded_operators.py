@@ -10,6 +10,7 @@ meshes where the model's own operations are well typed) are those of
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -143,3 +144,24 @@ def test_kfac_data_parallel(approximation, kind, float64):
         product, solved = F.mv(v), F.solve(v, damping=0.1)
     check_close(product, single.mv(v))
     check_close(solved, single.solve(v, damping=0.1))
+
+
+@pytest.mark.parametrize("model_fn, features, layout, kind", CASES[-2:] + CASES[:2])
+def test_transposed_jacobian_products(model_fn, features, layout, kind):
+    # A Jacobian's transpose maps outputs to the variables' space: its products, as
+    # computed and as lineax keeps them linearised, are laid out like the variables.
+    (model, x, y), (sharded, xs, ys), mesh = setting(model_fn, features, layout, kind)
+    variables = eqx.filter(sharded, eqx.is_inexact_array)
+    single = zm.BatchedJacobian(outputs).operator(model, x, y).T
+    u = jax.random.normal(jax.random.key(3), (2 * D, D))
+    with jax.sharding.set_mesh(mesh):
+        op = zm.BatchedJacobian(outputs).operator(sharded, xs, ys).T
+        kept = lx.linearise(op)
+        products = [op.mv(u), kept.mv(u)]
+    for product in products:
+        check_close(product, single.mv(u))
+        check_laid_out(product, variables, block=False)
+    columns = jax.random.normal(jax.random.key(4), (u.size, 3))
+    with jax.sharding.set_mesh(mesh):
+        block = op.mm(columns)
+    np.testing.assert_allclose(block, single.mm(columns), rtol=1e-5, atol=1e-6)

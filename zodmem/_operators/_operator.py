@@ -166,7 +166,7 @@ class BlockedOperator(AbstractOperator):
             forward = _forward(self.transform, self.products, self.x, self.args, self.kwargs)
         if not self.transposed:
             return forward
-        transposed = jax.linear_transpose(forward, _flat_structure(self._variable_structure()))
+        transposed = jax.linear_transpose(forward, _flat_vector_type(self))
         return lambda v: transposed(v)[0]
 
     def with_strategy(self, strategy: Any) -> BlockedOperator:
