@@ -1,6 +1,7 @@
 """Calls compiled lean (`AbstractPlanned.compiled_lean`, `Policy.lean_options`): KFAC's
-builds, whose compile sets their peak on a CPU, take the platform's lean options; every
-other planned call takes XLA's defaults, and a probe its own options."""
+builds and `eigsh`'s iteration, whose compile sets their peak on a CPU, take the
+platform's lean options; every other planned call takes XLA's defaults, and a probe its
+own options."""
 
 import equinox as eqx
 import jax
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 import zodmem as zm
-from zodmem._approximations import _kfac_pass
-from zodmem._plan import _budget
+from zodmem._estimators import _held
+from zodmem._plan import _budget, _lean
 from zodmem._plan._compiled import CPU_LEAN_OPTIONS, CPU_PROBE_OPTIONS
 
 
@@ -74,18 +75,62 @@ def test_a_microbatcher_s_call_is_compiled_at_xla_s_defaults(compiles):
     assert for_call and all(options is None for options in for_call)
 
 
-def test_a_build_is_compiled_lean_at_the_top_level_only(monkeypatch):
+@pytest.fixture
+def platforms(monkeypatch):
+    """The platforms whose lean options `lean_jit`'s calls asked for (`None`: none)."""
     asked = []
-    original = _kfac_pass._jitted.__wrapped__
+    original = _lean._jitted.__wrapped__
 
     def recording(platform):
         asked.append(platform)
         return original(platform)
 
-    monkeypatch.setattr(_kfac_pass, "_jitted", recording)
+    monkeypatch.setattr(_lean, "_jitted", recording)
+    return asked
+
+
+def test_a_build_is_compiled_lean_at_the_top_level_only(platforms):
+    asked = platforms
     model, inputs, labels = data(9)
     kfac = zm.KFAC(predict, zm.losses.SoftmaxCrossEntropy())
     alone = kfac(model, inputs, labels).as_matrix()
     traced = eqx.filter_jit(lambda *a: kfac(*a).as_matrix())(model, inputs, labels)
     assert asked == [jax.default_backend(), None]  # under `jax.jit`: that program's options
     np.testing.assert_allclose(alone, traced, rtol=1e-5, atol=1e-6)
+
+
+def hessian_operator(max_memory=None):
+    model, inputs, labels = data(12)
+
+    def loss(model, inputs, labels):
+        return jnp.mean(predict(model, inputs, labels) ** 2)
+
+    return zm.BatchedHessian(loss, max_memory=max_memory).operator(model, inputs, labels)
+
+
+def test_eigsh_s_iteration_is_compiled_lean(platforms):
+    op = hessian_operator()
+    values, vectors = zm.eigsh(op, 2)
+    traced = eqx.filter_jit(lambda op: zm.eigsh(op, 2)[0])(op)
+    assert platforms == [jax.default_backend(), None]  # under `jax.jit`: that program's
+    expected = jnp.linalg.eigh(op.as_matrix())[0][-2:]
+    np.testing.assert_allclose(values, expected, rtol=1e-4)
+    np.testing.assert_allclose(traced, values, rtol=1e-5)
+
+
+def test_eigsh_s_iteration_within_a_budget_is_compiled_lean(monkeypatch):
+    # The executable compiled to count the iteration's peak is the one that runs.
+    seen = []
+    original = _held.compile_call
+
+    def recording(*args, options=None, **kwargs):
+        seen.append(options)
+        return original(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(_held, "compile_call", recording)
+    _held._COMPILED.clear()
+    op = hessian_operator("1GB")
+    values, _ = zm.eigsh(op, 2)
+    assert seen == [_budget.policy_of(jax.default_backend()).lean_options]
+    expected = jnp.linalg.eigh(op.as_matrix())[0][-2:]
+    np.testing.assert_allclose(values, expected, rtol=1e-4)

@@ -45,6 +45,7 @@ from .._checks import (
     typechecked,
 )
 from .._operators._kronecker import KroneckerFactored
+from .._plan._lean import lean_jit
 from .._plan._plans import Plan
 from .._pytree import Variables, split_variables, variable_structure
 from .._traceback import public
@@ -54,7 +55,7 @@ from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
 from ._kfac_blocks import check_others, layer_blocks
 from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
-from ._kfac_pass import StatisticsPass, lean_jit
+from ._kfac_pass import StatisticsPass
 from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
 
 __all__ = ["EKFAC", "KFAC"]

@@ -26,6 +26,7 @@ from .._engine._progress import progress_bar
 from .._operators._arguments import check_positive, is_traced, key_or_default
 from .._operators._flat import FlatView
 from .._operators._vectors import VectorSpace
+from .._plan._lean import lean_jit
 from .._plan._memory import format_bytes
 from .._traceback import public
 from ._eigsh_steps import LanczosState, initial_state, redrawn, relocked, run_step
@@ -157,7 +158,7 @@ def _eigsh(
     return values, eigenvectors, info, state.finite
 
 
-_eigsh_jit = eqx.filter_jit(_eigsh)
+_eigsh_jit = lean_jit(_eigsh)
 
 
 def _default_max_steps(n: int, k: int) -> int:

@@ -7,6 +7,10 @@ count of what one device holds while it runs (the basis, the product's temporari
 the rest) is compared with the budget; a program that does not fit is refused in words
 that name the figure per device and the least budget that holds it, and one that fits is
 run from the executable compiled for the check, compiling nothing again.
+
+The iteration is compiled lean (`zodmem._plan._lean`): its time is products of one
+vector at a time, which the lean options make no slower, and its compile sets its peak
+on a CPU (`docs/benchmarks.md` has the figures).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .._operators._operator import BlockedOperator
 from .._operators._options import options_of
 from .._plan._budget import call_key, least_budget, usable_bytes
 from .._plan._compiled import abstract, compile_call, run_compiled, runs_compiled
+from .._plan._lean import lean_options
 from .._plan._memory import budget_of, format_bytes, format_bytes_up
 from .._plan._plans import MemoryBudgetError
 
@@ -49,7 +54,7 @@ def run_within_budget(
     held: str,
 ) -> Any:
     """`program(*inputs)`: without a budget, `jitted(*inputs)`; with one, compiled first
-    and refused (`MemoryBudgetError`) where XLA's count of its peak on a device is over
+    (with the platform's lean options, as `jitted` must be) and refused (`MemoryBudgetError`) where XLA's count of its peak on a device is over
     the budget's usable part, else run from that executable (under an outer `jit`,
     traced into it). `held` says what the program keeps, for the message."""
     budget_bytes, _ = budget_of(budget)
@@ -59,7 +64,8 @@ def run_within_budget(
     compiled = _COMPILED.get(key)
     if compiled is None:
         # Kept without its traced program, which holds the constants it closes over.
-        compiled = compile_call(program, *abstract(inputs))._replace(program=None)
+        compiled = compile_call(program, *abstract(inputs), options=lean_options())
+        compiled = compiled._replace(program=None)
         _COMPILED.put(key, compiled)
     platform = jax.default_backend()
     if compiled.peak_bytes > usable_bytes(budget_bytes, platform):
