@@ -54,9 +54,10 @@ def run_within_budget(
     held: str,
 ) -> Any:
     """`program(*inputs)`: without a budget, `jitted(*inputs)`; with one, compiled first
-    (with the platform's lean options, as `jitted` must be) and refused (`MemoryBudgetError`) where XLA's count of its peak on a device is over
-    the budget's usable part, else run from that executable (under an outer `jit`,
-    traced into it). `held` says what the program keeps, for the message."""
+    with the platform's lean options (as `jitted` must be) and refused
+    (`MemoryBudgetError`) where XLA's count of its peak on a device is over the budget's
+    usable part, else run from that executable (under an outer `jit`, traced into it).
+    `held` says what the program keeps, for the message."""
     budget_bytes, _ = budget_of(budget)
     if budget_bytes is None:
         return jitted(*inputs)
