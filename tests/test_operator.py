@@ -94,6 +94,32 @@ def test_hessian_strategies():
     close(linear.mm(V), H @ V)
 
 
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_iterations_form_the_products_afresh_where_fn_checkpoints(monkeypatch, checkpointed):
+    # JAX's linearisation puts a `jax.checkpoint`'s forward pass on its linear side: a
+    # kept linearisation would run it in every product anyway. With strategy="auto" an
+    # iteration's products are then formed afresh.
+    from zodmem._transforms import _derivative
+
+    kept = []
+    original = _derivative.product_function
+
+    def recording(*args, recompute, **kwargs):
+        kept.append(not recompute)
+        return original(*args, recompute=recompute, **kwargs)
+
+    monkeypatch.setattr(_derivative, "product_function", recording)
+
+    fn = jax.checkpoint(loss) if checkpointed else loss
+    params, data = point()
+    H, _ = dense_hessian()
+    op = zm.BatchedHessian(fn, mode="fwd").operator(params, data)
+    kept.clear()
+    values, _ = zm.eigsh(op, 2, max_steps=10)
+    assert kept == [not checkpointed]
+    close(values, np.linalg.eigvalsh(H)[-2:])
+
+
 @pytest.mark.parametrize("mode", ["auto", "fwd", "rev"])
 @pytest.mark.parametrize("strategy", ["linearize", "recompute"])
 def test_hessian_products_in_every_mode(mode, strategy):

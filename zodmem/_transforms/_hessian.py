@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.extend.core.primitives import remat_p
 from jaxtyping import PyTree
 
 from .._checks import typechecked_constructor
@@ -58,7 +59,9 @@ class BatchedHessian(AbstractSquare):
       gradient again inside each block, keeping nothing between blocks, at the cost of
       one more forward and backward pass of `fn` per block; `"auto"` (the default)
       linearises, and with `max_memory` recomputes when the residuals leave no room for
-      a block.
+      a block. The operator's products in an iteration (`zm.eigsh`, `zm.solve`) are
+      formed afresh under `"auto"` where `fn` holds a `jax.checkpoint`, whose forward
+      pass a linearisation would run again in every product anyway.
     - `mode`: how the products are formed. `"fwd"` is forward-over-reverse:
       Hessian-vector products, JVPs of one linearisation of the gradient, written
       as blocks of columns exactly as `jax.hessian` (`jacfwd(jacrev(fn))`) forms
@@ -263,6 +266,13 @@ def _hessian_products(transform: BatchedHessian, x: Any, args: tuple, kwargs: di
 _FORWARD_OVER_REVERSE = (jax.lax.conv_general_dilated_p, jax.lax.while_p, jax.lax.scan_p)
 
 
+# A `jax.checkpoint` in `fn`: JAX's linearisation puts its forward pass on the linear
+# side, by design, so a product of a kept linearisation runs that pass again anyway, with
+# more to carry than a product formed afresh. Where `strategy` is `"auto"` and no plan
+# chose it, such products are formed afresh (a neural ODE's solver checkpoints its steps).
+_UNKEPT = (remat_p,)
+
+
 def _auto_mode(variables: Variables, fn_of_leaves: Any, leaves: list) -> str:
     """Reverse over reverse for variables of one real dtype where `fn`'s program holds no
     convolution and no loop, forward over reverse otherwise."""
@@ -285,7 +295,10 @@ def _hessian_product(transform: BatchedHessian, prepared: Prepared, *, reverse: 
     gradient = jax.grad(prepared.fn, has_aux=transform.has_aux, holomorphic=transform.holomorphic)
     leaves, leaves_of = prepared.leaves, prepared.variables.leaves_of
     if not reverse:
-        _, jvp, aux = transform._products(
+        linearising = transform
+        if transform.strategy == "auto" and holds(prepared.fn, leaves, primitives=_UNKEPT):
+            linearising = transform._with_strategy("recompute")
+        _, jvp, aux = linearising._products(
             lambda z: gradient(leaves_of(z)), prepared.flat, reverse=False
         )
         return (lambda v: prepared.raveled(jvp(v))), None, aux
