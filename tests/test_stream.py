@@ -424,3 +424,18 @@ def test_a_transform_sharded_by_rows_streams_on_one_device(tmp_path):
     columns = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d"))
     with pytest.raises(ValueError, match="Split the rows"):
         zm.to_file(str(tmp_path / "c.npy"), zm.BatchedHessian(loss, sharding=columns), W, DATA)
+
+
+def test_a_file_cut_short_while_it_is_read_is_refused(tmp_path):
+    # The sizes are checked before the blocks are read; a file cut shorter between the
+    # two is refused in words, not hashed short.
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(10)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = memoryview(bytearray(8))
+        assert bytes(_npy._read_exactly(fd, buffer[:6], 2)) == bytes(range(2, 8))
+        with pytest.raises(zm.SerialisationError, match="ended 4 bytes before"):
+            _npy._read_exactly(fd, buffer, 6)
+    finally:
+        os.close(fd)

@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "append_durably",
     "drop_cached",
+    "pread_into",
     "fsync_directory",
     "pread_all",
     "pwrite_all",
@@ -51,6 +52,20 @@ def pread_all(fd: int, length: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Fill `buffer` (a writable byte view) with the bytes at `offset`; the count read,
+    fewer than its length where the file ends first. Reading into one buffer again and
+    again, rather than into new bytes objects, keeps a long read from taking fresh pages
+    at every step."""
+    done = 0
+    while done < len(buffer):
+        count = os.preadv(fd, [buffer[done:]], offset + done)
+        if not count:
+            break
+        done += count
+    return done
+
+
 def append_durably(path: str, data: bytes) -> None:
     """Append `data` to the file at `path` and flush it to disk."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -61,11 +76,12 @@ def append_durably(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def drop_cached(fd: int) -> None:
-    """Drop a file's pages from the page cache (where the system allows it): pages
-    written and flushed, or read once, would otherwise count as this process's memory."""
+def drop_cached(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Drop a file's pages from the page cache (where the system allows it), those of
+    `length` bytes at `offset` (`0`: to the end): pages written and flushed, or read
+    once, would otherwise count as this process's memory."""
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def fsync_directory(path: str) -> None:

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._engine._block_plans import OutputSink
@@ -97,7 +96,7 @@ def run_streamed(
         return out, tuple(sink.leaves)  # not arrays: returned as they are
 
     with closing_bars():
-        first = jnp.asarray(first_block, jnp.int32)
+        first = np.asarray(first_block, np.int32)  # NumPy: no program compiled to make it
         returned, streamed = call(transform, args, kwargs, first)
         jax.effects_barrier()  # every block handed over before the caller reads them
     return returned, set(streamed)

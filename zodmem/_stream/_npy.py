@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._files import drop_cached, fsync_directory, pread_all, pwrite_all
+from .._files import drop_cached, fsync_directory, pread_into, pwrite_all
 from .._serialise import SerialisationError
 
 if TYPE_CHECKING:
@@ -55,15 +55,17 @@ def _npy_header(shape: tuple, dtype: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _pread_exactly(fd: int, length: int, offset: int) -> bytes:
-    """The `length` bytes at `offset` of a file whose size was checked."""
-    data = pread_all(fd, length, offset)
-    if len(data) < length:
+def _read_exactly(fd: int, buffer: memoryview, offset: int) -> memoryview:
+    """`buffer`, filled with the bytes at `offset` of a file whose size was checked, and
+    those pages dropped from the page cache (read once, not kept)."""
+    count = pread_into(fd, buffer, offset)
+    drop_cached(fd, offset, len(buffer))
+    if count < len(buffer):
         raise SerialisationError(
-            f"zm.to_file: a file ended {length - len(data)} bytes before its journal's "
+            f"zm.to_file: a file ended {len(buffer) - count} bytes before its journal's "
             f"blocks did, though its size was checked: it is being truncated. {AFRESH}"
         )
-    return data
+    return buffer
 
 
 def _digest(array: np.ndarray) -> str:
@@ -236,20 +238,24 @@ class ResultFiles:
         """The checksums of the items `a, ..., b - 1` of leaf `leaf` (seen as `before`
         runs of `total * after` elements) for each `(a, b)` in `spans`, as written.
 
-        The file is read once in pieces of at most `_READ_SIZE` bytes: whole runs at a
-        time when a run is short (blocks of columns), else each span of each run."""
+        The file is read once, in pieces of at most `_READ_SIZE` bytes into one buffer:
+        whole runs at a time when a run is short (blocks of columns), else each span of
+        each run. Each piece leaves the page cache once hashed: a resumed job's check
+        of a large file would otherwise fill memory with pages read once."""
         itemsize = np.dtype(self.layout.leaves[leaf].dtype).itemsize
         total = self.layout.leaves[leaf].size // (before * after)
         step, row, base = after * itemsize, total * after * itemsize, len(self.headers[leaf])
         hashers = [hashlib.sha256() for _ in spans]
+        buffer = memoryview(bytearray(_READ_SIZE))
         fd = os.open(self.paths[leaf], os.O_RDONLY)
         try:
             if row <= _READ_SIZE:
                 rows = _READ_SIZE // row
                 for p in range(0, before, rows):
                     count = min(rows, before - p)
-                    data = np.frombuffer(_pread_exactly(fd, count * row, base + p * row), np.uint8)
-                    data = data.reshape(count, row)
+                    data = np.frombuffer(
+                        _read_exactly(fd, buffer[: count * row], base + p * row), np.uint8
+                    ).reshape(count, row)
                     for hasher, (a, b) in zip(hashers, spans, strict=True):
                         hasher.update(np.ascontiguousarray(data[:, a * step : b * step]).data)
             else:
@@ -258,9 +264,8 @@ class ResultFiles:
                         offset, end = base + p * row + a * step, base + p * row + b * step
                         while offset < end:
                             length = min(_READ_SIZE, end - offset)
-                            hasher.update(_pread_exactly(fd, length, offset))
+                            hasher.update(_read_exactly(fd, buffer[:length], offset))
                             offset += length
-            drop_cached(fd)  # read once, not kept
         finally:
             os.close(fd)
         return [hasher.hexdigest()[:_DIGEST_LENGTH] for hasher in hashers]
