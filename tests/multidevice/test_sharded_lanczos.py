@@ -311,6 +311,31 @@ def test_solves_on_explicit_axes_are_laid_out_like_the_variables(layout, make):
     assert max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(residual)) < 1e-4
 
 
+def test_columns_on_explicit_axes_are_solved_in_one_loop_with_a_bar(capfd):
+    """The columns of an `(n, k)` right-hand side, and the unit vectors of the marginal
+    variances, are solved one after another in one compiled loop, which draws a bar of
+    them with `progress=True` and none by default; each solve equals its column's."""
+    model, (x, y) = Dense(jax.random.key(0)), data(8)
+    mesh = jax.make_mesh((D,), ("d",), axis_types=(AxisType.Explicit,))
+    sharded, _, _ = laid_out(mesh, model, x, y, "fsdp")
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, y))
+    options = dict(damping=0.5, rtol=1e-6, atol=1e-6)
+    with jax.sharding.set_mesh(mesh):
+        op = zodmem_gauss_newton(sharded, xs, ys)
+        n = op.in_size()
+        columns = jnp.cos(jnp.arange(3 * n, dtype=jnp.float32).reshape(n, 3))
+        quiet = zm.solve(op, columns, **options)
+        assert "columns" not in capfd.readouterr().err
+        solved = zm.solve(op, columns, progress=True, **options)
+        one = zm.solve(op, columns[:, 1], **options)
+        zm.marginal_variances(op, [0, 3], progress=True, **options)
+    err = capfd.readouterr().err
+    assert "zm.solve columns" in err and "3/3" in err
+    assert "zm.marginal_variances columns" in err and "2/2" in err
+    np.testing.assert_allclose(solved, quiet, rtol=1e-6)
+    np.testing.assert_allclose(solved[:, 1], one, rtol=1e-5, atol=1e-6)
+
+
 def test_own_solves_on_explicit_axes_refuse_what_cg_cannot_take():
     """Explicit axes take zodmem's own CG only: an operator not tagged semi-definite
     (CG may divide by a vanishing curvature) and a lineax solver given are refused in

@@ -19,11 +19,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._engine._progress import progress_bar
 from .._operators._flat import FlatView
+from .._operators._operator import BlockedOperator
+from .._operators._options import options_of
 from .._operators._vectors import VectorSpace
 from ._lanczos import space_product
 
-__all__ = ["conjugate_gradients", "laid_out_entries", "laid_out_solve"]
+__all__ = [
+    "bar_label",
+    "conjugate_gradients",
+    "laid_out_columns",
+    "laid_out_entries",
+    "laid_out_solve",
+]
 
 # Every this many steps the residual is recomputed from a product, as `lx.CG` does.
 _STABILISE_EVERY = 10
@@ -109,17 +118,62 @@ def laid_out_solve(
     return conjugate_gradients(space, damped, b, rtol=rtol, atol=atol, max_steps=max_steps)
 
 
+def bar_label(operator: Any, progress: bool | None, owner: str) -> str | None:
+    """The label of the bar of a solve's columns on Explicit axes (`progress=None`: as
+    the operator's transform says), or `None` for no bar."""
+    if progress is None:
+        transform = operator.transform if isinstance(operator, BlockedOperator) else None
+        progress = options_of(transform).progress
+    return f"{owner} columns" if progress else None
+
+
+@eqx.filter_jit
+def laid_out_columns(
+    view: FlatView,
+    space: VectorSpace,
+    columns: jax.Array,
+    damping: Any,
+    sign: int,
+    settings: tuple,
+    label: str | None,
+) -> tuple[jax.Array, jax.Array]:
+    """`(solutions, codes)`: the solves of the `k` columns of `columns` `(n, k)`, one
+    after another in one loop, each laid out like the variables for its solve and flat
+    again after (`(n, k)` and `(k,)`); a bar of the columns where `label`."""
+    bar = progress_bar(label, columns.shape[1], unit="column")
+    bar.start()
+
+    def column(done: Any, b: jax.Array) -> tuple:
+        y, code = laid_out_solve(view, space, space.from_flat(b), damping, sign, settings)
+        bar.done(done + 1, code)  # a scalar of the solve, which a column's share is not
+        return done + 1, (space.to_flat(y), code)
+
+    _, (solutions, codes) = jax.lax.scan(column, jnp.asarray(0, jnp.int32), columns.T)
+    return solutions.T, codes
+
+
 @eqx.filter_jit
 def laid_out_entries(
-    view: FlatView, space: VectorSpace, indices: jax.Array, damping: Any, sign: int, settings: tuple
+    view: FlatView,
+    space: VectorSpace,
+    indices: jax.Array,
+    damping: Any,
+    sign: int,
+    settings: tuple,
+    label: str | None,
 ) -> tuple[jax.Array, jax.Array]:
     """`(entries, codes)`: `[(A + damping I)^{-1}]_ii` for each of `indices`, each from
     the solve with the unit vector `e_i` laid out like the variables, read by an inner
-    product (no vector gathered)."""
+    product (no vector gathered); a bar of the unit vectors where `label`."""
+    bar = progress_bar(label, indices.shape[0], unit="column")
+    bar.start()
 
-    def entry(index: Any) -> tuple:
+    def entry(done: Any, index: Any) -> tuple:
         unit = space.unit(index)
         y, code = laid_out_solve(view, space, unit, damping, sign, settings)
-        return space.dot(unit, y), code
+        value = space.dot(unit, y)
+        bar.done(done + 1, value)
+        return done + 1, (value, code)
 
-    return jax.lax.map(entry, indices)
+    _, (entries, codes) = jax.lax.scan(entry, jnp.asarray(0, jnp.int32), indices)
+    return entries, codes

@@ -23,7 +23,7 @@ from .._operators._flat import FlatView, flat_view
 from .._operators._operator import BlockedOperator, check_leaves, variables_of
 from .._pytree import is_traced
 from .._traceback import public
-from ._cg import laid_out_entries, laid_out_solve
+from ._cg import bar_label, laid_out_columns, laid_out_entries, laid_out_solve
 from ._lanczos import symmetric_space
 from ._probes import AbstractColumns, ProbeOptions, run_probes
 
@@ -262,9 +262,9 @@ def _laid_out_settings(operator, damping, rtol, atol, max_steps, solver, owner):
     return space, damping, sign, settings, _failure_messages(owner, chosen, max_steps)
 
 
-def _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, owner):
+def _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, owner, progress):
     """`solve` where the operator's arrays or `b` lie over Explicit mesh axes: the
-    solution laid out like the variables, in the form of `b`."""
+    solution laid out like the variables, in the form of `b` (columns in one loop)."""
     space, damping, sign, settings, messages = _laid_out_settings(
         operator, damping, rtol, atol, max_steps, solver, owner
     )
@@ -275,13 +275,10 @@ def _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, o
     columns = b[:, None] if form == "flat" else b
     if columns.shape[1] == 0:
         return b
-    solved = [
-        laid_out_solve(view, space, space.from_flat(column), damping, sign, settings)
-        for column in columns.T
-    ]
-    value = jnp.stack([space.to_flat(y) for y, _ in solved], axis=1)
+    label = bar_label(operator, progress, owner) if form == "columns" else None
+    value, codes = laid_out_columns(view, space, columns, damping, sign, settings, label)
     value = value[:, 0] if form == "flat" else value
-    return _raise_or_flag(value, jnp.stack([code for _, code in solved]), messages)
+    return _raise_or_flag(value, codes, messages)
 
 
 @public
@@ -341,7 +338,8 @@ def solve(
       budget, with a bar of the blocks. As for `zm.diagonal`: left out, the options of
       the operator's transform. The solves run on one device (lineax's solves do not
       take vectors split over a `shard_map`'s devices), whatever the transform's
-      `sharding`. On Explicit mesh axes: zodmem's own CG, semi-definite operators only.
+      `sharding`. On Explicit mesh axes: zodmem's own CG, semi-definite operators only,
+      the columns one after another in one loop (`progress`: a bar of them).
 
     **Returns:**
 
@@ -379,7 +377,9 @@ def solve(
         return _exactly(operator, b, damping)
     view = flat_view(operator, owner)
     if explicit_mesh((operator, b)) is not None:
-        return _solve_laid_out(operator, view, b, damping, rtol, atol, max_steps, solver, owner)
+        return _solve_laid_out(
+            operator, view, b, damping, rtol, atol, max_steps, solver, owner, progress
+        )
     rhs, form = _read_rhs(operator, view, b, owner=owner)
     options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
     value = _solve(operator, rhs, damping, rtol, atol, max_steps, solver, view, options)
@@ -491,7 +491,8 @@ def marginal_variances(
         space, damping, sign, settings, messages = _laid_out_settings(
             operator, damping, rtol, atol, max_steps, solver, owner
         )
-        entries, codes = laid_out_entries(view, space, indices, damping, sign, settings)
+        label = bar_label(operator, progress, owner)
+        entries, codes = laid_out_entries(view, space, indices, damping, sign, settings, label)
         return _raise_or_flag(entries, codes, messages)
     units = jax.nn.one_hot(indices, view.size, dtype=view.dtype).T
     options = ProbeOptions(owner, max_memory, batch_size, progress=progress)
