@@ -23,13 +23,13 @@ def predict(model, inputs, labels):
 def compiles(monkeypatch):
     """The options of every compile the planner makes, with its plans forgotten."""
     seen = []
-    original = _budget.compile_call
+    original = _budget.compile_traced
 
-    def recording(*args, options=None, **kwargs):
+    def recording(traced, options=None):
         seen.append(options)
-        return original(*args, options=options, **kwargs)
+        return original(traced, options)
 
-    monkeypatch.setattr(_budget, "compile_call", recording)
+    monkeypatch.setattr(_budget, "compile_traced", recording)
     _budget._PLANS.clear()
     yield seen
     _budget._PLANS.clear()

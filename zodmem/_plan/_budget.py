@@ -28,9 +28,10 @@ The planner (`Planner`) reads top to bottom:
    platform caps a block's temporaries (a CPU's caches) and the transform can read from
    its function that one item alone makes a value past that cap, one item per block is
    compiled first, for the call, and is the plan when it fits. Where the work's program
-   runs a loop, the cap does not apply, and the whole work in one block comes first,
-   with the strategy whose peak is least there (`Planner.whole_work_first`), unless
-   the work says otherwise (`loop_in_one_block`: an estimator's drawn probes).
+   runs a loop (read from its trace), the cap does not apply, and the whole work in one
+   block comes first, with the last strategy, compiled for the call: one compile where
+   it fits (`Planner.whole_work_first`), unless the work says otherwise
+   (`loop_in_one_block`: an estimator's drawn probes).
 3. reserve: the platform's policy (`policy_of`), in one place.
 4. refusal: where no block size fits, `MemoryBudgetError` names the least budget that
    plans, found by planning it.
@@ -59,7 +60,9 @@ from ._compiled import (
     Compiled,
     abstract,
     collector_paused,
-    compile_call,
+    compile_traced,
+    trace_call,
+    traced_loops,
 )
 from ._memory import budget_of
 from ._plans import MemoryBudgetError, Plan, refusal
@@ -224,6 +227,7 @@ class Planner:
         self.policy = policy_of(jax.default_backend())
         self.budget, self.source = budget_of(transform.max_memory)
         self.measured: dict[tuple[Any, int | None], Compiled] = {}
+        self.traced: dict[tuple[Any, int | None], Any] = {}  # a probe's serves the call
         self.probes: set[tuple[Any, int | None]] = set()  # measured as probes
         self.for_call: set[tuple[Any, int | None]] = set()  # never to be probes
         self.probing = self.budget is not None and self.work.total > 0
@@ -282,22 +286,23 @@ class Planner:
     def compile(self, strategy: Any, size: int | None, probe: bool) -> Compiled:
         """The call compiled at `size` items per block (`None`: the transform's own
         options) with `strategy`; a probe only for its memory."""
-        transform = self.transform
-        if size is not None:
-            transform = transform.with_block_size(size, strategy)
         before = resident_bytes()
-        compiled = compile_call(
-            self.run,
-            abstract(transform),
-            self.shapes[1],
-            self.shapes[2],
-            options=self.options(probe),
-        )
+        compiled = compile_traced(self.trace(strategy, size), self.options(probe))
         after = resident_bytes()
         if before is not None and after is not None:
             self.compile_bytes = max(self.compile_bytes or 0, after - before)
         self.compiles += 1
         return compiled
+
+    def trace(self, strategy: Any, size: int | None) -> Any:
+        """The call at `size` and `strategy`, traced once for all its compiles."""
+        if (strategy, size) not in self.traced:
+            transform = self.transform
+            if size is not None:
+                transform = transform.with_block_size(size, strategy)
+            shapes = (abstract(transform), self.shapes[1], self.shapes[2])
+            self.traced[strategy, size] = trace_call(self.run, *shapes)
+        return self.traced[strategy, size]
 
     def options(self, probe: bool) -> dict[str, Any] | None:
         """The compiler options of a probe, or of the call: XLA's defaults, or the
@@ -378,9 +383,9 @@ class Planner:
 
     def loops(self) -> bool:
         """Whether the work's program runs a loop (a `scan`, a `while`), read from the
-        whole work of the first strategy (whose loop over its one block runs once, and
-        is none)."""
-        return self.candidate(self.transform.strategies[0], self.work.total).loops
+        traced whole work of the last strategy (whose loop over its one block runs once,
+        and is none), before anything is compiled."""
+        return traced_loops(self.trace(self.transform.strategies[-1], self.work.total))
 
     def block_bytes(self) -> int | None:
         """The temporaries a block is given: the platform's cap, but none for a program
@@ -398,18 +403,16 @@ class Planner:
 
     def whole_work_first(self, usable: int) -> tuple[Any, int] | None:
         """Where the work runs a loop, the whole work in one block where it fits, with
-        the strategy whose peak is least there (the first on a tie): in one block a
-        kept linearisation serves that block only, so the strategies do the same work,
-        and only their memory tells them apart. `None` where the work holds no loop or
-        no strategy's whole work fits."""
+        the last strategy (a derivative's `"recompute"`), compiled for the call: in one
+        block a kept linearisation serves that block only, so the strategies do the same
+        work, and the last keeps nothing beyond the block (its peak is the least or the
+        same). `None` where the work holds no loop or that whole work does not fit."""
         total = self.work.total
         if not self.whole_work_of_loops():
             return None
-        peaks = [(self.candidate(s, total).peak_bytes, s) for s in self.transform.strategies]
-        fitting = [(peak, i) for i, (peak, _) in enumerate(peaks) if peak <= usable]
-        if not fitting:
-            return None
-        return peaks[min(fitting)[1]][1], total
+        strategy = self.transform.strategies[-1]
+        self.for_call.add((strategy, total))
+        return (strategy, total) if self.candidate(strategy, total).peak_bytes <= usable else None
 
     def one_item_first(self, strategy: Any, usable: int) -> int | None:
         """One item per block, where the platform caps a block's temporaries and one

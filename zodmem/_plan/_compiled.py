@@ -25,9 +25,12 @@ __all__ = [
     "bind_compiled",
     "collector_paused",
     "compile_call",
+    "compile_traced",
     "compiled_memory",
     "run_compiled",
     "runs_compiled",
+    "trace_call",
+    "traced_loops",
 ]
 
 
@@ -91,6 +94,38 @@ def abstract(tree: Any) -> Any:
     return jax.tree_util.tree_map(shape_of, tree)
 
 
+def trace_call(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` traced, as `compile_call` takes them, for `compile_traced`: one trace
+    serves every compile of the call (a probe's and the call's own)."""
+    dynamic, static = eqx.partition(args, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
+
+    def call_of_arrays(dynamic):
+        arrays, rest = eqx.partition(call(*eqx.combine(dynamic, static)), eqx.is_array)
+        return arrays, Kept(rest)
+
+    return jax.jit(call_of_arrays).trace(dynamic)
+
+
+def traced_loops(traced: Any) -> bool:
+    """Whether a traced call (`trace_call`) runs a loop, nested anywhere in it."""
+    return jaxpr_holds(traced.jaxpr.jaxpr, LOOPS)
+
+
+def compile_traced(traced: Any, options: dict[str, Any] | None = None) -> Compiled:
+    """A traced call (`trace_call`) compiled with XLA's compiler `options` (`None`: its
+    defaults; a probe's, `PROBE_OPTIONS`, make an executable only for its memory)."""
+    executable = traced.lower().compile(compiler_options=options)
+    analysis = executable.memory_analysis()
+    output = int(analysis.output_size_in_bytes)
+    return Compiled(
+        int(analysis.temp_size_in_bytes) + output,
+        output,
+        executable,
+        traced_loops(traced),
+        traced.jaxpr,
+    )
+
+
 def compile_call(
     call: Callable[..., Any], *args: Any, options: dict[str, Any] | None = None
 ) -> Compiled:
@@ -102,20 +137,7 @@ def compile_call(
     of the executable's output. `options` are XLA's compiler options (`None`: its
     defaults; a probe's, `PROBE_OPTIONS`, make an executable only for its memory).
     """
-    dynamic, static = eqx.partition(args, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct))
-
-    def call_of_arrays(dynamic):
-        arrays, rest = eqx.partition(call(*eqx.combine(dynamic, static)), eqx.is_array)
-        return arrays, Kept(rest)
-
-    traced = jax.jit(call_of_arrays).trace(dynamic)
-    executable = traced.lower().compile(compiler_options=options)
-    analysis = executable.memory_analysis()
-    output = int(analysis.output_size_in_bytes)
-    loops = jaxpr_holds(traced.jaxpr.jaxpr, LOOPS)
-    return Compiled(
-        int(analysis.temp_size_in_bytes) + output, output, executable, loops, traced.jaxpr
-    )
+    return compile_traced(trace_call(call, *args), options)
 
 
 def compiled_memory(call: Callable[..., Any], *args: Any) -> tuple[int, int]:
