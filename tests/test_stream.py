@@ -439,3 +439,19 @@ def test_a_file_cut_short_while_it_is_read_is_refused(tmp_path):
             _npy._read_exactly(fd, buffer, 6)
     finally:
         os.close(fd)
+
+
+def test_files_are_read_back_where_the_system_has_no_preadv(tmp_path, monkeypatch):
+    # Where Python has `os.pread` but no `os.preadv`, the check reads and copies instead.
+    from zodmem import _files
+
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(range(16)))
+    monkeypatch.delattr(os, "preadv")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = memoryview(bytearray(8))
+        assert _files.pread_into(fd, buffer, 4) == 8 and bytes(buffer) == bytes(range(4, 12))
+        assert _files.pread_into(fd, buffer, 12) == 4
+    finally:
+        os.close(fd)

@@ -59,7 +59,12 @@ def pread_into(fd: int, buffer: memoryview, offset: int) -> int:
     at every step."""
     done = 0
     while done < len(buffer):
-        count = os.preadv(fd, [buffer[done:]], offset + done)
+        if hasattr(os, "preadv"):
+            count = os.preadv(fd, [buffer[done:]], offset + done)
+        else:  # a system whose Python has no `os.preadv`: read, then copy in
+            chunk = os.pread(fd, len(buffer) - done, offset + done)
+            count = len(chunk)
+            buffer[done : done + count] = chunk
         if not count:
             break
         done += count
