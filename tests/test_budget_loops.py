@@ -10,6 +10,7 @@ from helpers import close
 
 import zodmem as zm
 from zodmem._operators._vector_blocks import ProductBlocks
+from zodmem._plan import _budget
 from zodmem._plan._compiled import compile_call
 
 STEPS, SEQUENCES, WIDTH = 48, 32, 24
@@ -115,3 +116,26 @@ def test_an_estimators_probes_of_a_loop_keep_the_cap_on_a_block(capfd):
     assert "64/64" not in blocks and "1/1" not in blocks, blocks
     whole = zm.trace(operator, method="hutchinson", num_probes=64, key=key, batch_size=64)
     close(planned, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_a_loop_s_plan_traces_its_work_once_and_compiles_it_once(monkeypatch):
+    # Whether the work runs a loop is read from the trace that the plan then compiles,
+    # for the call: one trace and one compile of the blocked work.
+    traced, compiled = [], []
+    trace_call, compile_traced = _budget.trace_call, _budget.compile_traced
+
+    def tracing(*args):
+        traced.append(trace_call(*args))
+        return traced[-1]
+
+    def compiling(trace, options=None):
+        compiled.append((trace, options))
+        return compile_traced(trace, options)
+
+    monkeypatch.setattr(_budget, "trace_call", tracing)
+    monkeypatch.setattr(_budget, "compile_traced", compiling)
+    _budget._PLANS.clear()
+    weights, inputs, matrix = problem(64)
+    operator = zm.BatchedHessian(recurrent_loss, max_memory="2GB").operator(weights, inputs)
+    ProductBlocks.of(operator).plan(matrix)
+    assert len(traced) == 1 and compiled == [(traced[0], None)], (traced, compiled)
