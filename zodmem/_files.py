@@ -18,7 +18,6 @@ __all__ = [
     "drop_cached",
     "pread_into",
     "fsync_directory",
-    "pread_all",
     "pwrite_all",
     "write_all",
     "write_atomically",
@@ -38,18 +37,6 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
-
-
-def pread_all(fd: int, length: int, offset: int) -> bytes:
-    """The `length` bytes at `offset`, or fewer when the file ends before them."""
-    chunks = []
-    while length:
-        chunk = os.pread(fd, length, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        length, offset = length - len(chunk), offset + len(chunk)
-    return b"".join(chunks)
 
 
 def pread_into(fd: int, buffer: memoryview, offset: int) -> int:

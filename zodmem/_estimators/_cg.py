@@ -127,6 +127,22 @@ def bar_label(operator: Any, progress: bool | None, owner: str) -> str | None:
     return f"{owner} columns" if progress else None
 
 
+def _one_by_one(label: str | None, items: jax.Array, solve_one: Callable) -> tuple:
+    """`solve_one(item) -> (result, code)` of each of `items` (along their first axis),
+    one after another in one loop, stacked; a bar of them where `label`, each step
+    reported once its code (a scalar of the solve, which a share of a vector is not)
+    is computed."""
+    bar = progress_bar(label, items.shape[0], unit="column")
+    bar.start()
+
+    def step(done: Any, item: Any) -> tuple:
+        result, code = solve_one(item)
+        bar.done(done + 1, code)
+        return done + 1, (result, code)
+
+    return jax.lax.scan(step, jnp.asarray(0, jnp.int32), items)[1]
+
+
 @eqx.filter_jit
 def laid_out_columns(
     view: FlatView,
@@ -140,15 +156,12 @@ def laid_out_columns(
     """`(solutions, codes)`: the solves of the `k` columns of `columns` `(n, k)`, one
     after another in one loop, each laid out like the variables for its solve and flat
     again after (`(n, k)` and `(k,)`); a bar of the columns where `label`."""
-    bar = progress_bar(label, columns.shape[1], unit="column")
-    bar.start()
 
-    def column(done: Any, b: jax.Array) -> tuple:
+    def column(b: jax.Array) -> tuple:
         y, code = laid_out_solve(view, space, space.from_flat(b), damping, sign, settings)
-        bar.done(done + 1, code)  # a scalar of the solve, which a column's share is not
-        return done + 1, (space.to_flat(y), code)
+        return space.to_flat(y), code
 
-    _, (solutions, codes) = jax.lax.scan(column, jnp.asarray(0, jnp.int32), columns.T)
+    solutions, codes = _one_by_one(label, columns.T, column)
     return solutions.T, codes
 
 
@@ -165,15 +178,10 @@ def laid_out_entries(
     """`(entries, codes)`: `[(A + damping I)^{-1}]_ii` for each of `indices`, each from
     the solve with the unit vector `e_i` laid out like the variables, read by an inner
     product (no vector gathered); a bar of the unit vectors where `label`."""
-    bar = progress_bar(label, indices.shape[0], unit="column")
-    bar.start()
 
-    def entry(done: Any, index: Any) -> tuple:
+    def entry(index: Any) -> tuple:
         unit = space.unit(index)
         y, code = laid_out_solve(view, space, unit, damping, sign, settings)
-        value = space.dot(unit, y)
-        bar.done(done + 1, value)
-        return done + 1, (value, code)
+        return space.dot(unit, y), code
 
-    _, (entries, codes) = jax.lax.scan(entry, jnp.asarray(0, jnp.int32), indices)
-    return entries, codes
+    return _one_by_one(label, indices, entry)

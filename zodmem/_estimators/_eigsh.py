@@ -26,7 +26,6 @@ from .._engine._progress import progress_bar
 from .._operators._arguments import check_positive, is_traced, key_or_default
 from .._operators._flat import FlatView
 from .._operators._vectors import VectorSpace
-from .._plan._lean import lean_jit
 from .._plan._memory import format_bytes
 from .._traceback import public
 from ._eigsh_steps import LanczosState, initial_state, redrawn, relocked, run_step
@@ -156,9 +155,6 @@ def _eigsh(
     residuals = jnp.where(smallest, state.residuals[::-1], state.residuals)
     info = EigshInfo(state.products, state.converged & state.finite, residuals)
     return values, eigenvectors, info, state.finite
-
-
-_eigsh_jit = lean_jit(_eigsh)
 
 
 def _default_max_steps(n: int, k: int) -> int:
@@ -354,7 +350,7 @@ def eigenpairs(
     )
     budget = operator_budget(view.operator)
     values, vectors, info, finite = run_within_budget(
-        _eigsh, _eigsh_jit, inputs, budget=budget, owner=owner, held=held
+        _eigsh, inputs, budget=budget, owner=owner, held=held
     )
     values = _finite(values, finite, owner)
     if not return_info:

@@ -25,7 +25,7 @@ from .._operators._operator import BlockedOperator
 from .._operators._options import options_of
 from .._plan._budget import call_key, least_budget, usable_bytes
 from .._plan._compiled import abstract, compile_call, run_compiled, runs_compiled
-from .._plan._lean import lean_options
+from .._plan._lean import lean_jit, lean_options
 from .._plan._memory import budget_of, format_bytes, format_bytes_up
 from .._plan._plans import MemoryBudgetError
 
@@ -46,21 +46,20 @@ def operator_budget(operator: Any) -> Any:
 
 def run_within_budget(
     program: Callable[..., Any],
-    jitted: Callable[..., Any],
     inputs: tuple,
     *,
     budget: Any,
     owner: str,
     held: str,
 ) -> Any:
-    """`program(*inputs)`: without a budget, `jitted(*inputs)`; with one, compiled first
-    with the platform's lean options (as `jitted` must be) and refused
-    (`MemoryBudgetError`) where XLA's count of its peak on a device is over the budget's
-    usable part, else run from that executable (under an outer `jit`, traced into it).
-    `held` says what the program keeps, for the message."""
+    """`program(*inputs)`, compiled with the platform's lean options: without a budget,
+    as `lean_jit` compiles it; with one, compiled first and refused (`MemoryBudgetError`)
+    where XLA's count of its peak on a device is over the budget's usable part, else run
+    from that executable (under an outer `jit`, traced into it). `held` says what the
+    program keeps, for the message."""
     budget_bytes, _ = budget_of(budget)
     if budget_bytes is None:
-        return jitted(*inputs)
+        return lean_jit(program)(*inputs)
     key = call_key((program, inputs), budget_bytes)
     compiled = _COMPILED.get(key)
     if compiled is None:
@@ -82,4 +81,4 @@ def run_within_budget(
         raise error
     if runs_compiled(compiled.executable, *inputs):
         return run_compiled(compiled.executable, *inputs)
-    return jitted(*inputs)
+    return lean_jit(program)(*inputs)

@@ -42,8 +42,6 @@ class Compiled(NamedTuple):
     peak_bytes: int
     output_bytes: int
     executable: Any
-    # Whether the program runs a loop (a `scan` or a `while`, nested anywhere in it).
-    loops: bool = False
     # The traced program (a `ClosedJaxpr`), which a plan kept on disk is checked against.
     program: Any = None
 
@@ -117,13 +115,7 @@ def compile_traced(traced: Any, options: dict[str, Any] | None = None) -> Compil
     executable = traced.lower().compile(compiler_options=options)
     analysis = executable.memory_analysis()
     output = int(analysis.output_size_in_bytes)
-    return Compiled(
-        int(analysis.temp_size_in_bytes) + output,
-        output,
-        executable,
-        traced_loops(traced),
-        traced.jaxpr,
-    )
+    return Compiled(int(analysis.temp_size_in_bytes) + output, output, executable, traced.jaxpr)
 
 
 def compile_call(
