@@ -16,8 +16,8 @@ from typing import Any
 __all__ = [
     "append_durably",
     "drop_cached",
-    "pread_into",
     "fsync_directory",
+    "pread_into",
     "pwrite_all",
     "write_all",
     "write_atomically",

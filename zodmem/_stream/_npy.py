@@ -240,8 +240,8 @@ class ResultFiles:
 
         The file is read once, in pieces of at most `_READ_SIZE` bytes into one buffer:
         whole runs at a time when a run is short (blocks of columns), else each span of
-        each run. Each piece leaves the page cache once hashed: a resumed job's check
-        of a large file would otherwise fill memory with pages read once."""
+        each run. Each piece leaves the page cache as soon as it is read: a resumed job's
+        check of a large file would otherwise fill memory with pages read once."""
         itemsize = np.dtype(self.layout.leaves[leaf].dtype).itemsize
         total = self.layout.leaves[leaf].size // (before * after)
         step, row, base = after * itemsize, total * after * itemsize, len(self.headers[leaf])
