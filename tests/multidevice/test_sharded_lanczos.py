@@ -176,6 +176,64 @@ def test_diagonal_and_solve_in_the_variables_structure_are_laid_out_like_them(
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "model_fn, features, layout, kind",
+    [
+        (mlp, 8, "fsdp", AxisType.Auto),
+        (mlp, 8, "tensor", AxisType.Auto),
+        (lambda: CNN(jax.random.key(0)), 16, "fsdp", AxisType.Auto),
+        (lambda: Dense(jax.random.key(0)), 8, "fsdp", AxisType.Explicit),
+    ],
+    ids=["mlp-fsdp-auto", "mlp-tensor-auto", "cnn-fsdp-auto", "dense-fsdp-explicit"],
+)
+def test_hutchinson_probes_are_laid_out_like_the_variables(model_fn, features, layout, kind):
+    """Hutchinson's probes of a sharded model are drawn leaf by leaf in the variables'
+    layout: the same signs as on one device, so the same estimates, and a diagonal's
+    estimate and standard error come back laid out like the variables."""
+    single, op, variables, mesh = operators(model_fn, features, layout, kind)
+    key = jax.random.key(1)
+    expected_trace = zm.trace(single, method="hutchinson", num_probes=7, key=key)
+    expected = zm.diagonal(single, method="hutchinson", num_probes=7, key=key, pytree=True)
+    with jax.sharding.set_mesh(mesh):
+        trace = zm.trace(op, method="hutchinson", num_probes=7, key=key, batch_size=3)
+        diagonal = zm.diagonal(
+            op, method="hutchinson", num_probes=7, key=key, pytree=True, batch_size=3
+        )
+        flat = zm.diagonal(op, method="hutchinson", num_probes=7, key=key, batch_size=3)
+    np.testing.assert_allclose(trace, expected_trace, rtol=1e-4)
+    for part, reference in zip(diagonal, expected, strict=True):
+        check_laid_out(part, variables, block=False)
+        for a, b in zip(*map(jax.tree.leaves, (part, reference)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    flat_expected = zm.diagonal(single, method="hutchinson", num_probes=7, key=key)
+    np.testing.assert_allclose(flat[0], flat_expected[0], rtol=1e-4, atol=1e-6)
+
+
+def test_trace_compiled_bytes_per_device():
+    """The bytes one device needs for a 64-probe trace in one block, by XLA's count: at
+    D devices, each device holds its share of the probes, not all of them."""
+    model = eqx.nn.MLP(32, 8, 256, 2, key=jax.random.key(0))
+    x, y = jax.random.normal(jax.random.key(1), (D, 32)), jnp.zeros((D, 8))
+
+    def per_device(devices):
+        mesh = jax.make_mesh(
+            (devices,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
+        )
+        sharded, xs, ys = laid_out(mesh, model, x, y, "fsdp" if devices > 1 else "data")
+        op = zm.BatchedHessian(loss).operator(sharded, xs, ys)
+        key = jax.random.key(0)
+        run = jax.jit(lambda: zm.trace(op, method="hutchinson", num_probes=64, key=key))
+        memory = run.lower().compile().memory_analysis()
+        return memory.temp_size_in_bytes + memory.output_size_in_bytes
+
+    one, many = per_device(1), per_device(D)
+    n = sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    probes = 64 * n * 4
+    assert one >= probes  # the probes, at least
+    # Whole probes on every device would hold as much as one device does.
+    assert many <= probes / D + (one - probes), (one, many)
+
+
 def test_eigsh_budget_counts_each_devices_share():
     """A budget bounds what one device holds: the same iteration that one device cannot
     hold within it runs with the model sharded over D devices."""

@@ -4,6 +4,7 @@ Hutch++ for the trace and Diag++ for the diagonal)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -20,9 +21,11 @@ from .._checks import Integer, Memory, check_choice, check_int, check_key, typec
 from .._engine._sharding import replicate, sharding_of
 from .._operators._flat import FlatView, flat_view
 from .._operators._operator import BlockedOperator
+from .._operators._vectors import VectorSpace, vector_space
 from .._traceback import public
+from ._lanczos import space_product
 from ._probes import AbstractColumns, ProbeJob, ProbeOptions, run_probes
-from ._random import sign_probes
+from ._random import probe_seeds, sign_probes
 
 __all__ = ["diagonal", "trace"]
 
@@ -64,7 +67,11 @@ class Hutchinson(ProbeJob):
     samples over random sign probes `g` (probe `i` is `sign_probes(key, first + i)`,
     whatever the blocks): `g^T A g` for a trace, `g * (A g)` for a diagonal. With `basis`
     (orthonormal columns `Q`, `P = Q Q^T`), the samples of what `P` leaves: `g' ^T A g'`
-    with `g' = (I - P) g` (Hutch++), or `g * (I - P) A g` (Diag++).
+    with `g' = (I - P) g` (Hutch++), or `g * (I - P) A g` (Diag++). With `space` (the
+    variables' space, sharded over devices), each probe is drawn leaf by leaf in the
+    variables' layout and its product taken in it (`VectorSpace.signs`, the same signs):
+    no device holds a whole probe, and a diagonal's moments come laid out like the
+    variables.
 
     Deviations, not the sums of the samples and of their squares: a trace far larger than
     the samples' spread would lose the spread to rounding in `sum(x^2) - p mean^2`."""
@@ -74,6 +81,7 @@ class Hutchinson(ProbeJob):
     num: int = eqx.field(static=True)
     for_trace: bool = eqx.field(static=True)
     first: int = eqx.field(static=True, default=0)
+    space: VectorSpace | None = None
     reduce: ClassVar[bool] = True
     what: ClassVar[str] = "probes"
 
@@ -81,50 +89,91 @@ class Hutchinson(ProbeJob):
         return self.num
 
     def sums_like(self, view: FlatView) -> Any:
+        if self.space is not None and not self.for_trace:
+            return None  # moments in the variables' structure: found by tracing a block
         shape = () if self.for_trace else (view.size,)
         moment = jax.ShapeDtypeStruct(shape, view.dtype)
         return jax.ShapeDtypeStruct((), jnp.int32), moment, moment
 
+    def product(self, view: FlatView, strategy: Any) -> Callable:
+        if self.space is None:
+            return view.linear(strategy)
+        return space_product(view, self.space, strategy)
+
+    def spread(self) -> Hutchinson:
+        return self if self.space is None else dataclasses.replace(self, space=None)
+
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        indices = start + jnp.arange(size, dtype=jnp.int32)
+        if self.space is not None:
+            values = self._laid_out_samples(product, indices)
+        else:
+            values = self._flat_samples(view, product, indices)
+        # Past the last probe (the last device's share, when the devices do not divide
+        # the probes): no sample.
+        real = indices < self.num
+        count = jnp.sum(real, dtype=jnp.int32)
+
+        def moments(values):
+            where = jnp.expand_dims(real, tuple(range(1, values.ndim)))
+            total = jnp.sum(jnp.where(where, values, 0), axis=0)
+            mean = total / jnp.maximum(count, 1).astype(values.dtype)
+            deviations = jnp.where(where, values - mean, 0)
+            return mean, jnp.sum(deviations * deviations, axis=0)
+
+        leaves, treedef = jax.tree_util.tree_flatten(values)
+        pairs = [moments(leaf) for leaf in leaves]
+        means = jax.tree_util.tree_unflatten(treedef, [mean for mean, _ in pairs])
+        spreads = jax.tree_util.tree_unflatten(treedef, [spread for _, spread in pairs])
+        return count, means, spreads
+
+    def _flat_samples(self, view: FlatView, product: Callable, indices: Any) -> jax.Array:
         basis = self.basis
 
         def deflated(vector):
             return vector - basis @ (basis.T @ vector)
 
-        def sample(index, probe):
+        def sample(probe):
             if self.for_trace:
                 if basis is not None:
                     probe = deflated(probe)
-                value = jnp.dot(probe, product(probe))
-            else:
-                applied = product(probe)
-                value = probe * (applied if basis is None else deflated(applied))
-            return value
+                return jnp.dot(probe, product(probe))
+            applied = product(probe)
+            return probe * (applied if basis is None else deflated(applied))
 
-        indices = start + jnp.arange(size, dtype=jnp.int32)
         probes = sign_probes(self.key, self.first + indices, view.size, view.dtype)
-        values = jax.vmap(sample)(indices, probes)
-        # Past the last probe (the last device's share, when the devices do not divide
-        # the probes): no sample.
-        real = jnp.expand_dims(indices < self.num, tuple(range(1, values.ndim)))
-        count = jnp.sum(indices < self.num, dtype=jnp.int32)
-        mean = jnp.sum(jnp.where(real, values, 0), axis=0) / jnp.maximum(count, 1).astype(
-            values.dtype
-        )
-        deviations = jnp.where(real, values - mean, 0)
-        return count, mean, jnp.sum(deviations * deviations, axis=0)
+        return jax.vmap(sample)(probes)
+
+    def _laid_out_samples(self, product: Callable, indices: Any) -> Any:
+        space = self.space
+        probes = space.signs(probe_seeds(self.key, self.first + indices))
+        images = jax.vmap(product)(probes)
+        if self.for_trace:
+            return jax.vmap(space.dot)(probes, images)
+        return space.map(jnp.multiply, probes, images)
 
     def combine(self, total: Any, part: Any) -> Any:
         """Two sets of samples' statistics merged (Chan, Golub and LeVeque's pairwise
         update), never subtracting two large sums; an empty set leaves the other as is."""
         count_a, mean_a, spread_a = total
         count_b, mean_b, spread_b = part
-        count = count_a + count_b
-        a, b = count_a.astype(mean_a.dtype), count_b.astype(mean_a.dtype)
+        dtype = jax.tree_util.tree_leaves(mean_a)[0].dtype
+        a, b = count_a.astype(dtype), count_b.astype(dtype)
         share = b / jnp.maximum(a + b, 1)  # of the merged samples that are `part`'s
-        delta = mean_b - mean_a
-        mean = mean_a + delta * share
-        return count, mean, spread_a + spread_b + delta * delta * a * share
+
+        def mean(mean_a, mean_b):
+            return mean_a + (mean_b - mean_a) * share
+
+        def spread(spread_a, spread_b, mean_a, mean_b):
+            delta = mean_b - mean_a
+            return spread_a + spread_b + delta * delta * a * share
+
+        tree_map = jax.tree_util.tree_map
+        return (
+            count_a + count_b,
+            tree_map(mean, mean_a, mean_b),
+            tree_map(spread, spread_a, spread_b, mean_a, mean_b),
+        )
 
 
 # -- checks --------------------------------------------------------------------------------
@@ -160,18 +209,19 @@ def _stochastic_view(operator: Any, owner: str, method: str) -> FlatView:
     return view
 
 
-def _mean_and_error(statistics: tuple, count: int) -> tuple:
+def _mean_and_error(statistics: tuple, count: int, *, laid_out: bool = False) -> tuple:
     """The mean of `count` samples and its standard error, from `Hutchinson`'s
-    statistics (their number, mean and summed squared deviations). Statistics held whole
-    in this process are finished in NumPy, in double precision, which compiles nothing (a
-    program would cost a one-shot call more than the estimate's products do)."""
+    statistics (their number, mean and summed squared deviations; with `laid_out`, a
+    diagonal's in the variables' structure, laid out like them). Statistics held whole
+    in this process are finished in NumPy, in double precision, which compiles nothing
+    (a program would cost a one-shot call more than the estimate's products do)."""
     _, mean, spread = statistics
     concrete = all(
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
         for x in (mean, spread)
     )
-    if not concrete:
-        return mean, _standard_error_traced(spread, count)
+    if laid_out or not concrete:
+        return mean, jax.tree_util.tree_map(lambda s: _standard_error_traced(s, count), spread)
     error = _standard_error(np, np.asarray(spread, np.float64), count)
     # Put on the device in the mean's dtype (`jnp.asarray` with a dtype would compile a
     # cast).
@@ -217,7 +267,12 @@ def _whole(array: jax.Array) -> jax.Array:
 Diagonal = Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]
 
 
-def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
+def _shaped(view: FlatView, vector: Any, pytree: bool, space: VectorSpace | None = None) -> Any:
+    """A diagonal as `diagonal` returns it: flat, or with `pytree` in the variables'
+    structure, laid out like them. `space`: the vector is in that space's structure
+    already (laid out), not flat."""
+    if space is not None:
+        return vector if pytree else space.to_flat(vector)
     return view.laid_out(vector) if pytree else vector
 
 
@@ -297,7 +352,8 @@ def diagonal(
     view, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=False)
     if method == "exact":
         return _shaped(view, found, pytree)
-    return tuple(_shaped(view, part, pytree) for part in found)
+    *found, space = found
+    return tuple(_shaped(view, part, pytree, space) for part in found)
 
 
 @public
@@ -351,7 +407,7 @@ def trace(
     """
     options = ProbeOptions("zm.trace", max_memory, batch_size, sharding, progress)
     _, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=True)
-    return jnp.sum(found) if method == "exact" else found
+    return jnp.sum(found) if method == "exact" else found[:2]
 
 
 def _diagonal_or_trace(
@@ -379,15 +435,18 @@ def _diagonal_or_trace(
 def _estimate(
     view: FlatView, method: str, num_probes: Any, key: Any, options: ProbeOptions, for_trace: bool
 ) -> tuple:
-    """A stochastic estimate of the trace or the diagonal, and its standard error:
-    Hutchinson's, or with a third of the probes sketching the range of `A` and another
-    third taking its exact part (Hutch++, Diag++)."""
+    """A stochastic estimate of the trace or the diagonal, its standard error, and the
+    space whose structure a diagonal's two are in (`None`: flat): Hutchinson's, or with
+    a third of the probes sketching the range of `A` and another third taking its exact
+    part (Hutch++, Diag++)."""
     owner = options.owner
     key = _check_key(key, owner, method)
     if method == "hutchinson":
         num = _check_probes(num_probes, owner, method, 2)
-        statistics = run_probes(view, Hutchinson(key, None, num, for_trace), options)
-        return _mean_and_error(statistics, num)
+        space = _variables_space(view, owner)
+        statistics = run_probes(view, Hutchinson(key, None, num, for_trace, space=space), options)
+        space = None if for_trace else space
+        return *_mean_and_error(statistics, num, laid_out=space is not None), space
     num = _check_probes(num_probes, owner, method, 4)
     width = num // 3
     # The key's probes 0 to width - 1 sketch; those after them estimate the rest.
@@ -396,7 +455,14 @@ def _estimate(
     rest = num - 2 * width
     job = Hutchinson(key, basis, rest, for_trace, first=width)
     mean, error = _mean_and_error(run_probes(view, job, options), rest)
-    return known + mean, error
+    return known + mean, error, None
+
+
+def _variables_space(view: FlatView, owner: str) -> VectorSpace | None:
+    """The variables' space where they are sharded over devices (the probes are drawn
+    and taken there, laid out like them), else `None` (flat probes)."""
+    space = vector_space(view.operator, owner)
+    return space if space.sharded else None
 
 
 @lx.diagonal.register(BlockedOperator)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import lineax as lx
 
 from .._operators._flat import FlatView, symmetric_view
+from .._operators._operator import BlockedOperator
 from .._operators._vectors import VectorSpace, key_seed, vector_space
 
 __all__ = [
@@ -87,13 +88,17 @@ def symmetric_space(operator: Any, owner: str) -> tuple[VectorSpace, FlatView]:
     return (space if space.sharded else space.flat()), view
 
 
-def space_product(view: FlatView, space: VectorSpace) -> Callable:
+def space_product(view: FlatView, space: VectorSpace, strategy: Any = None) -> Callable:
     """The operator's product as a function of vectors of `space`, built once (outside
     any loop: a kept linearisation serves every product): through flat vectors on one
-    device, else leaf by leaf with `operator.mv`, its result pinned to the layout."""
+    device, else leaf by leaf with `operator.mv`, its result pinned to the layout.
+    `strategy` (`"linearize"` or `"recompute"`) overrides a zodmem operator's."""
     if not space.sharded:
-        return view.linear()
-    operator = lx.linearise(view.operator)
+        return view.linear(strategy)
+    operator = view.operator
+    if isinstance(operator, BlockedOperator):
+        operator = operator.with_strategy(strategy)
+    operator = lx.linearise(operator)
     return lambda vector: space.as_vector(operator.mv(space.as_input(vector)))
 
 

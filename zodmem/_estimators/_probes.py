@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from .._checks import check_int, described
 from .._engine._block_plans import plan_blocks
 from .._engine._blocks import map_blocks, reduce_blocks
-from .._engine._sharding import dispatch, replicate
+from .._engine._sharding import dispatch, explicit_mesh, is_explicit, replicate
 from .._operators._flat import FlatView
 from .._operators._operator import BlockedOperator
 from .._operators._vector_blocks import AbstractVectorBlocks, vector_options
@@ -100,6 +100,16 @@ class ProbeJob(eqx.Module):
         blocks done so far and the next one, or two devices' shares. By default their
         sum, whose zero (as `sums_like` shapes it) starts the merge."""
         return jax.tree_util.tree_map(jnp.add, total, part)
+
+    def product(self, view: FlatView, strategy: Any) -> Callable:
+        """The product `block` is given, built once for all the blocks: by default with
+        flat vectors (`view.linear`)."""
+        return view.linear(strategy)
+
+    def spread(self) -> ProbeJob:
+        """The job as it runs where each device takes a share of the probes inside a
+        `shard_map` (the variables whole there): by default as it is."""
+        return self
 
 
 class AbstractColumns(ProbeJob):
@@ -197,7 +207,7 @@ def _local(engine: Probes, offset: Any, count: int) -> Any:
     """This device's probes, `offset` to `offset + count - 1`, block by block."""
     view, job = engine.fn, engine.job
     plan = plan_blocks(count, batch_size=engine._block_size(count))
-    product = view.linear(engine.strategy)  # built once: a linearisation serves every block
+    product = job.product(view, engine.strategy)  # built once: serves every block
     label = f"{engine.owner} {job.what}" if engine.progress else None
     if not job.reduce:
 
@@ -214,12 +224,23 @@ def _local(engine: Probes, offset: Any, count: int) -> Any:
         shapes = jax.eval_shape(
             lambda start: block(start, plan.block_size), jnp.asarray(0, jnp.int32)
         )
-    init = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
+    # Zeros typed as the results are where those lie over Explicit mesh axes (a loop's
+    # carry keeps its type).
+    init = jax.tree_util.tree_map(
+        lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, out_sharding=_explicit(leaf)), shapes
+    )
 
     def update(acc, result, index, size):
         return job.combine(acc, result)
 
     return reduce_blocks(block, plan, init, update, progress=label)
+
+
+def _explicit(shape: Any) -> Any:
+    """The sharding of `shape` (a `ShapeDtypeStruct`) where it lies over Explicit mesh
+    axes, else `None`."""
+    sharding = getattr(shape, "sharding", None)
+    return sharding if is_explicit(sharding) else None
 
 
 def _transform_of(view: FlatView) -> Any:
@@ -256,6 +277,11 @@ def run_probes(view: FlatView, job: ProbeJob, options: ProbeOptions, *, spread: 
                 "spread over the devices as its structure's layout says."
             )
         settings["sharding"] = options.sharding
+    if settings.get("sharding") is not None or (
+        explicit_mesh(view) is not None and not view.is_lineax
+    ):
+        # Each device's probes run inside a `shard_map`, the variables whole there.
+        job = job.spread()
     if options.progress is not None:
         if not isinstance(options.progress, bool):
             raise TypeError(
