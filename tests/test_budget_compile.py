@@ -13,6 +13,7 @@ from helpers import close
 
 import zodmem as zm
 from zodmem import _memo
+from zodmem._jaxpr import largest_made_from
 from zodmem._operators._vector_blocks import ProductBlocks
 from zodmem._plan import _budget
 from zodmem._plan._budget import compiled_plan
@@ -303,9 +304,9 @@ def test_largest_value_made_from_the_mapped_inputs():
 
     x, table = jnp.ones(8, jnp.float32), jnp.ones((50, 3), jnp.float32)
     jaxpr = jax.make_jaxpr(fn)(x, table).jaxpr
-    assert _budget.largest_made_from(jaxpr, [True, False]) == 8 * 8 * 4
-    assert _budget.largest_made_from(jaxpr, [False, True]) == 50 * 50 * 4
-    assert _budget.largest_made_from(jaxpr, [False, False]) == 0
+    assert largest_made_from(jaxpr, [True, False]) == 8 * 8 * 4
+    assert largest_made_from(jaxpr, [False, True]) == 50 * 50 * 4
+    assert largest_made_from(jaxpr, [False, False]) == 0
 
 
 def test_chunked_vmap_reads_one_elements_largest_value():

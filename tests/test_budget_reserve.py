@@ -20,7 +20,7 @@ from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import zodmem as zm
-from zodmem._plan._budget import RESERVE_SHARE, least_budget, policy_of, usable_bytes
+from zodmem._plan._budget import RESERVE_SHARE, policy_of
 from zodmem._plan._memory import budget_bytes, format_bytes_up
 from zodmem._plan._plans import MemoryBudgetError, refusal
 
@@ -37,11 +37,11 @@ W, DATA = jnp.linspace(-1, 1, 60), jnp.ones((64, 60))
 
 def test_the_reserve_is_a_share_of_the_budget_on_every_platform():
     kept = int((1 - RESERVE_SHARE) * 100 * MB)
-    assert usable_bytes(100 * MB, "cpu") == usable_bytes(100 * MB, "gpu") == kept
-    assert usable_bytes(100 * MB, "tpu") == kept
+    assert policy_of("cpu").usable(100 * MB) == policy_of("gpu").usable(100 * MB) == kept
+    assert policy_of("tpu").usable(100 * MB) == kept
     # Nothing of the process is kept beside it: a budget of a few kB holds a call of a
     # few kB.
-    assert usable_bytes(5000, "cpu") == int((1 - RESERVE_SHARE) * 5000)
+    assert policy_of("cpu").usable(5000) == int((1 - RESERVE_SHARE) * 5000)
     # A block's temporaries are capped on a CPU only.
     assert policy_of("cpu").block_bytes is not None and policy_of("gpu").block_bytes is None
 
@@ -49,9 +49,10 @@ def test_the_reserve_is_a_share_of_the_budget_on_every_platform():
 @settings(max_examples=200)
 @given(peak=st.integers(1, 10**13), platform=st.sampled_from(["cpu", "gpu"]))
 def test_the_least_budget_is_the_smallest_that_holds_the_peak(peak, platform):
-    least = least_budget(peak, platform)
-    assert usable_bytes(least, platform) >= peak
-    assert usable_bytes(least - 1, platform) < peak
+    policy = policy_of(platform)
+    least = policy.least(peak)
+    assert policy.usable(least) >= peak
+    assert policy.usable(least - 1) < peak
 
 
 def test_a_refusal_names_the_budget_the_least_and_a_budget_that_plans():

@@ -1,17 +1,21 @@
-"""One interpreter of traced programs, for the places that evaluate a jaxpr equation by
-equation and change what some equations do: the block loops' bodies with convolutions
-rewritten into the layout a CPU runs fast (`_engine/_layout.py`), and KFAC's pass that
-keeps each layer's input and perturbs its output (`_approximations/_kfac_trace.py`).
+"""Traced programs read and run equation by equation: one interpreter, for the places that
+evaluate a jaxpr and change what some equations do (the block loops' bodies with
+convolutions rewritten into the layout a CPU runs fast, `_engine/_layout.py`; KFAC's pass
+that keeps each layer's input and perturbs its output, `_approximations/_kfac_trace.py`),
+and the size of the largest value a program makes from some of its inputs (a planner's
+reading of one item's temporaries).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from jax.extend.core import Literal
 
-__all__ = ["Rule", "bind", "evaluate"]
+__all__ = ["Rule", "bind", "evaluate", "largest_made_from"]
 
 # What an interpreter changes: given an equation, the values of its operands and its path
 # (the indices of the equations that lead to it, through the calls evaluated equation by
@@ -48,3 +52,26 @@ def evaluate(
             outs = bind(eqn, values)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(var) for var in jaxpr.outvars]
+
+
+def largest_made_from(jaxpr: Any, made_from: list[bool]) -> int:
+    """The bytes of the largest value that `jaxpr`'s top-level equations make from the
+    inputs flagged in `made_from` (its outputs excepted). Values inside nested programs
+    (a `jit`, a loop's body) are not looked into, so this errs low."""
+    dependent = {var for var, flag in zip(jaxpr.invars, made_from, strict=True) if flag}
+    outputs = {id(var) for var in jaxpr.outvars}
+    largest = 0
+    for eqn in jaxpr.eqns:
+        if not any(var in dependent for var in eqn.invars if not isinstance(var, Literal)):
+            continue
+        for var in eqn.outvars:
+            dependent.add(var)
+            aval = var.aval
+            if id(var) in outputs or not hasattr(aval, "shape"):
+                continue
+            try:
+                size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+            except TypeError:  # a key or token: no plain item size
+                continue
+            largest = max(largest, size)
+    return largest

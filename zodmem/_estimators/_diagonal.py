@@ -327,6 +327,12 @@ def diagonal(
     - `pytree`: return the diagonal shaped like the operator's input (for a curvature,
       like the variables of `x`) instead of flat.
 
+    Where the operator's variables are sharded over several devices and `sharding` is
+    `None`, `"hutchinson"` draws each probe leaf by leaf laid out like them (the same
+    signs as on one device) and takes its product so: no device holds a whole probe,
+    and with `pytree=True` the estimate and its standard error come back laid out like
+    the variables.
+
     **Returns:**
 
     The diagonal (flat `(n,)`, or a pytree), in the operator's dtype; for a stochastic
@@ -383,7 +389,8 @@ def trace(
       a few eigenvalues dominate. The standard error is that of the last third's part.
 
     **Arguments:** as for `zm.diagonal` (without `pytree`); `num_probes` at least 2 for
-    `"hutchinson"` and 4 for `"hutch++"`.
+    `"hutchinson"` and 4 for `"hutch++"`. As there, `"hutchinson"`'s probes of an
+    operator whose variables are sharded over devices are laid out like them.
 
     **Returns:**
 

@@ -23,7 +23,7 @@ import jax
 from .._memo import BoundedCache
 from .._operators._operator import BlockedOperator
 from .._operators._options import options_of
-from .._plan._budget import call_key, least_budget, usable_bytes
+from .._plan._budget import call_key, policy_of
 from .._plan._compiled import abstract, compile_call, run_compiled, runs_compiled
 from .._plan._lean import lean_jit, lean_options
 from .._plan._memory import budget_of, format_bytes, format_bytes_up
@@ -67,9 +67,9 @@ def run_within_budget(
         compiled = compile_call(program, *abstract(inputs), options=lean_options())
         compiled = compiled._replace(program=None)
         _COMPILED.put(key, compiled)
-    platform = jax.default_backend()
-    if compiled.peak_bytes > usable_bytes(budget_bytes, platform):
-        least = least_budget(compiled.peak_bytes, platform)
+    policy = policy_of(jax.default_backend())
+    if compiled.peak_bytes > policy.usable(budget_bytes):
+        least = policy.least(compiled.peak_bytes)
         error = MemoryBudgetError(
             f"{owner}: the operator's max_memory={format_bytes(budget_bytes)} cannot hold "
             f"the iteration: by XLA's count it needs {format_bytes(compiled.peak_bytes)} "

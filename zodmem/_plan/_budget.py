@@ -43,7 +43,6 @@ planned call, so their cost is paid by the first call only.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -51,6 +50,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._digest import program_digest
 from .._engine._sharding import placement
 from .._memo import BoundedCache
 from ._compiled import (
@@ -64,9 +64,9 @@ from ._compiled import (
     trace_call,
     traced_loops,
 )
-from ._memory import budget_of
+from ._memory import budget_of, resident_bytes
 from ._plans import MemoryBudgetError, Plan, refusal
-from ._search import CPU_BLOCK_BYTES, largest_made_from, search
+from ._search import CPU_BLOCK_BYTES, search
 from ._stored import StoredPlan, stored_plans
 
 __all__ = [
@@ -75,12 +75,8 @@ __all__ = [
     "abstract",
     "call_key",
     "compiled_plan",
-    "largest_made_from",
-    "least_budget",
-    "make_plan",
     "policy_of",
     "search",
-    "usable_bytes",
 ]
 
 
@@ -127,26 +123,6 @@ def policy_of(platform: str) -> Policy:
     return _POLICIES.get(platform, _ACCELERATOR)
 
 
-def usable_bytes(budget: int, platform: str) -> int:
-    """The part of `budget` that a compiled call's peak may take on `platform`."""
-    return policy_of(platform).usable(budget)
-
-
-def least_budget(peak: int, platform: str) -> int:
-    """The smallest budget whose usable part (`usable_bytes`) holds a call of `peak`."""
-    return policy_of(platform).least(peak)
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory now (Linux), or `None`. Read around compiles for
-    `Plan.compile_bytes` only, never for a plan's choice."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
 # Plans made, by transform, argument shapes and dtypes, constants and budget, each with
 # the executable compiled for its candidate (`None` where the plan compiled nothing).
 _PLANS = BoundedCache(64)
@@ -174,13 +150,6 @@ def call_key(tree: Any, budget: Any) -> Any:
 
 def _run(transform: Any, args: tuple, kwargs: dict) -> Any:
     return transform.run(*args, **kwargs)
-
-
-def make_plan(
-    transform: Any, args: tuple, kwargs: dict, run: Callable[..., Any] | None = None
-) -> Plan:
-    """The plan of `transform(*args, **kwargs)` (`compiled_plan`, without the executable)."""
-    return compiled_plan(transform, args, kwargs, run)[0]
 
 
 def compiled_plan(
@@ -277,7 +246,7 @@ class Planner:
         strategy, size, digest = choice
         self.for_call.add((strategy, size))
         final = self.candidate(strategy, size)
-        if final.peak_bytes > usable or not stored.matches(final.program, digest):
+        if final.peak_bytes > usable or program_digest(final.program) != digest:
             return None
         return (strategy, size), final
 
@@ -346,11 +315,9 @@ class Planner:
         memory then not fit, the search is made again without probes."""
         chosen = self.search(usable)
         if chosen in self.probes:
-            final = self.compile(*chosen, probe=False)
-            self.measured[chosen] = final
             self.probes.discard(chosen)
-        else:
-            final = self.measured[chosen]
+            self.measured[chosen] = self.compile(*chosen, probe=False)
+        final = self.measured[chosen]
         if final.peak_bytes > usable:
             self.probing = False
             self.measured = {key: c for key, c in self.measured.items() if key not in self.probes}
@@ -381,25 +348,19 @@ class Planner:
                 leasts.append(nofit)
         raise min(leasts, key=lambda nofit: nofit.least)
 
-    def loops(self) -> bool:
-        """Whether the work's program runs a loop (a `scan`, a `while`), read from the
-        traced whole work of the last strategy (whose loop over its one block runs once,
-        and is none), before anything is compiled."""
-        return traced_loops(self.trace(self.transform.strategies[-1], self.work.total))
-
-    def block_bytes(self) -> int | None:
-        """The temporaries a block is given: the platform's cap, but none for a program
-        that runs a loop, whose peak is mostly the values its steps save for the
-        gradient, each written and read once rather than held in the caches, and whose
-        steps are each paid once per block (a small step costs its overhead, not its
-        arithmetic), so fewer blocks run faster."""
-        cap = self.policy.block_bytes
-        return None if cap is not None and self.whole_work_of_loops() else cap
-
     def whole_work_of_loops(self) -> bool:
         """Whether the rule for loops applies: work of two items or more, whose program
-        runs a loop, and which takes one block of it (`loop_in_one_block`)."""
-        return self.work.total >= 2 and self.transform.loop_in_one_block and self.loops()
+        runs a loop (a `scan`, a `while`), and which takes one block of it
+        (`loop_in_one_block`). The loop is read from the traced whole work of the last
+        strategy (whose loop over its one block runs once, and is none), before anything
+        is compiled. Such work's peak is mostly the values its steps save for the
+        gradient, each written and read once rather than held in the caches, and its steps
+        are each paid once per block (a small step costs its overhead, not its
+        arithmetic), so fewer blocks run faster: the platform's cap on a block does not
+        apply."""
+        if self.work.total < 2 or not self.transform.loop_in_one_block:
+            return False
+        return traced_loops(self.trace(self.transform.strategies[-1], self.work.total))
 
     def whole_work_first(self, usable: int) -> tuple[Any, int] | None:
         """Where the work runs a loop, the whole work in one block where it fits, with
@@ -429,7 +390,8 @@ class Planner:
 
     def search_strategy(self, strategy: Any, usable: int) -> int:
         """The largest block size of `strategy` that fits (`_search.search`)."""
-        total, cap = self.work.total, self.block_bytes()
+        total, cap = self.work.total, self.policy.block_bytes
+        cap = None if self.whole_work_of_loops() else cap
         least = None
         if cap is not None:
             # The whole work is compiled anyway where blocks are capped; where the output

@@ -4,7 +4,8 @@
 kept as written, so that it prints and saves as the user wrote it); `budget_bytes`
 turns it into a number of bytes when the call is planned, reading the free memory of
 the device for `"auto"` (on a CPU, the machine's `MemAvailable` or the container's
-cgroup limit, whichever leaves less; `budget_of` says which).
+cgroup limit, whichever leaves less; `budget_of` says which). `resident_bytes` reads
+this process's own memory, which the planner reports beside a plan.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "format_bytes_up",
     "free_memory",
     "free_memory_of",
+    "resident_bytes",
 ]
 
 # Units are case-insensitive; "B" alone is bytes. SI units count in powers of 1000,
@@ -250,6 +252,16 @@ def free_memory_of(device: Any = None) -> FreeMemory:
 def free_memory(device: Any = None) -> int:
     """The bytes free for `device` (`free_memory_of` says where they came from)."""
     return free_memory_of(device).bytes
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux), or `None`. Read around compiles for
+    `Plan.compile_bytes` only, never for a plan's choice."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def budget_bytes(value: Any, device: Any = None) -> int | None:

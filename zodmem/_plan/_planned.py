@@ -25,7 +25,7 @@ import equinox as eqx
 from .._checks import NamedInMessages
 from .._engine._progress import closing_bars
 from .._traceback import public
-from ._budget import compiled_plan, make_plan
+from ._budget import compiled_plan
 from ._compiled import bind_compiled, runs_compiled
 from ._plans import Plan, Work
 
@@ -126,7 +126,7 @@ class AbstractPlanned(NamedInMessages):
             assert plan.fits  # the 16 MB Hessian and the blocks' temporaries
             ```
         """
-        return make_plan(self._quiet, args, kwargs)
+        return compiled_plan(self._quiet, args, kwargs)[0]
 
     def planned(self, args: tuple, kwargs: dict, call: Callable[..., Any] | None = None) -> Planned:
         """This work with the block size (and strategy) its budget allows for

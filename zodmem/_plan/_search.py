@@ -24,42 +24,14 @@ the first that fits, so a search that fits at one budget fits at any larger one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
 
-import jax.extend as jex
-import numpy as np
-
-__all__ = ["CPU_BLOCK_BYTES", "largest_made_from", "search", "size_for"]
+__all__ = ["CPU_BLOCK_BYTES", "search", "size_for"]
 
 
 # On a CPU, the most temporaries a block is planned to make: a block whose temporaries
 # outgrow the caches runs slower per item.
 CPU_BLOCK_BYTES = 16 * 10**6
-
-
-def largest_made_from(jaxpr: Any, made_from: list[bool]) -> int:
-    """The bytes of the largest value that `jaxpr`'s top-level equations make from the
-    inputs flagged in `made_from` (its outputs excepted). Values inside nested programs
-    (a `jit`, a loop's body) are not looked into, so this errs low."""
-    dependent = {var for var, flag in zip(jaxpr.invars, made_from, strict=True) if flag}
-    outputs = {id(var) for var in jaxpr.outvars}
-    largest = 0
-    for eqn in jaxpr.eqns:
-        if not any(var in dependent for var in eqn.invars if not isinstance(var, jex.core.Literal)):
-            continue
-        for var in eqn.outvars:
-            dependent.add(var)
-            aval = var.aval
-            if id(var) in outputs or not hasattr(aval, "shape"):
-                continue
-            try:
-                size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-            except TypeError:  # a key or token: no plain item size
-                continue
-            largest = max(largest, size)
-    return largest
 
 
 def size_for(total: int, block_size: int) -> int:

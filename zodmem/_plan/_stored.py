@@ -87,11 +87,6 @@ class StoredPlan:
         except OSError:
             return
 
-    @staticmethod
-    def matches(program: Any, digest: str) -> bool:
-        """Whether `program` is the one a kept plan was made for."""
-        return program_digest(program) == digest
-
 
 def stored_plans(tree: Any, budget: int, run: Any) -> StoredPlan | None:
     """The kept plan of planning `tree` (the transform, arguments and keyword arguments)

@@ -24,9 +24,9 @@ from .._engine._block_plans import OutputSink, plan_blocks
 from .._engine._blocks import map_blocks
 from .._engine._progress import label, progress_bar
 from .._engine._sharding import Split, batch_split, check_divides
+from .._jaxpr import largest_made_from
 from .._plan._memory import check_size_or_memory
 from .._plan._plans import Work
-from .._plan._search import largest_made_from
 from .._traceback import public
 from ._base import AbstractBlocked
 from ._vmap_axes import (
