@@ -209,9 +209,18 @@ def test_hutchinson_probes_are_laid_out_like_the_variables(model_fn, features, l
     np.testing.assert_allclose(flat[0], flat_expected[0], rtol=1e-4, atol=1e-6)
 
 
-def test_trace_compiled_bytes_per_device():
-    """The bytes one device needs for a 64-probe trace in one block, by XLA's count: at
-    D devices, each device holds its share of the probes, not all of them."""
+@pytest.mark.parametrize(
+    "estimate",
+    [
+        lambda op: zm.trace(op, method="hutchinson", num_probes=64, key=jax.random.key(0)),
+        lambda op: zm.diagonal(op, batch_size=64),
+    ],
+    ids=["hutchinson-trace", "exact-diagonal"],
+)
+def test_probe_estimators_compiled_bytes_per_device(estimate):
+    """The bytes one device needs for a block of 64 probes (random signs, unit vectors),
+    by XLA's count: at D devices, each device holds its share of the probes, not all of
+    them."""
     model = eqx.nn.MLP(32, 8, 256, 2, key=jax.random.key(0))
     x, y = jax.random.normal(jax.random.key(1), (D, 32)), jnp.zeros((D, 8))
 
@@ -221,9 +230,7 @@ def test_trace_compiled_bytes_per_device():
         )
         sharded, xs, ys = laid_out(mesh, model, x, y, "fsdp" if devices > 1 else "data")
         op = zm.BatchedHessian(loss).operator(sharded, xs, ys)
-        key = jax.random.key(0)
-        run = jax.jit(lambda: zm.trace(op, method="hutchinson", num_probes=64, key=key))
-        memory = run.lower().compile().memory_analysis()
+        memory = jax.jit(lambda: estimate(op)).lower().compile().memory_analysis()
         return memory.temp_size_in_bytes + memory.output_size_in_bytes
 
     one, many = per_device(1), per_device(D)

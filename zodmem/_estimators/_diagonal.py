@@ -37,19 +37,39 @@ _TRACE_METHODS = ("exact", "hutchinson", "hutch++")
 
 
 class UnitDiagonal(ProbeJob):
-    """The diagonal entries `e_i^T A e_i`, one unit vector a probe."""
+    """The diagonal entries `e_i^T A e_i`, one unit vector a probe. With `space` (the
+    variables' space, sharded over devices), each unit vector is made leaf by leaf in the
+    variables' layout, each device making its own share (`VectorSpace.unit`), and its
+    product taken there."""
 
+    space: VectorSpace | None = None
     reduce: ClassVar[bool] = False
     what: ClassVar[str] = "unit vectors"
 
     def count(self, view: FlatView) -> int:
         return view.size
 
+    def product(self, view: FlatView, strategy: Any) -> Callable:
+        return _product_in(view, self.space, strategy)
+
+    def spread(self) -> UnitDiagonal:
+        return UnitDiagonal()
+
     def block(self, view: FlatView, product: Callable, start: Any, size: int) -> Any:
+        space = self.space
+
         def entry(index):
+            if space is not None:
+                unit = space.unit(index)
+                return space.dot(unit, product(unit))
             return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
 
         return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
+
+
+def _product_in(view: FlatView, space: VectorSpace | None, strategy: Any) -> Callable:
+    """The operator's product with flat vectors, or with `space`'s (laid out)."""
+    return view.linear(strategy) if space is None else space_product(view, space, strategy)
 
 
 class Columns(AbstractColumns):
@@ -96,9 +116,7 @@ class Hutchinson(ProbeJob):
         return jax.ShapeDtypeStruct((), jnp.int32), moment, moment
 
     def product(self, view: FlatView, strategy: Any) -> Callable:
-        if self.space is None:
-            return view.linear(strategy)
-        return space_product(view, self.space, strategy)
+        return _product_in(view, self.space, strategy)
 
     def spread(self) -> Hutchinson:
         return self if self.space is None else dataclasses.replace(self, space=None)
@@ -328,10 +346,11 @@ def diagonal(
       like the variables of `x`) instead of flat.
 
     Where the operator's variables are sharded over several devices and `sharding` is
-    `None`, `"hutchinson"` draws each probe leaf by leaf laid out like them (the same
-    signs as on one device) and takes its product so: no device holds a whole probe,
-    and with `pytree=True` the estimate and its standard error come back laid out like
-    the variables.
+    `None`, `"exact"` and `"hutchinson"` make each probe leaf by leaf laid out like them
+    (a unit vector, each device its own share; the same random signs as on one device)
+    and take its product so: no device holds a whole probe, and with `pytree=True` the
+    diagonal (the estimate and its standard error) comes back laid out like the
+    variables.
 
     **Returns:**
 
@@ -389,8 +408,9 @@ def trace(
       a few eigenvalues dominate. The standard error is that of the last third's part.
 
     **Arguments:** as for `zm.diagonal` (without `pytree`); `num_probes` at least 2 for
-    `"hutchinson"` and 4 for `"hutch++"`. As there, `"hutchinson"`'s probes of an
-    operator whose variables are sharded over devices are laid out like them.
+    `"hutchinson"` and 4 for `"hutch++"`. As there, the probes of `"exact"` and
+    `"hutchinson"` of an operator whose variables are sharded over devices are laid out
+    like them.
 
     **Returns:**
 
@@ -427,7 +447,7 @@ def _diagonal_or_trace(
     check_choice(method, "method", methods, owner=owner)
     if method == "exact":
         view = flat_view(operator, owner)
-        return view, run_probes(view, UnitDiagonal(), options)
+        return view, run_probes(view, UnitDiagonal(_variables_space(view, owner)), options)
     view = _stochastic_view(operator, owner, method)
     if method == "diag++" and not lx.is_symmetric(view.operator):
         raise ValueError(
