@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 
 import zodmem as zm
 from tests.multidevice.models import CNN, Block, D, Dense, check_laid_out, laid_out, layouts, mlp
+from zodmem._plan import _lean
 
 
 def predict(model, inputs, targets):
@@ -62,3 +63,39 @@ def test_kfac_of_a_sharded_model_is_the_whole_model_s_laid_out_like_it(
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
             top = float(jnp.max(jnp.abs(b))) or 1.0
             np.testing.assert_allclose(np.asarray(a) / top, np.asarray(b) / top, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp", "tensor"])
+def test_the_build_holds_each_device_s_share_of_the_examples(layout, monkeypatch):
+    """By XLA's count, the build's program holds on each of D devices about a D-th of
+    what it holds on one, whatever the weights' layout: each layer's rows stay split
+    as the data split their examples (with FSDP- or tensor-parallel weights, XLA's
+    propagation alone split the rows' features and held every device's rows whole)."""
+    model = eqx.nn.MLP(64, 10, 256, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2048, 64))
+    y = jnp.arange(2048) % 10
+    seen = []
+    jitted = _lean._jitted
+
+    def counted(platform):
+        program = jitted(platform)
+
+        def call(dynamic, static):
+            memory = program.lower(dynamic, static).compile().memory_analysis()
+            seen.append(memory.temp_size_in_bytes + memory.output_size_in_bytes)
+            return program(dynamic, static)
+
+        return call
+
+    monkeypatch.setattr(_lean, "_jitted", counted)
+
+    def per_device(devices, layout):
+        mesh = jax.make_mesh(
+            (devices,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
+        )
+        sharded, xs, ys = laid_out(mesh, model, x, y, layout)
+        zm.KFAC(predict, zm.losses.SoftmaxCrossEntropy())(sharded, xs, ys)
+        return seen[-1]
+
+    one, many = per_device(1, "data"), per_device(D, layout)
+    assert many <= 1.5 * one / D, (one, many)

@@ -56,7 +56,7 @@ from . import _kfac_trace as trace
 from ._kfac_blocks import check_others, layer_blocks
 from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
 from ._kfac_pass import StatisticsPass
-from ._kfac_statistics import Settings, Statistics, traced, variable_leaves
+from ._kfac_statistics import Settings, Statistics, examples_split, traced, variable_leaves
 
 __all__ = ["EKFAC", "KFAC"]
 
@@ -157,7 +157,8 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
         # One compiled program, compiled lean: the statistics are many small operations.
         # The variables' layout over devices is read here, where their shardings are known.
         structure = variable_structure(x, shardings=True)
-        return lean_jit(type(self)._factored)(self, x, args, kwargs, structure)
+        split = examples_split(args)  # the data's layout, read while they are concrete
+        return lean_jit(type(self)._factored)(self, x, args, kwargs, structure, split)
 
     @public
     @typechecked
@@ -182,14 +183,15 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
             assert kfac.plan(model, inputs, labels).num_blocks == 4
             ```
         """
-        first = self._first_pass(x, args, kwargs)
+        first = self._first_pass(x, args, kwargs, examples_split(args))
         batched = self._batched(first.statistics, first.accumulator, first.keys, args)
         plan = batched.plan(first.leaves, first.keys, *args)
         return dataclasses.replace(plan, owner=self._owner)
 
-    def _first_pass(self, x: Any, args: tuple, kwargs: dict) -> _Pass:
+    def _first_pass(self, x: Any, args: tuple, kwargs: dict, split: Any) -> _Pass:
         """What the pass that gathers the factors needs: the layers found in the
-        traced program, the statistics to reduce over the data, and their inputs."""
+        traced program, the statistics to reduce over the data (kept split over devices
+        as `split` says the data are), and their inputs."""
         owner = self._owner
         check_not_empty(args, owner)
         _, variables = split_variables(x, owner=owner)
@@ -212,13 +214,15 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
         keys = None
         if self.fisher == "mc":
             keys = jax.random.split(self.key, batch_size(args, owner))
-        statistics = Statistics(self.fn, self.loss, variables, settings, kwargs)
+        statistics = Statistics(self.fn, self.loss, variables, settings, kwargs, split=split)
         each = "mean" if mean else "sum"
         accumulator = {"inputs": "sum", "rows": "sum", "gradients": each, "dense": each}
         return _Pass(variables, found, statistics, accumulator, each, leaves, keys)
 
-    def _factored(self, x: Any, args: tuple, kwargs: dict, structure: Any) -> KroneckerFactored:
-        first = self._first_pass(x, args, kwargs)
+    def _factored(
+        self, x: Any, args: tuple, kwargs: dict, structure: Any, split: Any
+    ) -> KroneckerFactored:
+        first = self._first_pass(x, args, kwargs, split)
         sums = self._reduce(first.statistics, first.accumulator, first.leaves, first.keys, args)
         blocks, factors = layer_blocks(first.found, first.variables, sums)
         operator = KroneckerFactored(

@@ -19,13 +19,15 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .._pytree import Variables
+from .._sharding import is_explicit, leaf_sharding
 from . import _kfac_rows as rows_of, _kfac_trace as trace
 from ._kfac_dense import dense_blocks
 from ._kfac_rows import second_moment
 
-__all__ = ["Settings", "Statistics", "traced", "variable_leaves"]
+__all__ = ["Settings", "Statistics", "examples_split", "traced", "variable_leaves"]
 
 
 class Settings(eqx.Module):
@@ -97,6 +99,38 @@ def _sides(layer: trace.Layer, value: Any, gradients: Any) -> tuple:
     return (outputs, inputs[None]) if layer.swapped else (inputs[None], outputs)
 
 
+def examples_split(args: tuple) -> NamedSharding | None:
+    """How the data split their examples over devices: where the first array of `args`
+    lies over Auto mesh axes with its leading axis split, a sharding of that axis alone;
+    else `None` (read where the data are concrete arrays: a traced array on Auto axes
+    does not say its layout)."""
+    for leaf in jax.tree_util.tree_leaves(args):
+        if eqx.is_array(leaf) and leaf.ndim > 0:
+            sharding = leaf_sharding(leaf)
+            if sharding is None or is_explicit(sharding) or not sharding.spec:
+                return None
+            first = sharding.spec[0]
+            return None if first is None else NamedSharding(sharding.mesh, P(first))
+    return None
+
+
+def _rows_split(side: jax.Array, split: NamedSharding | None, examples: int) -> jax.Array:
+    """`side` `(columns, rows..., size)` kept split over the devices as the data split
+    their examples, where its first rows axis runs over the examples (its length a
+    multiple of theirs, `examples` a multiple of the devices). Without this, weights
+    split over devices (FSDP- or tensor-parallel) lead XLA's sharding propagation to
+    split the rows' features instead and hold every device's rows whole: the type-2
+    Fisher's columns of gradients for the whole batch on every device."""
+    if split is None or side.ndim < 3:
+        return side
+    axes = split.spec[0] if isinstance(split.spec[0], tuple) else (split.spec[0],)
+    count = math.prod(split.mesh.shape[axis] for axis in axes)
+    if examples % count or side.shape[1] % examples:
+        return side
+    spec = P(None, split.spec[0], *([None] * (side.ndim - 2)))
+    return jax.lax.with_sharding_constraint(side, NamedSharding(split.mesh, spec))
+
+
 def _per_example(side: jax.Array, axis: int | None) -> jax.Array:
     """A side `(columns, rows..., size)` as `(columns, examples, positions, size)`."""
     if axis is None:  # every row its own example
@@ -141,6 +175,9 @@ class Statistics(eqx.Module):
     settings: Settings
     kwargs: dict
     bases: Any = None
+    # How the data split their examples over devices (`examples_split`): each layer's
+    # sides are kept split so.
+    split: NamedSharding | None = eqx.field(default=None, static=True)
 
     def __call__(self, leaves: list, keys: Any, *args: Any) -> dict:
         dtype = self.variables.dtype
@@ -171,8 +208,12 @@ class Statistics(eqx.Module):
         # factor divided by n, which the microbatches' weighted mean brings to 1/N.
         n = jax.tree_util.tree_leaves(outputs)[0].shape[0] if self.settings.mean else 1
         gradients = [math.sqrt(scale * n) * g for g in jax.vmap(pullback)(columns)[0]]
+        data = [leaf for leaf in flat[len(leaves) :] if eqx.is_array(leaf) and leaf.ndim]
+        examples = data[0].shape[0] if data else 1
         sides = [
-            _sides(layer, value, gradient)
+            tuple(
+                _rows_split(side, self.split, examples) for side in _sides(layer, value, gradient)
+            )
             for layer, value, gradient in zip(found.layers, inputs, gradients, strict=True)
         ]
         num_columns = max((g.shape[0] for g in gradients), default=1)
