@@ -6,18 +6,20 @@ reads every weight as a layer), its weights sharded FSDP-style over a mesh of D 
 (each leaf's first axis that D divides is split over the mesh's axis `"d"`, the others
 replicated) and its batch of sequences split over `"d"` where D divides it. Each case runs
 in a fresh process on D CPU devices (`--xla_force_host_platform_device_count=D`, so the
-devices share this machine's cores) and compiles its call under `jax.jit` first:
+devices share this machine's cores), making its call as a user makes it, outside any
+`jax.jit` of its own (zodmem compiles its programs with the model, the data and the
+vectors as their arguments, laid out as they are):
 
 - `products-D`: a block of 8 Gauss-Newton products, `op.mm(V)` of
   `zm.BatchedGGN(outputs, loss).operator(model, inputs, targets)`, the 8 vectors a pytree
   laid out like the weights;
 - `eigsh-D`: `zm.eigsh(op, 5, max_steps=40, pytree=True)`, the top 5 eigenpairs;
 - `trace-D`: `zm.trace(op, method="hutchinson", num_probes=100)`;
-- `kfac-D`: building `zm.KFAC(outputs, loss)(model, inputs, targets)`, called as a user
-  calls it (not under an outer `jax.jit`): its one compiled program is measured.
+- `kfac-D`: building `zm.KFAC(outputs, loss)(model, inputs, targets)`.
 
-For each: XLA's count of one device's bytes for the compiled call (`memory_analysis()`:
-arguments, output and temporaries of the per-device program), the largest share of a
+For each: XLA's count of one device's bytes for the largest program the call compiled
+(`memory_analysis()`: arguments, output and temporaries of the per-device program, read
+as JAX compiles it), the largest share of a
 returned n-vector that one device holds (from `addressable_shards`), the first call
 (compile included) and the fastest of `--steady-calls` more, and the result's agreement
 with the one-device case. `--plot` draws the per-device bytes against D with the ideal
@@ -121,26 +123,29 @@ def _lay_out(model: Any, inputs: Any, targets: Any, mesh: Any) -> tuple[Any, Any
     return jax.tree_util.tree_map(place, model), batch(inputs), batch(targets)
 
 
-def _built_programs() -> list:
-    """The executables of zodmem's lean programs (a KFAC build's) from here on, each as
-    it is first compiled."""
-    from zodmem._plan import _lean
+def _compiled_programs() -> list:
+    """The executables JAX compiles from here on, each as it is compiled (read through
+    JAX's own compile step: the programs of an eager call are compiled by no public
+    `lower()`)."""
+    from jax._src.interpreters import pxla
 
-    built: list = []
-    jitted = _lean._jitted
+    compiled: list = []
+    compile_computation = pxla.MeshComputation.compile
 
-    def counted(platform: Any) -> Any:
-        program = jitted(platform)
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        executable = compile_computation(self, *args, **kwargs)
+        compiled.append(executable)
+        return executable
 
-        def call(dynamic: Any, static: Any) -> Any:
-            if not built:
-                built.append(program.lower(dynamic, static).compile())
-            return program(dynamic, static)
+    pxla.MeshComputation.compile = recorded
+    return compiled
 
-        return call
 
-    _lean._jitted = counted
-    return built
+def _bytes(memory: Any) -> int | None:
+    """One device's bytes of a compiled program: its arguments, output and temporaries."""
+    if memory is None:
+        return None
+    return memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
 
 
 def _largest_share(tree: Any) -> float | None:
@@ -173,9 +178,11 @@ def child(call: str, devices: int, size: str, steady_calls: int, gpu: bool) -> d
     n = sum(leaf.size for leaf in jax.tree_util.tree_leaves(params))
 
     key = jax.random.key(0)
+    # Each call as a user makes it, outside any `jax.jit` of its own: zodmem compiles its
+    # programs with the model, the data and the vectors as their arguments, laid out as
+    # they are (a `jax.jit` closing over them would make them constants on one device).
+    programs = _compiled_programs()
     started = time.perf_counter()
-    # The estimators read the variables' layout from the operator's arrays, so the operator
-    # is built at the laid-out model and the compiled call closes over it.
     op = zm.BatchedGGN(outputs, loss).operator(model, inputs, targets)
     if call == "products":
         block = jax.tree_util.tree_map(
@@ -202,38 +209,26 @@ def child(call: str, devices: int, size: str, steady_calls: int, gpu: bool) -> d
             return zm.trace(op, method="hutchinson", num_probes=100, key=key)
 
     else:
-        # The build as a user calls it, outside `jax.jit`: one program compiled with the
-        # model and the data as its arguments, which reads their layout (a program that
-        # closed over them would hold them as constants on one device); its memory is
-        # that program's, read as it is compiled.
-        built = _built_programs()
 
         def run():
             return zm.KFAC(outputs, loss)(model, inputs, targets)
 
-    if call == "kfac":
-        compiled = run
-        result = jax.block_until_ready(run())
-        analysis = built[0].memory_analysis()
-    else:
-        compiled = jax.jit(run).lower().compile()
-        analysis = compiled.memory_analysis()
-        result = jax.block_until_ready(compiled())
+    result = jax.block_until_ready(run())
     first = time.perf_counter() - started
+    # The largest program the call compiled, by XLA's count of one device's bytes.
+    analysis = max(
+        (program.memory_analysis() for program in programs),
+        key=lambda memory: _bytes(memory) or 0,
+        default=None,
+    )
     steady = []
     for _ in range(steady_calls):
         started = time.perf_counter()
-        jax.block_until_ready(compiled())
+        jax.block_until_ready(run())
         steady.append(time.perf_counter() - started)
     # The n-vectors the call returns: the products, the eigenvectors.
     vectors = {"products": result, "eigsh": result[1] if call == "eigsh" else None}.get(call)
-    per_device = None
-    if analysis is not None:
-        per_device = (
-            analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-            + analysis.temp_size_in_bytes
-        )
+    per_device = None if analysis is None else _bytes(analysis)
     return {
         "call": call,
         "devices": devices,
