@@ -149,3 +149,44 @@ def test_two_tables_added_at_once_keep_their_exact_blocks():
     a_and_b = exact[: 3 * OUT, 3 * OUT : 6 * OUT]
     assert np.abs(a_and_b).max() > 0.1  # KFAC leaves their coupling out
     np.testing.assert_allclose(ours[: 3 * OUT, 3 * OUT : 6 * OUT], 0.0)
+
+
+class _RunningSum(eqx.Module):
+    """A linear layer, then each position the sum of those before it and itself: the
+    output at position `t`, one loss term, is reached from every position `p <= t`."""
+
+    weight: jax.Array
+
+    def __call__(self, x):
+        return jnp.cumsum(x @ self.weight.T, axis=0)
+
+
+@pytest.mark.parametrize("cls", [zm.KFAC, zm.EKFAC])
+def test_type_2_keeps_no_products_between_the_loss_terms_a_position_reaches(cls):
+    """Type-2's columns go back for all the loss terms at once. With a sign of its own
+    for each term and column, a position's gradient factor sums each term's own outer
+    products (what the Gauss-Newton matrix holds), not the products between the terms
+    that reach it: here, against a twin whose terms each reach one position, the
+    gradient factor's diagonal is `(T + 1) / 2` times larger on average (the terms a
+    position reaches, counted per term), where one backward pass without signs makes it
+    `(T + 1)(2T + 1) / 6` (the square of that count: 93.5 against 8.5 here). The signs
+    are fixed (hashed from the indices), so the test is deterministic; for signs drawn
+    at random, the mean over 8 columns of 64 sequences of 16 positions deviates from
+    its expectation by 4.8% (one standard deviation), and in 20,000 simulated draws
+    never by the quarter this test allows (at most 19%)."""
+    n, T, width, out = 64, 16, 3, 8
+    x = normal(5, (n, T, width))
+    targets = jnp.zeros((n * T, out))
+
+    def predict(model, x, targets):
+        return jax.vmap(model)(x).reshape(-1, out)
+
+    def twin(model, x, targets):
+        return jax.vmap(lambda s: s @ model.weight.T)(x).reshape(-1, out)
+
+    model = _RunningSum(normal(6, (out, width)))
+    mixing = np.asarray(cls(predict, _SQUARED)(model, x, targets).gradient_factors[0])
+    alone = np.asarray(cls(twin, _SQUARED)(model, x, targets).gradient_factors[0])
+    ratio = np.mean(np.diag(mixing) / np.diag(alone))
+    np.testing.assert_allclose(ratio, (T + 1) / 2, rtol=1 / 4)
+    np.testing.assert_allclose(mixing - np.diag(np.diag(mixing)), 0, atol=1e-12)

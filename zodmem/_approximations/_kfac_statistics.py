@@ -19,8 +19,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .._operators._vectors import hashed_words
 from .._pytree import Variables
 from .._sharding import is_explicit, leaf_sharding
 from . import _kfac_rows as rows_of, _kfac_trace as trace
@@ -28,6 +30,9 @@ from ._kfac_dense import dense_blocks
 from ._kfac_rows import second_moment
 
 __all__ = ["Settings", "Statistics", "examples_split", "traced", "variable_leaves"]
+
+# The stream of the type-2 columns' signs (`_term_signed`).
+_SIGNS = 0x5EED
 
 
 class Settings(eqx.Module):
@@ -61,7 +66,7 @@ def _columns(loss: Any, outputs: Any, args: tuple, kwargs: dict, settings: Setti
     """The cotangents of the outputs to back-propagate, each leaf with a leading axis of
     columns, and the factor their moments are scaled by."""
     if settings.fisher == "type-2":
-        return loss.hessian_sqrt(outputs, *args, **kwargs), 1.0
+        return _term_signed(loss.hessian_sqrt(outputs, *args, **kwargs)), 1.0
     # A mean's gradients carry 1/N: N times their moments is the mean of the examples'.
     examples = jax.tree_util.tree_leaves(outputs)[0].shape[0] if settings.mean else 1
     if settings.fisher == "empirical":
@@ -75,6 +80,31 @@ def _columns(loss: Any, outputs: Any, args: tuple, kwargs: dict, settings: Setti
 
     keys = jax.random.split(key, settings.mc_samples)
     return jax.vmap(sampled)(keys), examples / settings.mc_samples
+
+
+def _term_signed(columns: Any) -> Any:
+    """The type-2 Fisher's columns (the loss's Hessian's square root's), each loss term's
+    entries (an output's leading index) times a sign of its own in each column, hashed
+    from the two indices.
+
+    Every column is back-propagated for all the terms at once. A row that one term
+    alone reaches (an example's, in a network that keeps examples apart) gets its
+    sign squared in every sum of outer products: nothing changes there. A row that
+    several terms reach (a sequence's position, through attention, reaches the loss
+    terms of the positions after it) would hold products between the terms, which
+    the Gauss-Newton matrix lacks; with signs independent between the terms those
+    products cancel on average, as the Monte Carlo Fisher's drawn targets make them,
+    while each term keeps its exact columns."""
+
+    def signed(leaf: jax.Array) -> jax.Array:
+        if leaf.ndim < 2:
+            return leaf
+        count, terms = leaf.shape[:2]
+        top = jax.lax.shift_right_logical(hashed_words((count, terms), 0, _SIGNS, 0), np.uint32(31))
+        sign = (1 - 2 * top.astype(jnp.int32)).astype(leaf.dtype)
+        return leaf * sign.reshape((count, terms) + (1,) * (leaf.ndim - 2))
+
+    return jax.tree_util.tree_map(signed, columns)
 
 
 def _with_targets(loss: Any, targets: Any, args: tuple, kwargs: dict) -> tuple:
