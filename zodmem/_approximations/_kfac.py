@@ -394,7 +394,8 @@ class KFAC(_KroneckerCurvature):
     - `fisher`: whose gradients `g` are:
         - `"type-2"` (the default): the columns of a square root of the loss's Hessian
           on each example's outputs (`loss.hessian_sqrt`), back-propagated: the
-          expectation of `"mc"`, exactly;
+          expectation of `"mc"`, exactly (each loss term's entries signed per column:
+          terms reaching the same rows leave no products between them);
         - `"mc"`: gradients of the loss at `mc_samples` targets drawn per example from
           the model's likelihood (`loss.sample`), averaged; needs `key`;
         - `"empirical"`: gradients of the loss at the true targets.
