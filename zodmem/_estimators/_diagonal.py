@@ -343,14 +343,14 @@ def diagonal(
       operator's transform's.
     - `progress`: a progress bar of the blocks done; by default the transform's.
     - `pytree`: return the diagonal shaped like the operator's input (for a curvature,
-      like the variables of `x`) instead of flat.
+      like the variables of `x`) instead of flat. Where the operator's variables are
+      sharded over several devices, it always comes back so (as `zm.eigsh`'s
+      eigenvectors do), each leaf laid out like its variable.
 
     Where the operator's variables are sharded over several devices and `sharding` is
     `None`, `"exact"` and `"hutchinson"` make each probe leaf by leaf laid out like them
     (a unit vector, each device its own share; the same random signs as on one device)
-    and take its product so: no device holds a whole probe, and with `pytree=True` the
-    diagonal (the estimate and its standard error) comes back laid out like the
-    variables.
+    and take its product so: no device holds a whole probe.
 
     **Returns:**
 
@@ -375,6 +375,8 @@ def diagonal(
     """
     options = ProbeOptions("zm.diagonal", max_memory, batch_size, sharding, progress)
     view, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=False)
+    # Variables sharded over devices: the diagonal always in their structure, laid out.
+    pytree = pytree or _variables_space(view, "zm.diagonal") is not None
     if method == "exact":
         return _shaped(view, found, pytree)
     *found, space = found
