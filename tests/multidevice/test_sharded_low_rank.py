@@ -102,10 +102,30 @@ def test_rank_zero_and_refusals():
         check_laid_out(posterior.U, variables, block=True)
         with pytest.raises(ValueError, match="d \\+ damping must be > 0"):
             posterior.logdet()
-        with pytest.raises(ValueError, match="`diagonal=` is not yet available"):
-            zm.low_rank(op, 2, diagonal="exact")
         with pytest.raises(ValueError, match="variables' structure"):
             posterior.mv(jnp.ones(posterior._space.size))
+
+
+@pytest.mark.parametrize("model_fn, features, layout, kind", LAYOUTS)
+@pytest.mark.parametrize("diagonal", ["exact", "estimate", "given"])
+def test_the_diagonal_part_like_one_device(model_fn, features, layout, kind, diagonal):
+    """`diagonal=` of sharded variables: `d`, what the top pairs leave of the diagonal,
+    laid out like the variables and equal to one device's (the same probes)."""
+    single, op, variables, mesh = operators(model_fn, features, layout, kind)
+    options = dict(key=jax.random.key(4), num_probes=6) if diagonal == "estimate" else {}
+    given = zm.diagonal(single) if diagonal == "given" else diagonal
+    expected = zm.low_rank(single, 2, diagonal=given, **options)
+    with jax.sharding.set_mesh(mesh):
+        if diagonal == "estimate" and kind == AxisType.Explicit:
+            with pytest.raises(ValueError, match="diagonal='estimate'.*Explicit mesh axes"):
+                zm.low_rank(op, 2, diagonal=given, **options)
+            return
+        posterior = zm.low_rank(op, 2, diagonal=given, **options)
+    check_laid_out(posterior.d, variables, block=False)
+    scale = float(jnp.max(jnp.abs(expected.d)))
+    np.testing.assert_allclose(
+        posterior._space.to_flat(posterior.d), expected.d, rtol=1e-4, atol=1e-4 * scale
+    )
 
 
 def test_u_bytes_per_device():

@@ -65,8 +65,8 @@ def low_rank(
       the result works on flat vectors, in the variables' raveled order. Where the
       variables are sharded over several devices, the result is held leaf by leaf
       instead (see `zm.LowRankDiagonal`): `U` a leaf `(rank, *variable.shape)` per
-      variable and `d` the variables' structure, each laid out like its variable, and
-      its vectors too; `diagonal=` is refused there for now.
+      variable and `d` (the diagonal part too) the variables' structure, each laid out
+      like its variable, and its vectors too.
     - `rank`: how many eigenpairs, `0 <= rank < n`; `0` keeps the diagonal alone.
     - `diagonal`: the diagonal part `d`:
         - `None` (the default): none, `d = 0`;
@@ -111,14 +111,6 @@ def low_rank(
     owner = "zm.low_rank"
     space, view = symmetric_space(operator, owner)
     n, dtype = view.size, view.dtype
-    if space.sharded and diagonal is not None:
-        # zm.diagonal's products are not yet laid out like the variables.
-        raise ValueError(
-            f"{owner}: the operator's variables are sharded over several devices, and "
-            "`diagonal=` is not yet available for them (zm.diagonal would gather its "
-            "products onto every device); give diagonal=None for the low-rank part alone, "
-            "held leaf by leaf like the variables."
-        )
     rank = check_int(rank, "rank", owner=owner, minimum=0)
     if rank >= n:
         raise ValueError(
@@ -139,6 +131,13 @@ def low_rank(
                 f"probes (products with the operator), at least 2; got num_probes=None."
             )
         num_probes = check_int(num_probes, "num_probes", owner=owner, minimum=2)
+        if space.sharded and space.explicit:
+            raise ValueError(
+                f"{owner}: diagonal='estimate' takes Hutchinson's products with the "
+                "low-rank part held leaf by leaf, which the variables' Explicit mesh axes "
+                "do not yet take; give diagonal='exact' (or the diagonal as an array), or "
+                "lay the variables out over Auto axes."
+            )
         key, probe_key = jax.random.split(key)
 
     if rank == 0:
@@ -149,14 +148,20 @@ def low_rank(
             operator, rank, owner=owner, tol=tol, max_steps=max_steps, key=key, progress=progress
         )
         values = jnp.maximum(values, 0)
+    zeros = jnp.zeros((n,), dtype)
     if space.sharded:
         # Held leaf by leaf, each leaf laid out like its variable; one array replicated
         # over the devices is held flat, as on one device.
         zeros = space.zeros()
         if not is_leafwise(zeros):
-            vectors = space.to_flat(vectors).T
-        return LowRankDiagonal(vectors, values, zeros)
-    lowrank = LowRankDiagonal(vectors, values, jnp.zeros((n,), dtype))
+            vectors, zeros = space.to_flat(vectors).T, space.to_flat(zeros)
+    lowrank = LowRankDiagonal(vectors, values, zeros)
+
+    def held(d):  # a diagonal as the result holds `d`: flat, or laid out leaf by leaf
+        flat = eqx.is_array(d) and d.shape == (n,)
+        if is_leafwise(zeros):
+            return space.constrain(space.from_flat(d)) if flat else d
+        return d if flat else space.to_flat(d)
 
     if method is None and given is None:
         return lowrank
@@ -164,11 +169,15 @@ def low_rank(
         probes = dict(method="hutchinson", num_probes=num_probes, key=probe_key)
         whole, _ = diagonal_of(operator, **probes)
         part, _ = diagonal_of(lowrank, **probes)
-        remainder = whole - part
+        remainder = jax.tree_util.tree_map(jnp.subtract, held(whole), held(part))
     else:
-        whole = diagonal_of(operator) if given is None else given
-        remainder = whole - lowrank.diagonal()
-    return LowRankDiagonal(vectors, values, jnp.maximum(remainder, 0))
+        whole = held(diagonal_of(operator) if given is None else given)
+        remainder = jax.tree_util.tree_map(jnp.subtract, whole, held(lowrank.diagonal()))
+    return LowRankDiagonal(vectors, values, jax.tree_util.tree_map(_nonnegative, remainder))
+
+
+def _nonnegative(x: jax.Array) -> jax.Array:
+    return jnp.maximum(x, 0)
 
 
 def _diagonal_argument(diagonal: Any, n: int, dtype: Any, owner: str) -> tuple:
