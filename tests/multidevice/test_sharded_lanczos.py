@@ -125,31 +125,6 @@ def test_budget_per_device_refused():
         zm.spectral_density(op, num_probes=2, num_steps=8, max_memory=1000)
 
 
-def test_eigsh_compiled_bytes_per_device():
-    """The bytes one device needs for eigsh's program, by XLA's count: at D devices, the
-    basis and the eigenvectors divided over them."""
-    model = eqx.nn.MLP(32, 8, 256, 2, key=jax.random.key(0))
-    x, y = jax.random.normal(jax.random.key(1), (D, 32)), jnp.zeros((D, 8))
-
-    def per_device(devices):
-        mesh = jax.make_mesh(
-            (devices,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
-        )
-        sharded, xs, ys = laid_out(mesh, model, x, y, "fsdp" if devices > 1 else "data")
-        op = zm.BatchedHessian(loss).operator(sharded, xs, ys)
-        run = jax.jit(lambda: zm.eigsh(op, 5, max_steps=40, return_info=True))
-        memory = run.lower().compile().memory_analysis()
-        return memory.temp_size_in_bytes + memory.output_size_in_bytes
-
-    one, many = per_device(1), per_device(D)
-    n = sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    basis = 40 * n * 4
-    assert one >= basis  # the basis, at least
-    # Each device holds its share of the basis, and at most what one device holds
-    # beside it (the model, a product's temporaries): a replicated basis is far over.
-    assert many <= basis / D + (one - basis), (one, many)
-
-
 @pytest.mark.parametrize(
     "model_fn, features, layout",
     [
@@ -209,17 +184,20 @@ def test_hutchinson_probes_are_laid_out_like_the_variables(model_fn, features, l
 
 
 @pytest.mark.parametrize(
-    "estimate",
+    "estimate, vectors",
     [
-        lambda op: zm.trace(op, method="hutchinson", num_probes=64, key=jax.random.key(0)),
-        lambda op: zm.diagonal(op, batch_size=64),
+        (lambda op: zm.eigsh(op, 5, max_steps=40, return_info=True), 40),
+        (lambda op: zm.trace(op, method="hutchinson", num_probes=64, key=jax.random.key(0)), 64),
+        (lambda op: zm.diagonal(op, batch_size=64), 64),
     ],
-    ids=["hutchinson-trace", "exact-diagonal"],
+    ids=["eigsh-basis", "hutchinson-trace", "exact-diagonal"],
 )
-def test_probe_estimators_compiled_bytes_per_device(estimate):
-    """The bytes one device needs for a block of 64 probes (random signs, unit vectors),
-    by XLA's count: at D devices, each device holds its share of the probes, not all of
-    them."""
+def test_compiled_bytes_per_device(estimate, vectors):
+    """The bytes one device needs for an estimator's program, by XLA's count: at D
+    devices, each device holds its share of the vectors the estimator keeps (eigsh's
+    basis of 40, a block of 64 probes: random signs, unit vectors), and at most what
+    one device holds beside them (the model, a product's temporaries). Vectors whole on
+    every device would hold as much as one device does."""
     model = eqx.nn.MLP(32, 8, 256, 2, key=jax.random.key(0))
     x, y = jax.random.normal(jax.random.key(1), (D, 32)), jnp.zeros((D, 8))
 
@@ -234,10 +212,9 @@ def test_probe_estimators_compiled_bytes_per_device(estimate):
 
     one, many = per_device(1), per_device(D)
     n = sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    probes = 64 * n * 4
-    assert one >= probes  # the probes, at least
-    # Whole probes on every device would hold as much as one device does.
-    assert many <= probes / D + (one - probes), (one, many)
+    held = vectors * n * 4
+    assert one >= held  # the vectors, at least
+    assert many <= held / D + (one - held), (one, many)
 
 
 def test_eigsh_budget_counts_each_devices_share():
