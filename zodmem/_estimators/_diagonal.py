@@ -50,7 +50,7 @@ class UnitDiagonal(ProbeJob):
         return view.size
 
     def product(self, view: FlatView, strategy: Any) -> Callable:
-        return _product_in(view, self.space, strategy)
+        return space_product(view, self.space, strategy)
 
     def spread(self) -> UnitDiagonal:
         return UnitDiagonal()
@@ -65,11 +65,6 @@ class UnitDiagonal(ProbeJob):
             return product(jax.nn.one_hot(index, view.size, dtype=view.dtype))[index]
 
         return jax.vmap(entry)(start + jnp.arange(size, dtype=jnp.int32))
-
-
-def _product_in(view: FlatView, space: VectorSpace | None, strategy: Any) -> Callable:
-    """The operator's product with flat vectors, or with `space`'s (laid out)."""
-    return view.linear(strategy) if space is None else space_product(view, space, strategy)
 
 
 class Columns(AbstractColumns):
@@ -116,7 +111,7 @@ class Hutchinson(ProbeJob):
         return jax.ShapeDtypeStruct((), jnp.int32), moment, moment
 
     def product(self, view: FlatView, strategy: Any) -> Callable:
-        return _product_in(view, self.space, strategy)
+        return space_product(view, self.space, strategy)
 
     def spread(self) -> Hutchinson:
         return self if self.space is None else dataclasses.replace(self, space=None)

@@ -88,12 +88,13 @@ def symmetric_space(operator: Any, owner: str) -> tuple[VectorSpace, FlatView]:
     return (space if space.sharded else space.flat()), view
 
 
-def space_product(view: FlatView, space: VectorSpace, strategy: Any = None) -> Callable:
+def space_product(view: FlatView, space: VectorSpace | None, strategy: Any = None) -> Callable:
     """The operator's product as a function of vectors of `space`, built once (outside
     any loop: a kept linearisation serves every product): through flat vectors on one
-    device, else leaf by leaf with `operator.mv`, its result pinned to the layout.
-    `strategy` (`"linearize"` or `"recompute"`) overrides a zodmem operator's."""
-    if not space.sharded:
+    device (or without a `space`), else leaf by leaf with `operator.mv`, its result
+    pinned to the layout. `strategy` (`"linearize"` or `"recompute"`) overrides a
+    zodmem operator's."""
+    if space is None or not space.sharded:
         return view.linear(strategy)
     operator = view.operator
     if isinstance(operator, BlockedOperator):
