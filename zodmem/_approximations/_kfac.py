@@ -54,7 +54,13 @@ from .._transforms._losses import AbstractLoss
 from .._transforms._microbatch import Microbatcher
 from . import _kfac_trace as trace
 from ._kfac_blocks import check_others, layer_blocks
-from ._kfac_examples import batch_size, check_examples, check_not_empty, example_axes
+from ._kfac_examples import (
+    batch_size,
+    check_examples,
+    check_not_empty,
+    example_axes,
+    leading_array,
+)
 from ._kfac_pass import StatisticsPass
 from ._kfac_statistics import Settings, Statistics, examples_split, traced, variable_leaves
 
@@ -264,7 +270,8 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
         of the whole batch (the arguments of another length passed whole, as the call
         passes them)."""
         if self.microbatch_size is None and self.max_memory is None:
-            lengths = [_length(arg) for arg in args]
+            leading = [leading_array(arg) for arg in args]
+            lengths = [None if a is None else a.shape[0] for a in leading]
             size = next((n for n in lengths if n is not None), 1)
             data = tuple(2 + i for i, n in enumerate(lengths) if n == size)
             size = max(size, 1)
@@ -285,14 +292,6 @@ class _KroneckerCurvature(AbstractTransform, NamedInMessages):
             accumulator=accumulator,
             progress=self.progress,
         )
-
-
-def _length(arg: Any) -> int | None:
-    """The leading axis's length of a data argument's first array, if it has one."""
-    for leaf in jax.tree_util.tree_leaves(arg):
-        if eqx.is_array(leaf) and leaf.ndim > 0:
-            return leaf.shape[0]
-    return None
 
 
 class _Pass(NamedTuple):

@@ -15,7 +15,7 @@ from .._pytree import Variables
 from . import _kfac_trace as trace
 from ._kfac_rows import rows_shape
 
-__all__ = ["batch_size", "check_examples", "check_not_empty", "example_axes"]
+__all__ = ["batch_size", "check_examples", "check_not_empty", "example_axes", "leading_array"]
 
 
 def example_axes(
@@ -148,11 +148,20 @@ def check_examples(args: tuple, owner: str) -> None:
         )
 
 
+def leading_array(data: Any) -> Any:
+    """The first array of `data` (data arguments, or one of them) with a leading axis,
+    the axis of the examples; `None` where it has none."""
+    for leaf in jax.tree_util.tree_leaves(data):
+        if eqx.is_array(leaf) and leaf.ndim > 0:
+            return leaf
+    return None
+
+
 def batch_size(args: tuple, owner: str) -> int:
     """The number of examples: the length of the data arguments' leading axis."""
-    for leaf in jax.tree_util.tree_leaves(args):
-        if eqx.is_array(leaf) and leaf.ndim > 0:
-            return leaf.shape[0]
+    leading = leading_array(args)
+    if leading is not None:
+        return leading.shape[0]
     raise ValueError(
         f"{owner}: fisher='mc' draws targets per example, counted along the leading axis of "
         "the data arguments (those after `x`), but the call has no array among them."

@@ -27,6 +27,7 @@ from .._pytree import Variables
 from .._sharding import is_explicit, leaf_sharding
 from . import _kfac_rows as rows_of, _kfac_trace as trace
 from ._kfac_dense import dense_blocks
+from ._kfac_examples import leading_array
 from ._kfac_rows import second_moment
 
 __all__ = ["Settings", "Statistics", "examples_split", "traced", "variable_leaves"]
@@ -134,14 +135,12 @@ def examples_split(args: tuple) -> NamedSharding | None:
     lies over Auto mesh axes with its leading axis split, a sharding of that axis alone;
     else `None` (read where the data are concrete arrays: a traced array on Auto axes
     does not say its layout)."""
-    for leaf in jax.tree_util.tree_leaves(args):
-        if eqx.is_array(leaf) and leaf.ndim > 0:
-            sharding = leaf_sharding(leaf)
-            if sharding is None or is_explicit(sharding) or not sharding.spec:
-                return None
-            first = sharding.spec[0]
-            return None if first is None else NamedSharding(sharding.mesh, P(first))
-    return None
+    leading = leading_array(args)
+    sharding = None if leading is None else leaf_sharding(leading)
+    if sharding is None or is_explicit(sharding) or not sharding.spec:
+        return None
+    first = sharding.spec[0]
+    return None if first is None else NamedSharding(sharding.mesh, P(first))
 
 
 def _rows_split(side: jax.Array, split: NamedSharding | None, examples: int) -> jax.Array:
@@ -238,8 +237,8 @@ class Statistics(eqx.Module):
         # factor divided by n, which the microbatches' weighted mean brings to 1/N.
         n = jax.tree_util.tree_leaves(outputs)[0].shape[0] if self.settings.mean else 1
         gradients = [math.sqrt(scale * n) * g for g in jax.vmap(pullback)(columns)[0]]
-        data = [leaf for leaf in flat[len(leaves) :] if eqx.is_array(leaf) and leaf.ndim]
-        examples = data[0].shape[0] if data else 1
+        leading = leading_array(args)
+        examples = 1 if leading is None else leading.shape[0]
         sides = [
             tuple(
                 _rows_split(side, self.split, examples) for side in _sides(layer, value, gradient)

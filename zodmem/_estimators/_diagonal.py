@@ -280,12 +280,7 @@ def _whole(array: jax.Array) -> jax.Array:
 Diagonal = Inexact[Array, " n"] | PyTree[Inexact[Array, "..."]]
 
 
-def _shaped(view: FlatView, vector: Any, pytree: bool, space: VectorSpace | None = None) -> Any:
-    """A diagonal as `diagonal` returns it: flat, or with `pytree` in the variables'
-    structure, laid out like them. `space`: the vector is in that space's structure
-    already (laid out), not flat."""
-    if space is not None:
-        return vector if pytree else space.to_flat(vector)
+def _shaped(view: FlatView, vector: jax.Array, pytree: bool) -> Any:
     return view.laid_out(vector) if pytree else vector
 
 
@@ -369,13 +364,16 @@ def diagonal(
         ```
     """
     options = ProbeOptions("zm.diagonal", max_memory, batch_size, sharding, progress)
-    view, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=False)
+    view, found, space = _diagonal_or_trace(
+        operator, method, num_probes, key, options, for_trace=False
+    )
     # Variables sharded over devices: the diagonal always in their structure, laid out.
-    pytree = pytree or _variables_space(view, "zm.diagonal") is not None
+    pytree = pytree or space is not None
     if method == "exact":
         return _shaped(view, found, pytree)
-    *found, space = found
-    return tuple(_shaped(view, part, pytree, space) for part in found)
+    if method == "hutchinson" and space is not None:
+        return found  # Hutchinson's moments come in the variables' structure
+    return tuple(_shaped(view, part, pytree) for part in found)
 
 
 @public
@@ -430,21 +428,22 @@ def trace(
         ```
     """
     options = ProbeOptions("zm.trace", max_memory, batch_size, sharding, progress)
-    _, found = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=True)
-    return jnp.sum(found) if method == "exact" else found[:2]
+    _, found, _ = _diagonal_or_trace(operator, method, num_probes, key, options, for_trace=True)
+    return jnp.sum(found) if method == "exact" else found
 
 
 def _diagonal_or_trace(
     operator: Any, method: Any, num_probes: Any, key: Any, options: ProbeOptions, *, for_trace: bool
-) -> tuple[FlatView, Any]:
-    """The flat view of `operator` and, by `method`, its exact diagonal or the estimate of
-    its trace (`for_trace`) or diagonal with the standard error."""
+) -> tuple[FlatView, Any, VectorSpace | None]:
+    """`operator`'s flat view, its exact diagonal or estimated diagonal or trace, and
+    the variables' space where they are sharded (`None` otherwise): the probes' space."""
     owner = options.owner
     methods = _TRACE_METHODS if for_trace else _DIAGONAL_METHODS
     check_choice(method, "method", methods, owner=owner)
     if method == "exact":
         view = flat_view(operator, owner)
-        return view, run_probes(view, UnitDiagonal(_variables_space(view, owner)), options)
+        space = _variables_space(view, owner)
+        return view, run_probes(view, UnitDiagonal(space), options), space
     view = _stochastic_view(operator, owner, method)
     if method == "diag++" and not lx.is_symmetric(view.operator):
         raise ValueError(
@@ -453,24 +452,29 @@ def _diagonal_or_trace(
             "lineax.TaggedLinearOperator(op, lineax.symmetric_tag), or use "
             "method='hutchinson'."
         )
-    return view, _estimate(view, method, num_probes, key, options, for_trace=for_trace)
+    space = _variables_space(view, owner)
+    return view, _estimate(view, space, method, num_probes, key, options, for_trace), space
 
 
 def _estimate(
-    view: FlatView, method: str, num_probes: Any, key: Any, options: ProbeOptions, for_trace: bool
+    view: FlatView,
+    space: VectorSpace | None,
+    method: str,
+    num_probes: Any,
+    key: Any,
+    options: ProbeOptions,
+    for_trace: bool,
 ) -> tuple:
-    """A stochastic estimate of the trace or the diagonal, its standard error, and the
-    space whose structure a diagonal's two are in (`None`: flat): Hutchinson's, or with
-    a third of the probes sketching the range of `A` and another third taking its exact
-    part (Hutch++, Diag++)."""
+    """A stochastic estimate of the trace or the diagonal, and its standard error:
+    Hutchinson's (with a `space`, its probes laid out there, and a diagonal's two in
+    the variables' structure), or with a third of the probes sketching the range of `A`
+    and another third taking its exact part (Hutch++, Diag++)."""
     owner = options.owner
     key = _check_key(key, owner, method)
     if method == "hutchinson":
         num = _check_probes(num_probes, owner, method, 2)
-        space = _variables_space(view, owner)
         statistics = run_probes(view, Hutchinson(key, None, num, for_trace, space=space), options)
-        space = None if for_trace else space
-        return *_mean_and_error(statistics, num, laid_out=space is not None), space
+        return _mean_and_error(statistics, num, laid_out=space is not None and not for_trace)
     num = _check_probes(num_probes, owner, method, 4)
     width = num // 3
     # The key's probes 0 to width - 1 sketch; those after them estimate the rest.
@@ -479,7 +483,7 @@ def _estimate(
     rest = num - 2 * width
     job = Hutchinson(key, basis, rest, for_trace, first=width)
     mean, error = _mean_and_error(run_probes(view, job, options), rest)
-    return known + mean, error, None
+    return known + mean, error
 
 
 def _variables_space(view: FlatView, owner: str) -> VectorSpace | None:
